@@ -1,0 +1,9 @@
+"""Errors that name the culprit: the file, config field, tensor key, shape or placement."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory, file or tensor is missing, malformed or does not fit the model."""
+
+
+class ConfigError(ValueError):
+    """A config field is missing, of the wrong type, or inconsistent with another."""

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint formats."""

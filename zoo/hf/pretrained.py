@@ -1,0 +1,271 @@
+"""Hugging Face checkpoint directories in (``from_pretrained``) and out (``save_pretrained``).
+
+Everything model-specific comes from the model's parameter description (:mod:`zoo.params`):
+which key holds each tensor, its stored layout, and which axis stacks layers or experts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.errors import CheckpointError, ConfigError
+from zoo.hf.safetensors import DTYPES, CheckpointFiles, write_safetensors
+from zoo.params import Param, flatten
+
+log = logging.getLogger("zoo")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What ``from_pretrained`` needs to know about one ``model_type``."""
+
+    model_type: str
+    config_cls: type
+    model_cls: type
+    params: Callable[[Any], dict[str, Param]]
+    # Keys a checkpoint may hold that this model does not load (logged once, not an error).
+    skipped: Callable[[Any, set[str]], set[str]] = field(default=lambda config, keys: set())
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> None:
+    FAMILIES[family.model_type] = family
+
+
+def _family_of_model(model) -> Family:
+    for fam in FAMILIES.values():
+        if isinstance(model, fam.model_cls):
+            return fam
+    raise TypeError(f"save_pretrained: {type(model).__name__} is not a registered zoo model")
+
+
+_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
+
+
+def read_config(path: str | Path, **options) -> tuple[Family, Any, dict[str, Any]]:
+    """The family, typed config and raw ``config.json`` of a checkpoint directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: a checkpoint is a directory with config.json and safetensors files")
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object")
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"{cfg_path}: required field 'model_type' is missing")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{cfg_path}: unknown model_type {model_type!r}; zoo supports {sorted(FAMILIES)}")
+    family = FAMILIES[model_type]
+    try:
+        config = family.config_cls.from_hf(raw, source=str(cfg_path), **options)
+    except TypeError as e:
+        raise TypeError(f"from_pretrained: option not understood for model_type {model_type!r}: {e}") from None
+    return family, config, raw
+
+
+def _block_dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], key: str, file: Path) -> np.ndarray:
+    """``w * scale_inv`` per ``block`` tile (tiles at the edges may be partial), in float32."""
+    rows, cols = w.shape
+    expected = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise CheckpointError(
+            f"{file}: {key}_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} "
+            f"for weight {tuple(w.shape)} in {block[0]}x{block[1]} tiles"
+        )
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)[:rows, :cols]
+    return w.astype(np.float32) * scale
+
+
+class _TensorSource:
+    """Tensors by key, dequantizing FP8 weights with their block scales as they are read."""
+
+    def __init__(self, files: CheckpointFiles, raw_config: Mapping[str, Any], cfg_path: Path):
+        self.files = files
+        self.block: tuple[int, int] | None = None
+        q = raw_config.get("quantization_config")
+        if q is not None:
+            method = q.get("quant_method")
+            if method != "fp8":
+                raise ConfigError(f"{cfg_path}: quantization_config.quant_method {method!r} is not supported (fp8)")
+            block = q.get("weight_block_size")
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise ConfigError(f"{cfg_path}: quantization_config.weight_block_size must be two positive ints, got {block!r}")
+            self.block = (block[0], block[1])
+
+    def scale_keys(self) -> set[str]:
+        return {k for k in self.files.keys() if k.endswith("_scale_inv")}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.files.shape(key)
+
+    def get(self, key: str) -> np.ndarray:
+        t = self.files.get(key)
+        if self.files.dtype_name(key).startswith("F8_"):
+            scale_key = key + "_scale_inv"
+            if self.block is None:
+                raise CheckpointError(
+                    f"{self.files.file_of(key)}: {key} is {self.files.dtype_name(key)} but config.json has no quantization_config"
+                )
+            if scale_key not in self.files.keys():
+                raise CheckpointError(f"{self.files.file_of(key)}: FP8 weight {key} has no scale tensor {scale_key}")
+            return _block_dequantize(t, self.files.get(scale_key), self.block, key, self.files.file_of(key))
+        return t
+
+
+def load_arrays(
+    source: _TensorSource, specs: Mapping[str, Param], sizes: Mapping[str, int], dtype, skipped: set[str] = frozenset()
+) -> dict[str, jax.Array]:
+    """Read every parameter, stacking per-layer / per-expert tensors into one array each.
+
+    Each parameter is assembled in one host buffer and moved to the device before the next
+    is read, so the host never holds more than one parameter beyond the memory-mapped files.
+    """
+    files = source.files
+    expected = {key for p in specs.values() if p.hf for _, key in p.hf_keys(sizes)}
+    present = files.keys() - source.scale_keys() - set(skipped)
+    missing, extra = sorted(expected - present), sorted(present - expected)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{files.directory}: tensor {missing[0]!r} is missing{more}: {missing[:5]}")
+    if extra:
+        raise CheckpointError(
+            f"{files.file_of(extra[0])}: unexpected tensor {extra[0]!r} "
+            f"(the config does not describe it){f'; {len(extra)} such tensors' if len(extra) > 1 else ''}"
+        )
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    out = {}
+    for path, p in specs.items():
+        if p.hf is None:
+            continue
+        buf = np.empty(p.shape(sizes), np_dtype)
+        want = p.hf_shape(sizes)
+        for idx, key in p.hf_keys(sizes):
+            if tuple(files.shape(key)) != want:
+                raise CheckpointError(
+                    f"{files.file_of(key)}: tensor {key!r} has shape {tuple(files.shape(key))}, expected {want}"
+                )
+            buf[idx] = p.from_hf(source.get(key), sizes)
+        out[path] = jax.device_put(buf)
+        del buf
+    return out
+
+
+def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, **options):
+    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors) as a zoo model.
+
+    dtype: parameter dtype; default the checkpoint's own (``torch_dtype`` / ``dtype`` in
+        config.json), float32 if it names none. FP8 weights are dequantized to it.
+    compute_dtype: activations' dtype; default ``dtype``.
+    options: model-specific, e.g. ``mtp=True`` for DeepSeek-V3's multi-token-prediction layers.
+    """
+    path = Path(path)
+    family, config, raw = read_config(path, **options)
+    if dtype is None:
+        name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        dtype = _DTYPE_NAMES.get(name, jnp.float32)
+    compute_dtype = dtype if compute_dtype is None else compute_dtype
+    files = CheckpointFiles(path)
+    source = _TensorSource(files, raw, path / "config.json")
+    specs = family.params(config)
+    skipped = family.skipped(config, files.keys())
+    if skipped:
+        log.info("%s: skipping %d tensors not used by this model (%s ...)", path, len(skipped), sorted(skipped)[0])
+    arrays = load_arrays(source, specs, config.sizes, dtype, skipped)
+    return family.model_cls(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
+
+
+def _hf_tensors(model, specs: Mapping[str, Param], sizes: Mapping[str, int]) -> Iterator[tuple[str, np.ndarray]]:
+    arrays = flatten(model)
+    for path, p in specs.items():
+        if p.hf is None:
+            continue
+        value = np.asarray(jax.device_get(arrays[path]))
+        if value.dtype not in DTYPES.values():
+            value = value.astype(np.float32)
+        for idx, key in p.hf_keys(sizes):
+            yield key, p.to_hf(value[idx], sizes)
+
+
+def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
+
+    Shards above ``max_shard_bytes`` go to numbered files with a ``model.safetensors.index.json``.
+    The directory appears complete or not at all: it is written under a temporary name and
+    renamed into place (an existing directory is replaced only after the new one is complete).
+    """
+    family = _family_of_model(model)
+    config = model.config
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        hf_config = config.to_hf()
+        hf_config["torch_dtype"] = str(np.dtype(model.embed.dtype))
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None}
+        if gen:
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        # Stream: each shard is written as soon as it is full, so at most one is held in memory.
+        shard_keys: list[list[str]] = []
+        pending: list[tuple[str, np.ndarray]] = []
+        size = total = 0
+
+        def flush():
+            write_safetensors(tmp / f"shard-{len(shard_keys)}.tmp", pending)
+            shard_keys.append([k for k, _ in pending])
+            pending.clear()
+
+        for key, t in _hf_tensors(model, family.params(config), config.sizes):
+            if pending and size + t.nbytes > max_shard_bytes:
+                flush()
+                size = 0
+            pending.append((key, t))
+            size += t.nbytes
+            total += t.nbytes
+        flush()
+        n = len(shard_keys)
+        if n == 1:
+            os.replace(tmp / "shard-0.tmp", tmp / "model.safetensors")
+        else:
+            weight_map = {}
+            for i, keys in enumerate(shard_keys):
+                name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                os.replace(tmp / f"shard-{i}.tmp", tmp / name)
+                weight_map.update({k: name for k in keys})
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

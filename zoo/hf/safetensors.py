@@ -1,0 +1,169 @@
+"""Reading and writing the safetensors format, memory-mapped, FP8 included, writes atomic.
+
+The format: an 8-byte little-endian header length, a JSON header mapping each tensor name to
+``{dtype, shape, data_offsets}``, then the raw bytes. Reading maps the file and returns views,
+so a tensor is only read from disk when it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from zoo.errors import CheckpointError
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file: its header, and tensors as read-only memory-mapped views."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise CheckpointError(f"{self.path}: not a safetensors file (shorter than its header length)")
+                (n,) = struct.unpack("<Q", raw)
+                header = f.read(n)
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
+        if len(header) != n:
+            raise CheckpointError(f"{self.path}: truncated safetensors header ({len(header)} of {n} bytes)")
+        try:
+            self.header: dict = json.loads(header)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{self.path}: safetensors header is not valid JSON ({e})") from None
+        self.metadata = self.header.pop("__metadata__", None) or {}
+        self._data_start = 8 + n
+        size = self.path.stat().st_size
+        for name, info in self.header.items():
+            end = info["data_offsets"][1]
+            if self._data_start + end > size:
+                raise CheckpointError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
+            if info["dtype"] not in DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self._data_start else None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def dtype_name(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        dtype = DTYPES[info["dtype"]]
+        shape = tuple(info["shape"])
+        if end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise CheckpointError(f"{self.path}: tensor {name!r} byte size does not match shape {shape}")
+        if begin == end:
+            return np.zeros(shape, dtype)
+        raw = self._map[self._data_start + begin : self._data_start + end]
+        return raw.view(dtype).reshape(shape)
+
+
+def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``(name, array)`` pairs to ``path`` atomically (a temporary file, then a rename)."""
+    path = Path(path)
+    items = [(name, np.ascontiguousarray(t)) for name, t in tensors]
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, t in items:
+        if t.dtype not in NAMES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes, as the reference writer does
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for _, t in items:
+                f.write(t.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class CheckpointFiles:
+    """All tensors of a checkpoint directory: one ``model.safetensors`` or a sharded index."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        single = self.directory / "model.safetensors"
+        self._files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, str] = {}
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            for name in sorted(set(weight_map.values())):
+                if not (self.directory / name).exists():
+                    raise CheckpointError(f"{index}: names shard {name!r}, which is not in {self.directory}")
+            self.where = dict(weight_map)
+        elif single.exists():
+            self.where = {k: single.name for k in self._file(single.name).keys()}
+        else:
+            found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            hint = f" (found {found}, but no model.safetensors.index.json)" if found else ""
+            raise CheckpointError(f"{self.directory}: no model.safetensors or model.safetensors.index.json{hint}")
+        for name, file in self.where.items():
+            if name not in self._file(file).header:
+                raise CheckpointError(f"{self.directory / file}: index lists tensor {name!r}, but the file lacks it")
+
+    def _file(self, name: str) -> SafetensorsFile:
+        if name not in self._files:
+            self._files[name] = SafetensorsFile(self.directory / name)
+        return self._files[name]
+
+    def keys(self) -> set[str]:
+        return set(self.where)
+
+    def file_of(self, key: str) -> Path:
+        return self.directory / self.where[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._file(self.where[key]).shape(key)
+
+    def dtype_name(self, key: str) -> str:
+        return self._file(self.where[key]).dtype_name(key)
+
+    def get(self, key: str) -> np.ndarray:
+        if key not in self.where:
+            raise CheckpointError(f"{self.directory}: tensor {key!r} is missing from the checkpoint")
+        return self._file(self.where[key]).get(key)

@@ -1,0 +1,25 @@
+"""SwiGLU feed-forward: ``down(silu(x @ gate) * (x @ up))``."""
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float
+
+
+def swiglu(
+    x: Float[Array, "B S D"],
+    w_gate: Float[Array, "D F"],
+    w_up: Float[Array, "D F"],
+    w_down: Float[Array, "F D"],
+    *,
+    prefix: str = "mlp",
+) -> Float[Array, "B S D"]:
+    """Names ``{prefix}_gate``, ``{prefix}_up`` and ``{prefix}_hidden`` for the placement map.
+
+    The down projection's output is not named: it only feeds the residual add, so the
+    backward pass never needs it.
+    """
+    gate = checkpoint_name(jnp.einsum("bsd,df->bsf", x, w_gate), f"{prefix}_gate")
+    up = checkpoint_name(jnp.einsum("bsd,df->bsf", x, w_up), f"{prefix}_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, f"{prefix}_hidden")
+    return jnp.einsum("bsf,fd->bsd", hidden, w_down)

@@ -1,0 +1,189 @@
+"""Llama 3.x: grouped-query attention, llama3 RoPE, SwiGLU, RMSNorm; tied or untied head.
+
+Dimension letters used in shapes below:
+    B batch · S sequence · D model width · H query heads · G key/value heads · K head size
+    F MLP hidden · V vocabulary · L layers · R rotary frequencies (K / 2)
+
+Layer parameters are stored stacked (leading ``L``) and the decoder runs them with
+``jax.lax.scan``; a stacked field is annotated ``"*L ..."`` (an unstacked slice drops ``L``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.stack import scan_layers
+from zoo.llama.config import LlamaConfig
+from zoo.params import Param, build, init_params, strip_prefix
+
+
+def llama_params(config: LlamaConfig) -> dict[str, Param]:
+    """Every parameter of :class:`Llama`: layout, init and Hugging Face checkpoint key."""
+    layer = "model.layers.{L}."
+    specs = {
+        "embed": Param("V D", "model.embed_tokens.weight", "V D"),
+        "layers.attn_norm": Param("L D", layer + "input_layernorm.weight", "D", init="ones"),
+        "layers.attn.wq": Param("L D H K", layer + "self_attn.q_proj.weight", "(H K) D"),
+        "layers.attn.wk": Param("L D G K", layer + "self_attn.k_proj.weight", "(G K) D"),
+        "layers.attn.wv": Param("L D G K", layer + "self_attn.v_proj.weight", "(G K) D"),
+        "layers.attn.wo": Param("L H K D", layer + "self_attn.o_proj.weight", "D (H K)"),
+        "layers.mlp_norm": Param("L D", layer + "post_attention_layernorm.weight", "D", init="ones"),
+        "layers.mlp.w_gate": Param("L D F", layer + "mlp.gate_proj.weight", "F D"),
+        "layers.mlp.w_up": Param("L D F", layer + "mlp.up_proj.weight", "F D"),
+        "layers.mlp.w_down": Param("L F D", layer + "mlp.down_proj.weight", "D F"),
+        "final_norm": Param("D", "model.norm.weight", "D", init="ones"),
+    }
+    if not config.tie_word_embeddings:
+        specs["head"] = Param("V D", "lm_head.weight", "V D")
+    return specs
+
+
+class GQAttention(eqx.Module):
+    """Projections of grouped-query attention."""
+
+    wq: Float[Array, "*L D H K"]
+    wk: Float[Array, "*L D G K"]
+    wv: Float[Array, "*L D G K"]
+    wo: Float[Array, "*L H K D"]
+
+
+class SwiGLU(eqx.Module):
+    """Projections of a SwiGLU MLP."""
+
+    w_gate: Float[Array, "*L D F"]
+    w_up: Float[Array, "*L D F"]
+    w_down: Float[Array, "*L F D"]
+
+
+class LlamaLayer(eqx.Module):
+    """One decoder layer (or, stacked, all of them)."""
+
+    attn_norm: Float[Array, "*L D"]
+    attn: GQAttention
+    mlp_norm: Float[Array, "*L D"]
+    mlp: SwiGLU
+
+
+def llama_layer(
+    config: LlamaConfig,
+    layer: LlamaLayer,
+    x: Float[Array, "B S D"],
+    cos: Float[Array, "B S R"],
+    sin: Float[Array, "B S R"],
+    segment_ids: Int[Array, "B S"] | None,
+) -> Float[Array, "B S D"]:
+    """Pre-norm attention then pre-norm SwiGLU, each added to the residual stream.
+
+    ``checkpoint_name`` marks every intermediate the backward pass may need; the placement
+    map decides for each whether it is kept, recomputed or offloaded.
+    """
+    eps, a = config.rms_norm_eps, layer.attn
+    x = checkpoint_name(x, "layer_input")
+    h = checkpoint_name(rms_norm(x, layer.attn_norm, eps), "attn_norm")
+    q = apply_rope(jnp.einsum("bsd,dhk->bshk", h, a.wq), cos, sin)
+    k = apply_rope(jnp.einsum("bsd,dgk->bsgk", h, a.wk), cos, sin)
+    v = jnp.einsum("bsd,dgk->bsgk", h, a.wv)
+    q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids)
+    ctx = checkpoint_name(ctx, "context")
+    x = x + jnp.einsum("bshk,hkd->bsd", ctx, a.wo)
+    h = checkpoint_name(rms_norm(x, layer.mlp_norm, eps), "mlp_norm")
+    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
+
+
+class Llama(eqx.Module):
+    """Llama 3.x causal language model: ``model(input_ids) -> logits``.
+
+    Build fresh with ``Llama(config, key=key)``, or from arrays (``{path: array}``, as
+    :func:`zoo.from_pretrained` does) with ``Llama(config, arrays=arrays)``.
+    """
+
+    embed: Float[Array, "V D"]
+    layers: LlamaLayer
+    final_norm: Float[Array, " D"]
+    head: Float[Array, "V D"] | None
+    config: LlamaConfig = eqx.field(static=True)
+    compute_dtype: jnp.dtype = eqx.field(static=True)
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        key: PRNGKeyArray | None = None,
+        arrays: Mapping[str, Array] | None = None,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+    ):
+        self.config = config
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        specs = llama_params(config)
+        if arrays is None:
+            if key is None:
+                raise TypeError("Llama needs key= (fresh init) or arrays= (loaded weights)")
+            k_layers, k_rest = jr.split(key)
+            rest = {p: s for p, s in specs.items() if not p.startswith("layers.")}
+            arrays = init_params(rest, config.sizes, key=k_rest, std=config.initializer_range, dtype=param_dtype)
+            layer_specs = strip_prefix(specs, "layers", "L")
+
+            @eqx.filter_vmap
+            def make_layer(k):
+                a = init_params(layer_specs, config.sizes, key=k, std=config.initializer_range, dtype=param_dtype)
+                return build(LlamaLayer, a)
+
+            self.layers = make_layer(jr.split(k_layers, config.num_layers))
+        else:
+            self.layers = build(LlamaLayer, arrays, "layers.")
+        self.embed = arrays["embed"]
+        self.final_norm = arrays["final_norm"]
+        self.head = None if config.tie_word_embeddings else arrays["head"]
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "B S"],
+        *,
+        positions: Int[Array, "B S"] | None = None,
+        segment_ids: Int[Array, "B S"] | None = None,
+        placement=None,
+    ) -> Float[Array, "B S V"]:
+        """Float32 logits for every position (causal; packed segments never see each other)."""
+        return self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)[0]
+
+    def forward(
+        self,
+        input_ids: Int[Array, "B S"],
+        *,
+        positions: Int[Array, "B S"] | None = None,
+        segment_ids: Int[Array, "B S"] | None = None,
+        placement=None,
+        return_hidden: bool = False,
+    ) -> tuple[Float[Array, "B S V"], Float[Array, "L1 B S D"] | None]:
+        """Logits, and with ``return_hidden`` the hidden states as ``transformers`` reports them:
+        the embedding output, the outputs of layers 1..L-1, then the final norm of layer L's output."""
+        from zoo.placement import layer_policy
+
+        config, dtype = self.config, self.compute_dtype
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+        cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
+        x = embed(self.embed, input_ids, dtype)
+
+        def body(h, layer):
+            layer = jax.tree.map(lambda w: w.astype(dtype), layer)
+            return llama_layer(config, layer, h, cos, sin, segment_ids)
+
+        x0 = x
+        x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self), collect=return_hidden)
+        x = rms_norm(x, self.final_norm, config.rms_norm_eps)
+        logits = unembed(x, self.embed if self.head is None else self.head)
+        hidden = None
+        if return_hidden:
+            hidden = jnp.concatenate([x0[None], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
+        return logits, hidden

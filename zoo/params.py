@@ -1,0 +1,186 @@
+"""One abstract description of every parameter, from which init, checkpoint I/O and sharding derive.
+
+A model describes its parameters as a flat ``{path: Param}`` dict, where ``path`` is the
+attribute path in the model pytree (``"layers.attn.wq"``). Each :class:`Param` names its axes
+with the dimension letters of the model file's legend, says how to initialise it, and where it
+lives in a Hugging Face checkpoint (key template and the tensor's layout in the same letters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jaxtyping import Array, PRNGKeyArray
+
+Init = Literal["normal", "ones", "zeros"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """How one parameter array looks, starts, and is stored in a Hugging Face checkpoint.
+
+    axes: our layout as dimension letters, stacked axes first (``"L D H K"``).
+    hf: checkpoint key; ``{L}`` / ``{E}`` stand for the index along a stacked axis
+        (``"model.layers.{L}.self_attn.q_proj.weight"``). ``None``: not in checkpoints.
+    hf_layout: the stored tensor's layout in the same letters; parentheses group letters
+        that share one stored axis (``"(H K) D"``). Stacked axes are not part of it.
+    init: ``normal`` (std from the config), ``ones`` or ``zeros``.
+    trainable: ``False`` for buffers (the router's correction bias), which get no gradient.
+    """
+
+    axes: str
+    hf: str | None
+    hf_layout: str = ""
+    init: Init = "normal"
+    trainable: bool = True
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.axes.split())
+
+    @property
+    def stacked(self) -> tuple[str, ...]:
+        """Axes indexed by the checkpoint key (one stored tensor per index)."""
+        return tuple(re.findall(r"\{(\w+)\}", self.hf or ""))
+
+    def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        try:
+            return tuple(int(sizes[a]) for a in self.names)
+        except KeyError as e:
+            raise KeyError(f"dimension letter {e} of axes {self.axes!r} has no size") from None
+
+    def hf_groups(self) -> list[list[str]]:
+        groups, tokens = [], re.findall(r"\(|\)|\w+", self.hf_layout)
+        current: list[str] | None = None
+        for tok in tokens:
+            if tok == "(":
+                current = []
+            elif tok == ")":
+                groups.append(current)
+                current = None
+            elif current is not None:
+                current.append(tok)
+            else:
+                groups.append([tok])
+        return groups
+
+    def hf_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(math.prod(sizes[a] for a in g) for g in self.hf_groups())
+
+    def _inner(self) -> tuple[str, ...]:
+        return tuple(a for a in self.names if a not in self.stacked)
+
+    def from_hf(self, t: np.ndarray, sizes: Mapping[str, int]) -> np.ndarray:
+        """One stored tensor (HF layout) -> our layout without the stacked axes."""
+        flat = [a for g in self.hf_groups() for a in g]
+        t = t.reshape([sizes[a] for a in flat])
+        return t.transpose([flat.index(a) for a in self._inner()])
+
+    def to_hf(self, t: np.ndarray, sizes: Mapping[str, int]) -> np.ndarray:
+        """Our layout without the stacked axes -> one stored tensor (HF layout)."""
+        flat = [a for g in self.hf_groups() for a in g]
+        inner = self._inner()
+        t = t.transpose([inner.index(a) for a in flat])
+        return np.ascontiguousarray(t.reshape(self.hf_shape(sizes)))
+
+    def hf_keys(self, sizes: Mapping[str, int]) -> Iterator[tuple[tuple[int, ...], str]]:
+        """(index along the stacked axes, checkpoint key) for every stored tensor."""
+        assert self.hf is not None
+        stacked = self.stacked
+        for idx in itertools.product(*(range(sizes[a]) for a in stacked)):
+            yield idx, self.hf.format(**dict(zip(stacked, idx)))
+
+
+def init_params(
+    specs: Mapping[str, Param], sizes: Mapping[str, int], *, key: PRNGKeyArray, std: float, dtype
+) -> dict[str, Array]:
+    """Fresh arrays for every parameter: normal(0, std), ones or zeros."""
+    out = {}
+    for k, (path, p) in zip(jr.split(key, len(specs)), sorted(specs.items())):
+        shape = p.shape(sizes)
+        if p.init == "normal":
+            out[path] = (std * jr.normal(k, shape, jnp.float32)).astype(dtype)
+        elif p.init == "ones":
+            out[path] = jnp.ones(shape, dtype)
+        else:
+            out[path] = jnp.zeros(shape, dtype)
+    return out
+
+
+def strip_prefix(specs: Mapping[str, Param], prefix: str, drop_axis: str) -> dict[str, Param]:
+    """The specs under ``prefix.``, seen from inside one slice of the stacked axis ``drop_axis``."""
+    out = {}
+    for path, p in specs.items():
+        if path.startswith(prefix + "."):
+            names = [a for a in p.names if a != drop_axis]
+            hf = p.hf.replace("{" + drop_axis + "}", "0") if p.hf else None
+            out[path[len(prefix) + 1 :]] = dataclasses.replace(p, axes=" ".join(names), hf=hf)
+    return out
+
+
+def _field_types(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _module_type(t) -> type | None:
+    """The eqx.Module class in a field annotation (``Attention`` or ``Attention | None``)."""
+    options = typing.get_args(t) if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union else (t,)
+    for o in options:
+        if isinstance(o, type) and issubclass(o, eqx.Module):
+            return o
+    return None
+
+
+def build(cls: type, arrays: Mapping[str, object], prefix: str = "", **static) -> eqx.Module:
+    """Assemble module ``cls`` from a flat ``{path: array}`` dict, recursing into sub-module fields.
+
+    A field whose path has no array (and no sub-arrays) is ``None``, e.g. an absent tied head.
+    """
+    kwargs = dict(static)
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs or f.metadata.get("static", False):
+            continue
+        path = f"{prefix}{f.name}"
+        sub = _module_type(hints[f.name])
+        if path in arrays:
+            kwargs[f.name] = arrays[path]
+        elif sub is not None and any(k.startswith(path + ".") for k in arrays):
+            kwargs[f.name] = build(sub, arrays, path + ".")
+        else:
+            kwargs[f.name] = None
+    return cls(**kwargs)
+
+
+def flatten(module: eqx.Module) -> dict[str, Array]:
+    """The inverse of :func:`build`: ``{path: array}`` for every array leaf."""
+    out = {}
+    leaves = jax.tree_util.tree_flatten_with_path(module, is_leaf=lambda x: x is None)[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            out[".".join(str(getattr(p, "name", p)) for p in path)] = leaf
+    return out
+
+
+def map_params(fn: Callable[[str, Array], object], module: eqx.Module) -> eqx.Module:
+    """Apply ``fn(path, array)`` to every array leaf of a model, keeping the structure."""
+
+    def leaf(path, x):
+        if isinstance(x, (jax.Array, np.ndarray)):
+            return fn(".".join(str(getattr(p, "name", p)) for p in path), x)
+        return x
+
+    return jax.tree_util.tree_map_with_path(leaf, module)
