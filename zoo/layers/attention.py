@@ -36,7 +36,9 @@ def causal_attention(
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    out = jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=True, implementation=_implementation(q.dtype, mask is not None)
-    )
+    # JAX's own XLA path promotes bf16 scores to f32 implicitly, which strict promotion rejects.
+    with jax.numpy_dtype_promotion("standard"):
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=scale, is_causal=True, implementation=_implementation(q.dtype, mask is not None)
+        )
     return out[..., :kv]

@@ -104,10 +104,10 @@ class Rope:
         ):  # fmt: skip
             if merged.get(name) is not None:
                 fields[name] = merged[name]
-        if kind == "yarn" and "original_max_position_embeddings" in merged and "max_position_embeddings" in config:
-            # As the reference does: DeepSeek-V3 raises max_position_embeddings and keeps the
-            # pretrained length here; the ratio is the YaRN factor for frequencies and mscale.
-            fields["factor"] = config["max_position_embeddings"] / merged["original_max_position_embeddings"]
+        if kind == "yarn" and "factor" not in fields and "max_position_embeddings" in config:
+            # As the reference does when no factor is given: the ratio of the raised context to
+            # the pretrained one (DeepSeek-V3 keeps the pretrained length in the rope settings).
+            fields["factor"] = config["max_position_embeddings"] / fields.get("original_max_position_embeddings", 4096)
         return cls(theta=float(theta), kind=kind, **fields)
 
     def to_hf(self) -> dict[str, Any]:

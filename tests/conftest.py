@@ -1,0 +1,29 @@
+"""Test-wide settings: 8 simulated CPU devices, strict dtype promotion, fixture paths.
+
+Shape annotations are checked at run time by the jaxtyping import hook with beartype
+(``--jaxtyping-packages=zoo,beartype.beartype`` in pyproject.toml).
+"""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def fixtures() -> Path:
+    return FIXTURES
+
+
+def reference(name: str) -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / name / "reference.npz") as r:
+        return dict(r)

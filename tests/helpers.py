@@ -1,0 +1,30 @@
+"""Shared checks: parity of a loaded model against a ``transformers`` reference."""
+
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zoo
+
+
+def global_norm(tree) -> float:
+    leaves = [x for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
+    return float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)))
+
+
+def check_parity(path: Path, *, atol: float = 1e-5, rtol: float = 1e-5, **load) -> None:
+    """Logits, every hidden state, loss and gradient norm against ``reference.npz``."""
+    ref = dict(np.load(path / "reference.npz"))
+    model = zoo.from_pretrained(path, **load)
+    ids = jnp.asarray(ref["input_ids"])
+    logits, hidden = model.forward(ids, return_hidden=True)
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=atol, rtol=0)
+    assert hidden.shape == ref["hidden_states"].shape
+    for i, (h, r) in enumerate(zip(np.asarray(hidden), ref["hidden_states"])):
+        np.testing.assert_allclose(h, r, atol=atol, rtol=0, err_msg=f"hidden state {i}")
+    loss, grads = eqx.filter_value_and_grad(zoo.lm_loss)(model, ids)
+    np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=rtol)
+    np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=rtol)
