@@ -26,6 +26,7 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 Init = Literal["normal", "ones", "zeros"]
+_FIELD = re.compile(r"\{(\w+)(?:\+(\d+))?\}")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Param:
 
     axes: our layout as dimension letters, stacked axes first (``"L D H K"``).
     hf: checkpoint key; ``{L}`` / ``{E}`` stand for the index along a stacked axis
-        (``"model.layers.{L}.self_attn.q_proj.weight"``). ``None``: not in checkpoints.
+        (``"model.layers.{L}.self_attn.q_proj.weight"``), ``{L+3}`` for that index plus 3
+        (a stack that starts at stored layer 3). ``None``: not in checkpoints.
     hf_layout: the stored tensor's layout in the same letters; parentheses group letters
         that share one stored axis (``"(H K) D"``). Stacked axes are not part of it.
     init: ``normal`` (std from the config), ``ones`` or ``zeros``.
@@ -54,7 +56,7 @@ class Param:
     @property
     def stacked(self) -> tuple[str, ...]:
         """Axes indexed by the checkpoint key (one stored tensor per index)."""
-        return tuple(re.findall(r"\{(\w+)\}", self.hf or ""))
+        return tuple(name for name, _ in _FIELD.findall(self.hf or ""))
 
     def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         try:
@@ -101,7 +103,8 @@ class Param:
         assert self.hf is not None
         stacked = self.stacked
         for idx in itertools.product(*(range(sizes[a]) for a in stacked)):
-            yield idx, self.hf.format(**dict(zip(stacked, idx)))
+            at = dict(zip(stacked, idx))
+            yield idx, _FIELD.sub(lambda m: str(at[m.group(1)] + int(m.group(2) or 0)), self.hf)
 
 
 def init_params(
@@ -126,7 +129,7 @@ def strip_prefix(specs: Mapping[str, Param], prefix: str, drop_axis: str) -> dic
     for path, p in specs.items():
         if path.startswith(prefix + "."):
             names = [a for a in p.names if a != drop_axis]
-            hf = p.hf.replace("{" + drop_axis + "}", "0") if p.hf else None
+            hf = _FIELD.sub(lambda m: "0" if m.group(1) == drop_axis else m.group(0), p.hf) if p.hf else None
             out[path[len(prefix) + 1 :]] = dataclasses.replace(p, axes=" ".join(names), hf=hf)
     return out
 

@@ -2,8 +2,8 @@
 
 from zoo.layers.attention import causal_attention
 from zoo.layers.embed import embed, unembed
-from zoo.layers.mlp import swiglu
+from zoo.layers.mlp import SwiGLU, swiglu
 from zoo.layers.norm import rms_norm
 from zoo.layers.rope import Rope, apply_rope, rope_cos_sin, yarn_mscale
 
-__all__ = ["Rope", "apply_rope", "causal_attention", "embed", "rms_norm", "rope_cos_sin", "swiglu", "unembed", "yarn_mscale"]
+__all__ = ["Rope", "apply_rope", "causal_attention", "embed", "rms_norm", "rope_cos_sin", "SwiGLU", "swiglu", "unembed", "yarn_mscale"]

@@ -1,9 +1,18 @@
 """SwiGLU feed-forward: ``down(silu(x @ gate) * (x @ up))``."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
+
+
+class SwiGLU(eqx.Module):
+    """Projections of a SwiGLU MLP (stacked over layers when a leading ``L`` is present)."""
+
+    w_gate: Float[Array, "*L D F"]
+    w_up: Float[Array, "*L D F"]
+    w_down: Float[Array, "*L F D"]
 
 
 def swiglu(

@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
-from jaxtyping import Array, Float
+
+Carry = TypeVar("Carry")
 
 
 def scan_layers(
-    body: Callable[[Float[Array, "B S D"], Any], Float[Array, "B S D"]],
-    x: Float[Array, "B S D"],
+    body: Callable[[Carry, Any], tuple[Carry, Any]],
+    carry: Carry,
     stacked: Any,
     *,
     policy: Callable[..., Any] | None = None,
-    collect: bool = False,
-) -> tuple[Float[Array, "B S D"], Float[Array, "L B S D"] | None]:
-    """Apply ``body(x, layer)`` for each layer slice of ``stacked`` (leading axis L) in turn.
+) -> tuple[Carry, Any]:
+    """``body(carry, layer) -> (carry, out)`` for each layer slice of ``stacked`` (leading axis L).
 
     ``policy``: a ``jax.checkpoint`` policy for the layer body (from a placement map), or
-    ``None`` to keep every intermediate on device. ``collect``: also return each layer's output.
+    ``None`` to keep every intermediate on device. Returns the last carry and the stacked outs.
     """
     fn = body if policy is None else jax.checkpoint(body, policy=policy, prevent_cse=False)
-
-    def step(carry, layer):
-        out = fn(carry, layer)
-        return out, (out if collect else None)
-
-    x, ys = jax.lax.scan(step, x, stacked)
-    return x, ys
+    return jax.lax.scan(fn, carry, stacked)

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
 from zoo.params import Param, build, init_params, strip_prefix
@@ -53,14 +54,6 @@ class GQAttention(eqx.Module):
     wk: Float[Array, "*L D G K"]
     wv: Float[Array, "*L D G K"]
     wo: Float[Array, "*L H K D"]
-
-
-class SwiGLU(eqx.Module):
-    """Projections of a SwiGLU MLP."""
-
-    w_gate: Float[Array, "*L D F"]
-    w_up: Float[Array, "*L D F"]
-    w_down: Float[Array, "*L F D"]
 
 
 class LlamaLayer(eqx.Module):
@@ -177,10 +170,11 @@ class Llama(eqx.Module):
 
         def body(h, layer):
             layer = jax.tree.map(lambda w: w.astype(dtype), layer)
-            return llama_layer(config, layer, h, cos, sin, segment_ids)
+            h = llama_layer(config, layer, h, cos, sin, segment_ids)
+            return h, (h if return_hidden else None)
 
         x0 = x
-        x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self), collect=return_hidden)
+        x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self))
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
         logits = unembed(x, self.embed if self.head is None else self.head)
         hidden = None
