@@ -38,6 +38,9 @@ class Family:
     params: Callable[[Any], dict[str, Param]]
     # Keys a checkpoint may hold that this model does not load (logged once, not an error).
     skipped: Callable[[Any, set[str]], set[str]] = field(default=lambda config, keys: set())
+    # Tensors stored twice in the hub layout: key -> the parameter path it copies (written on
+    # save, not read on load).
+    duplicates: Callable[[Any], dict[str, str]] = field(default=lambda config: {})
 
 
 FAMILIES: dict[str, Family] = {}
@@ -193,20 +196,28 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, **optio
     skipped = family.skipped(config, files.keys())
     if skipped:
         log.info("%s: skipping %d tensors not used by this model (%s ...)", path, len(skipped), sorted(skipped)[0])
-    arrays = load_arrays(source, specs, config.sizes, dtype, skipped)
+    copies = set(family.duplicates(config)) & files.keys()
+    arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies)
     return family.model_cls(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
 
 
-def _hf_tensors(model, specs: Mapping[str, Param], sizes: Mapping[str, int]) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_tensors(
+    model, specs: Mapping[str, Param], sizes: Mapping[str, int], duplicates: Mapping[str, str]
+) -> Iterator[tuple[str, np.ndarray]]:
     arrays = flatten(model)
+
+    def host(path):
+        value = np.asarray(jax.device_get(arrays[path]))
+        return value if value.dtype in DTYPES.values() else value.astype(np.float32)
+
     for path, p in specs.items():
         if p.hf is None:
             continue
-        value = np.asarray(jax.device_get(arrays[path]))
-        if value.dtype not in DTYPES.values():
-            value = value.astype(np.float32)
+        value = host(path)
         for idx, key in p.hf_keys(sizes):
             yield key, p.to_hf(value[idx], sizes)
+    for key, path in duplicates.items():
+        yield key, specs[path].to_hf(host(path), sizes)
 
 
 def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -238,7 +249,7 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
             shard_keys.append([k for k, _ in pending])
             pending.clear()
 
-        for key, t in _hf_tensors(model, family.params(config), config.sizes):
+        for key, t in _hf_tensors(model, family.params(config), config.sizes, family.duplicates(config)):
             if pending and size + t.nbytes > max_shard_bytes:
                 flush()
                 size = 0

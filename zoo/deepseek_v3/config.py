@@ -1,0 +1,303 @@
+"""DeepSeek-V3 hyper-parameters, presets, FLOP and parameter counts, and the HF ``config.json`` mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from zoo.errors import ConfigError
+from zoo.hf.config import HFConfig
+from zoo.layers.rope import Rope
+
+DEEPSEEK_V3_ROPE = Rope(
+    theta=10000.0, kind="yarn", factor=40.0, original_max_position_embeddings=4096,
+    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """Architecture of a DeepSeek-V3 decoder. Field names follow Hugging Face's where they exist.
+
+    ``q_lora_rank=None`` gives a plain query projection (as in DeepSeek-V2-Lite).
+    ``mtp`` (a loading option, not in config.json): build the multi-token-prediction module
+    from the ``num_nextn_predict_layers`` layers stored after the decoder's.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int = 1
+    topk_group: int = 1
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope: Rope = field(default_factory=lambda: DEEPSEEK_V3_ROPE)
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 163840
+    initializer_range: float = 0.02
+    num_nextn_predict_layers: int = 0
+    mtp: bool = False
+    aux_loss_alpha: float = 0.0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        positive = (
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers", "num_heads",
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+            "num_experts_per_tok", "n_group", "topk_group",
+        )  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"DeepseekV3Config.{name} must be a positive integer, got {value!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+            raise ConfigError(f"DeepseekV3Config.q_lora_rank must be a positive integer or None, got {self.q_lora_rank!r}")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(
+                f"DeepseekV3Config.n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})"
+            )
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise ConfigError("DeepseekV3Config: group-limited routing scores a group by its top 2 experts; "
+                              f"n_routed_experts / n_group = {self.n_routed_experts // self.n_group} < 2")  # fmt: skip
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"DeepseekV3Config.topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
+        kept = self.topk_group * (self.n_routed_experts // self.n_group)
+        if self.num_experts_per_tok > kept:
+            raise ConfigError(
+                f"DeepseekV3Config.num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {kept} experts "
+                f"in the topk_group={self.topk_group} groups kept"
+            )
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ConfigError(
+                f"DeepseekV3Config.first_k_dense_replace ({self.first_k_dense_replace}) must be in 0..num_layers ({self.num_layers})"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"DeepseekV3Config.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even")
+        if self.v_head_dim > self.qk_head_dim:
+            raise ConfigError(
+                f"DeepseekV3Config.v_head_dim ({self.v_head_dim}) larger than the query/key head "
+                f"({self.qk_head_dim} = qk_nope_head_dim + qk_rope_head_dim) is not supported"
+            )
+        if self.mtp and self.num_nextn_predict_layers != 1:
+            raise ConfigError(
+                f"DeepseekV3Config: mtp=True needs num_nextn_predict_layers == 1 (depth-1 MTP, as published), "
+                f"got {self.num_nextn_predict_layers}"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Size of every dimension letter in the model file's legend."""
+        return {
+            "V": self.vocab_size,
+            "D": self.hidden_size,
+            "F": self.intermediate_size,
+            "M": self.moe_intermediate_size,
+            "X": self.moe_intermediate_size * self.n_shared_experts,
+            "Ld": self.num_dense_layers,
+            "Lm": self.num_moe_layers,
+            "H": self.num_heads,
+            "Q": self.q_lora_rank or 0,
+            "C": self.kv_lora_rank,
+            "A": self.kv_lora_rank + self.qk_rope_head_dim,
+            "K": self.qk_head_dim,
+            "N": self.qk_nope_head_dim,
+            "P": self.qk_rope_head_dim,
+            "U": self.v_head_dim,
+            "W": self.qk_nope_head_dim + self.v_head_dim,
+            "E": self.n_routed_experts,
+            "D2": 2 * self.hidden_size,
+        }
+
+    @property
+    def softmax_scale(self) -> float:
+        """``qk_head_dim ** -0.5``, times YaRN's mscale² as the published model does."""
+        from zoo.layers.rope import yarn_mscale
+
+        scale = self.qk_head_dim**-0.5
+        if self.rope.kind == "yarn" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    def num_params(self) -> int:
+        """Every parameter (MTP included when ``mtp``); buffers (router bias) included."""
+        from zoo.deepseek_v3.model import deepseek_v3_params
+
+        return sum(math.prod(p.shape(self.sizes)) for p in deepseek_v3_params(self).values())
+
+    def _attn_matmul(self) -> int:
+        d, h = self.hidden_size, self.num_heads
+        q = d * self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim if self.q_lora_rank else d * h * self.qk_head_dim
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (3x forward) per token; only the ``num_experts_per_tok`` activated
+        routed experts (and the shared ones) count, plus the router and causal attention."""
+        d = self.hidden_size
+        dense_mlp = 3 * d * self.intermediate_size
+        moe_mlp = 3 * d * self.moe_intermediate_size * (self.num_experts_per_tok + self.n_shared_experts)
+        moe_mlp += d * self.n_routed_experts
+        matmul = self.num_layers * self._attn_matmul() + self.num_dense_layers * dense_mlp + self.num_moe_layers * moe_mlp
+        matmul += self.vocab_size * d
+        attn = 3 * self.num_layers * self.num_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        return 6.0 * matmul + attn
+
+    # -- Hugging Face config.json ---------------------------------------------------------
+    @classmethod
+    def from_hf(cls, data: dict[str, Any], source: str = "config.json", *, mtp: bool = False) -> DeepseekV3Config:
+        c = HFConfig(data, source)
+        scoring = c.get("scoring_func", str, "sigmoid")
+        if scoring != "sigmoid":
+            raise ConfigError(f"{source}: field 'scoring_func' is {scoring!r}; DeepSeek-V3 routing is 'sigmoid'")
+        method = c.get("topk_method", str, "noaux_tc")
+        if method != "noaux_tc":
+            raise ConfigError(f"{source}: field 'topk_method' is {method!r}; only 'noaux_tc' (DeepSeek-V3) is supported")
+        try:
+            rope = Rope.from_hf(data)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: rope settings: {e}") from None
+        return cls(
+            vocab_size=c.get("vocab_size", int),
+            hidden_size=c.get("hidden_size", int),
+            intermediate_size=c.get("intermediate_size", int),
+            moe_intermediate_size=c.get("moe_intermediate_size", int),
+            num_layers=c.get("num_hidden_layers", int),
+            num_heads=c.get("num_attention_heads", int),
+            q_lora_rank=c.get("q_lora_rank", int, None),
+            kv_lora_rank=c.get("kv_lora_rank", int),
+            qk_nope_head_dim=c.get("qk_nope_head_dim", int),
+            qk_rope_head_dim=c.get("qk_rope_head_dim", int),
+            v_head_dim=c.get("v_head_dim", int),
+            n_routed_experts=c.get("n_routed_experts", int),
+            num_experts_per_tok=c.get("num_experts_per_tok", int),
+            n_group=c.get("n_group", int, 1),
+            topk_group=c.get("topk_group", int, 1),
+            n_shared_experts=c.get("n_shared_experts", int, 0),
+            first_k_dense_replace=c.get("first_k_dense_replace", int, 0),
+            routed_scaling_factor=c.get("routed_scaling_factor", float, 1.0),
+            norm_topk_prob=c.get("norm_topk_prob", bool, False),
+            rms_norm_eps=c.get("rms_norm_eps", float, 1e-6),
+            rope=rope,
+            rope_interleave=c.get("rope_interleave", bool, True),
+            tie_word_embeddings=c.get("tie_word_embeddings", bool, False),
+            max_position_embeddings=c.get("max_position_embeddings", int, 163840),
+            initializer_range=c.get("initializer_range", float, 0.02),
+            num_nextn_predict_layers=c.get("num_nextn_predict_layers", int, 0),
+            mtp=mtp,
+            aux_loss_alpha=c.get("aux_loss_alpha", float, 0.0),
+            bos_token_id=c.get("bos_token_id", int, None),
+            eos_token_id=c.get("eos_token_id", (int, list), None),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "head_dim": self.qk_rope_head_dim,
+            "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "n_shared_experts": self.n_shared_experts,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "norm_topk_prob": self.norm_topk_prob,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_interleave": self.rope_interleave,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers if self.mtp else 0,
+            "aux_loss_alpha": self.aux_loss_alpha,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            **self.rope.to_hf(),
+        }
+
+
+def _preset(**kw) -> DeepseekV3Config:
+    return DeepseekV3Config(**kw)
+
+
+PRESETS: dict[str, DeepseekV3Config] = {
+    "deepseek-v3-671b": _preset(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_layers=61,
+        num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+        first_k_dense_replace=3, routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
+        aux_loss_alpha=0.001, bos_token_id=0, eos_token_id=1,
+    ),
+    # Byte-level models for tests and CPU training (vocab 256: one token per byte).
+    "tiny": _preset(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_layers=3, num_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+    ),
+    "small": _preset(
+        vocab_size=256, hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_layers=4, num_heads=8,
+        q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+    ),
+    # The shared benchmark shape (benchmarks/README.md): no group limit.
+    "bench": _preset(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_layers=4,
+        num_heads=8, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        n_routed_experts=16, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.0,
+    ),
+}  # fmt: skip
+
+
+def preset(name: str, **overrides) -> DeepseekV3Config:
+    """A named configuration (``deepseek-v3-671b``, ``small``, ...), optionally with fields replaced."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown DeepSeek-V3 preset {name!r}; choose one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,0 +1,364 @@
+"""DeepSeek-V3: Multi-head Latent Attention, sigmoid-routed MoE with shared experts, MTP.
+
+Dimension letters used in shapes below:
+    B batch · S sequence · T tokens (B·S) · D model width · V vocabulary · H heads
+    Q query latent (q_lora_rank) · C key/value latent (kv_lora_rank) · A = C + P
+    K query/key head size (N + P) · N its no-rope part · P its rope part · U value head size
+    W = N + U (what the latent expands to per head) · F dense MLP hidden
+    E routed experts · M expert hidden · X shared experts' hidden · R rotary frequencies (P / 2)
+    Ld dense layers (the first ``first_k_dense_replace``) · Lm MoE layers
+
+The dense and the MoE layers are two stacks, each run with ``jax.lax.scan``; a stacked field
+is annotated ``"*L ..."``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from zoo.deepseek_v3.config import DeepseekV3Config
+from zoo.deepseek_v3.moe import (
+    MoE,
+    expert_load,
+    route,
+    routed_experts_dense,
+    routed_experts_ragged,
+    sequence_balance_loss,
+)
+from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.mlp import SwiGLU
+from zoo.layers.stack import scan_layers
+from zoo.params import Param, build, init_params, strip_prefix
+
+
+def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
+    """Every parameter of :class:`DeepseekV3`: layout, init and Hugging Face checkpoint key."""
+    specs = {"embed": Param("V D", "model.embed_tokens.weight", "V D")}
+
+    def block(prefix: str, stack: str, hf_layer: str) -> None:
+        def put(path, axes, key, layout, **kw):
+            specs[f"{prefix}.{path}"] = Param(f"{stack} {axes}".strip(), hf_layer + key, layout, **kw)
+
+        put("attn_norm", "D", "input_layernorm.weight", "D", init="ones")
+        if config.q_lora_rank is None:
+            put("attn.wq", "D H K", "self_attn.q_proj.weight", "(H K) D")
+        else:
+            put("attn.wq_a", "D Q", "self_attn.q_a_proj.weight", "Q D")
+            put("attn.q_norm", "Q", "self_attn.q_a_layernorm.weight", "Q", init="ones")
+            put("attn.wq_b", "Q H K", "self_attn.q_b_proj.weight", "(H K) Q")
+        put("attn.wkv_a", "D A", "self_attn.kv_a_proj_with_mqa.weight", "A D")
+        put("attn.kv_norm", "C", "self_attn.kv_a_layernorm.weight", "C", init="ones")
+        put("attn.wkv_b", "C H W", "self_attn.kv_b_proj.weight", "(H W) C")
+        put("attn.wo", "H U D", "self_attn.o_proj.weight", "D (H U)")
+        put("mlp_norm", "D", "post_attention_layernorm.weight", "D", init="ones")
+        if stack == "Ld":
+            put("mlp.w_gate", "D F", "mlp.gate_proj.weight", "F D")
+            put("mlp.w_up", "D F", "mlp.up_proj.weight", "F D")
+            put("mlp.w_down", "F D", "mlp.down_proj.weight", "D F")
+            return
+        put("moe.router", "D E", "mlp.gate.weight", "E D")
+        put("moe.router_bias", "E", "mlp.gate.e_score_correction_bias", "E", init="zeros", trainable=False)
+        put("moe.w_gate", "E D M", "mlp.experts.{E}.gate_proj.weight", "M D")
+        put("moe.w_up", "E D M", "mlp.experts.{E}.up_proj.weight", "M D")
+        put("moe.w_down", "E M D", "mlp.experts.{E}.down_proj.weight", "D M")
+        if config.n_shared_experts:
+            put("moe.shared.w_gate", "D X", "mlp.shared_experts.gate_proj.weight", "X D")
+            put("moe.shared.w_up", "D X", "mlp.shared_experts.up_proj.weight", "X D")
+            put("moe.shared.w_down", "X D", "mlp.shared_experts.down_proj.weight", "D X")
+
+    if config.num_dense_layers:
+        block("dense_layers", "Ld", "model.layers.{Ld}.")
+    if config.num_moe_layers:
+        block("moe_layers", "Lm", f"model.layers.{{Lm+{config.num_dense_layers}}}.")
+    specs["final_norm"] = Param("D", "model.norm.weight", "D", init="ones")
+    if not config.tie_word_embeddings:
+        specs["head"] = Param("V D", "lm_head.weight", "V D")
+    if config.mtp:
+        mtp = f"model.layers.{config.num_layers}."
+        specs["mtp.enorm"] = Param("D", mtp + "enorm.weight", "D", init="ones")
+        specs["mtp.hnorm"] = Param("D", mtp + "hnorm.weight", "D", init="ones")
+        specs["mtp.proj"] = Param("D2 D", mtp + "eh_proj.weight", "D D2")
+        specs["mtp.final_norm"] = Param("D", mtp + "shared_head.norm.weight", "D", init="ones")
+        block("mtp.block", "", mtp)  # an MoE block, as in the published model
+    return specs
+
+
+def mtp_duplicates(config: DeepseekV3Config) -> dict[str, str]:
+    """Tensors the published checkpoint stores twice: MTP-layer key -> the main model's param path.
+    (Its MTP layer carries its own copies of the shared embedding and output head.)"""
+    if not config.num_nextn_predict_layers:
+        return {}
+    out = {}
+    for i in range(config.num_nextn_predict_layers):
+        layer = f"model.layers.{config.num_layers + i}."
+        out[layer + "embed_tokens.weight"] = "embed"
+        out[layer + "shared_head.head.weight"] = "embed" if config.tie_word_embeddings else "head"
+    return out
+
+
+class MLA(eqx.Module):
+    """Multi-head Latent Attention projections. With ``q_lora_rank`` the query goes through
+    ``wq_a`` → RMSNorm → ``wq_b``; without, through ``wq``."""
+
+    wq: Float[Array, "*L D H K"] | None
+    wq_a: Float[Array, "*L D Q"] | None
+    q_norm: Float[Array, "*L Q"] | None
+    wq_b: Float[Array, "*L Q H K"] | None
+    wkv_a: Float[Array, "*L D A"]
+    kv_norm: Float[Array, "*L C"]
+    wkv_b: Float[Array, "*L C H W"]
+    wo: Float[Array, "*L H U D"]
+
+
+class DenseLayer(eqx.Module):
+    attn_norm: Float[Array, "*L D"]
+    attn: MLA
+    mlp_norm: Float[Array, "*L D"]
+    mlp: SwiGLU
+
+
+class MoELayer(eqx.Module):
+    attn_norm: Float[Array, "*L D"]
+    attn: MLA
+    mlp_norm: Float[Array, "*L D"]
+    moe: MoE
+
+
+class MTP(eqx.Module):
+    """Multi-token prediction, depth 1: from the main model's last hidden state at t and the
+    embedding of token t+1, predict token t+2 (embedding and output head shared)."""
+
+    enorm: Float[Array, " D"]
+    hnorm: Float[Array, " D"]
+    proj: Float[Array, "D2 D"]
+    block: MoELayer
+    final_norm: Float[Array, " D"]
+
+
+def mla(
+    config: DeepseekV3Config,
+    p: MLA,
+    h: Float[Array, "B S D"],
+    cos: Float[Array, "B S R"],
+    sin: Float[Array, "B S R"],
+    segment_ids: Int[Array, "B S"] | None,
+) -> Float[Array, "B S D"]:
+    """Queries from the (optionally low-rank) query path; keys and values expanded from the
+    normalised kv latent; RoPE on the decoupled rope part only, shared by all heads for keys."""
+    eps, n, c = config.rms_norm_eps, config.qk_nope_head_dim, config.kv_lora_rank
+    if p.wq is not None:
+        q = jnp.einsum("bsd,dhk->bshk", h, p.wq)
+    else:
+        q_latent = checkpoint_name(rms_norm(jnp.einsum("bsd,dq->bsq", h, p.wq_a), p.q_norm, eps), "q_latent")
+        q = jnp.einsum("bsq,qhk->bshk", q_latent, p.wq_b)
+    kv = jnp.einsum("bsd,da->bsa", h, p.wkv_a)
+    kv_latent = checkpoint_name(rms_norm(kv[..., :c], p.kv_norm, eps), "kv_latent")
+    k_rope = apply_rope(kv[..., None, c:], cos, sin, interleaved=config.rope_interleave)
+    q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
+    expanded = jnp.einsum("bsc,chw->bshw", kv_latent, p.wkv_b)
+    k_nope, v = expanded[..., :n], expanded[..., n:]
+    q = checkpoint_name(jnp.concatenate([q[..., :n], q_rope], axis=-1), "query")
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))], axis=-1)
+    k, v = checkpoint_name(k, "key"), checkpoint_name(v, "value")
+    ctx = checkpoint_name(causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids), "context")
+    return jnp.einsum("bshu,hud->bsd", ctx, p.wo)
+
+
+def moe_ffn(
+    config: DeepseekV3Config, p: MoE, h: Float[Array, "B S D"], impl: str
+) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""]]:
+    """Routed + shared experts. Returns the output, the per-expert load and the (un-weighted)
+    sequence-wise balance loss."""
+    b, s, d = h.shape
+    x = h.reshape(b * s, d)
+    routing = route(
+        x, p.router, p.router_bias, top_k=config.num_experts_per_tok, n_group=config.n_group,
+        topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
+    )  # fmt: skip
+    experts = routed_experts_ragged if impl == "ragged" else routed_experts_dense
+    out = experts(x, routing, p.w_gate, p.w_up, p.w_down).reshape(b, s, d)
+    if p.shared is not None:
+        out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")
+    k = config.num_experts_per_tok
+    balance = sequence_balance_loss(routing.scores.reshape(b, s, -1), routing.experts.reshape(b, s, k))
+    return out, expert_load(routing.experts, config.n_routed_experts), balance
+
+
+def dense_layer(config, layer: DenseLayer, x, cos, sin, segment_ids):
+    """Pre-norm MLA then pre-norm SwiGLU, each added to the residual stream."""
+    h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
+    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
+    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
+
+
+def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
+    """Pre-norm MLA then pre-norm MoE; also the layer's expert load and balance loss."""
+    h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
+    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
+    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    out, load, balance = moe_ffn(config, layer.moe, h, impl)
+    return x + out, load, balance
+
+
+class DeepseekV3Output(NamedTuple):
+    """What a forward pass returns (``model(ids)`` returns only ``logits``)."""
+
+    logits: Float[Array, "B S V"]
+    hidden_states: Float[Array, "L1 B S D"] | None
+    expert_load: Int[Array, "Lm E"] | None
+    balance_loss: Float[Array, ""]
+    mtp_logits: Float[Array, "B S V"] | None
+
+
+class DeepseekV3(eqx.Module):
+    """DeepSeek-V3 causal language model: ``model(input_ids) -> logits``.
+
+    Build fresh with ``DeepseekV3(config, key=key)``, or from arrays (``{path: array}``, as
+    :func:`zoo.from_pretrained` does) with ``DeepseekV3(config, arrays=arrays)``.
+    ``expert_impl``: ``"ragged"`` (dropless grouped matmuls, default) or ``"dense"`` (every
+    expert on every token; the reference the tests compare against).
+    """
+
+    embed: Float[Array, "V D"]
+    dense_layers: DenseLayer | None
+    moe_layers: MoELayer | None
+    final_norm: Float[Array, " D"]
+    head: Float[Array, "V D"] | None
+    mtp: MTP | None
+    config: DeepseekV3Config = eqx.field(static=True)
+    compute_dtype: jnp.dtype = eqx.field(static=True)
+    expert_impl: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        *,
+        key: PRNGKeyArray | None = None,
+        arrays: Mapping[str, Array] | None = None,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+        expert_impl: str = "ragged",
+    ):
+        if expert_impl not in ("ragged", "dense"):
+            raise ValueError(f"expert_impl must be 'ragged' or 'dense', got {expert_impl!r}")
+        self.config, self.compute_dtype, self.expert_impl = config, jnp.dtype(compute_dtype), expert_impl
+        specs = deepseek_v3_params(config)
+        if arrays is None:
+            if key is None:
+                raise TypeError("DeepseekV3 needs key= (fresh init) or arrays= (loaded weights)")
+            arrays = self._init(specs, key, param_dtype)
+        self.embed = arrays["embed"]
+        self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.num_dense_layers else None
+        self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.num_moe_layers else None
+        self.final_norm = arrays["final_norm"]
+        self.head = None if config.tie_word_embeddings else arrays["head"]
+        self.mtp = build(MTP, arrays, "mtp.") if config.mtp else None
+
+    def _init(self, specs, key, dtype) -> dict[str, Array]:
+        """Fresh weights; each layer stack is built by ``filter_vmap`` over per-layer keys."""
+        config, std = self.config, self.config.initializer_range
+        stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
+        keys = dict(zip(["rest", *stacks], jr.split(key, 3)))
+        rest = {p: s for p, s in specs.items() if p.split(".")[0] not in stacks}
+        arrays = init_params(rest, config.sizes, key=keys["rest"], std=std, dtype=dtype)
+        for prefix, axis in stacks.items():
+            n = config.sizes[axis]
+            if not n:
+                continue
+            layer_specs = strip_prefix(specs, prefix, axis)
+            stacked = eqx.filter_vmap(
+                lambda k: init_params(layer_specs, config.sizes, key=k, std=std, dtype=dtype)  # noqa: B023
+            )(jr.split(keys[prefix], n))
+            arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
+        return arrays
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "B S"],
+        *,
+        positions: Int[Array, "B S"] | None = None,
+        segment_ids: Int[Array, "B S"] | None = None,
+        placement=None,
+    ) -> Float[Array, "B S V"]:
+        """Float32 logits for every position (causal; packed segments never see each other)."""
+        return self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement).logits
+
+    def forward(
+        self,
+        input_ids: Int[Array, "B S"],
+        *,
+        positions: Int[Array, "B S"] | None = None,
+        segment_ids: Int[Array, "B S"] | None = None,
+        placement=None,
+        return_hidden: bool = False,
+    ) -> DeepseekV3Output:
+        """Logits, per-MoE-layer expert load, the summed balance loss, MTP logits (when the
+        model has MTP; position t predicts token t+2), and with ``return_hidden`` the hidden
+        states as ``transformers`` reports them."""
+        from zoo.placement import layer_policy
+
+        config, dtype = self.config, self.compute_dtype
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+        cos, sin = rope_cos_sin(config.rope, config.qk_rope_head_dim, positions)
+        policy = layer_policy(placement, self)
+        x = embed(self.embed, input_ids, dtype)
+        outputs = [x]
+
+        if self.dense_layers is not None:
+
+            def dense_body(h, layer):
+                h = dense_layer(config, jax.tree.map(lambda w: w.astype(dtype), layer), h, cos, sin, segment_ids)
+                return h, (h if return_hidden else None)
+
+            x, ys = scan_layers(dense_body, x, self.dense_layers, policy=policy)
+            outputs.append(ys)
+        load, balance = None, jnp.zeros((), jnp.float32)
+        if self.moe_layers is not None:
+
+            def moe_body(carry, layer):
+                h, total = carry
+                h, layer_load, layer_balance = moe_layer(
+                    config, self._cast_moe(layer, dtype), h, cos, sin, segment_ids, self.expert_impl
+                )
+                return (h, total + layer_balance), (layer_load, h if return_hidden else None)
+
+            (x, balance), (load, ys) = scan_layers(moe_body, (x, balance), self.moe_layers, policy=policy)
+            outputs.append(ys)
+        last = x
+        x = rms_norm(x, self.final_norm, config.rms_norm_eps)
+        head = self.embed if self.head is None else self.head
+        logits = unembed(x, head)
+        mtp_logits = None
+        if self.mtp is not None:
+            mtp_logits = self._mtp(last, input_ids, head, cos, sin, segment_ids, dtype)
+        hidden = None
+        if return_hidden:
+            per_layer = jnp.concatenate([o for o in outputs[1:] if o is not None], axis=0)
+            hidden = jnp.concatenate([outputs[0][None], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
+        return DeepseekV3Output(logits, hidden, load, balance, mtp_logits)
+
+    @staticmethod
+    def _cast_moe(layer: MoELayer, dtype) -> MoELayer:
+        """Compute-dtype copy of a layer's weights; the router stays float32 (it routes)."""
+        router = (layer.moe.router, layer.moe.router_bias)
+        layer = jax.tree.map(lambda w: w.astype(dtype), layer)
+        return eqx.tree_at(lambda l: (l.moe.router, l.moe.router_bias), layer, router)
+
+    def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype) -> Float[Array, "B S V"]:
+        m, eps = self.mtp, self.config.rms_norm_eps
+        next_ids = jnp.concatenate([input_ids[:, 1:], input_ids[:, -1:]], axis=1)
+        e = rms_norm(embed(self.embed, next_ids, dtype), m.enorm, eps)
+        h = rms_norm(last, m.hnorm, eps)
+        x = jnp.einsum("bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
+        x, _, _ = moe_layer(self.config, self._cast_moe(m.block, dtype), x, cos, sin, segment_ids, self.expert_impl)
+        return unembed(rms_norm(x, m.final_norm, eps), head)

@@ -1,0 +1,147 @@
+"""DeepSeek-V3 mixture of experts: sigmoid routing with the aux-loss-free bias, group-limited
+top-k, dropless expert compute with ``jax.lax.ragged_dot``, and the load-balancing rules.
+
+Dimension letters: T tokens · D model width · E routed experts · M expert hidden ·
+K experts per token (top-k) · G expert groups · X shared experts' hidden · Lm MoE layers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
+
+from zoo.layers.mlp import SwiGLU
+
+ExpertImpl = Literal["ragged", "dense"]
+
+
+class MoE(eqx.Module):
+    """Router, routed experts (stacked on E) and shared experts of one MoE layer (or all, on ``*L``)."""
+
+    router: Float[Array, "*L D E"]
+    router_bias: Float[Array, "*L E"]
+    w_gate: Float[Array, "*L E D M"]
+    w_up: Float[Array, "*L E D M"]
+    w_down: Float[Array, "*L E M D"]
+    shared: SwiGLU | None
+
+
+class Routing(NamedTuple):
+    """Which experts each token goes to, with what weight; and the scores behind it."""
+
+    experts: Int[Array, "T K"]
+    weights: Float[Array, "T K"]
+    scores: Float[Array, "T E"]
+
+
+def route(
+    x: Float[Array, "T D"],
+    router: Float[Array, "D E"],
+    bias: Float[Array, " E"],
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> Routing:
+    """DeepSeek-V3's router, in float32.
+
+    Scores are ``sigmoid(x @ router)``. The correction ``bias`` only *chooses*: each group is
+    scored by the sum of its two best biased scores, the ``topk_group`` best groups are kept,
+    and the ``top_k`` best biased scores among them are picked. The combine weights are the
+    *unbiased* scores of the picked experts, normalised to sum 1 when ``norm_topk_prob``, times
+    ``scaling``. No gradient reaches the bias (it is updated by :func:`update_router_bias`).
+    """
+    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32))
+    logits = checkpoint_name(logits, "router_logits")
+    scores = jax.nn.sigmoid(logits)
+    choice = jax.lax.stop_gradient(scores) + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    n_experts = choice.shape[-1]
+    if n_group > 1:
+        grouped = choice.reshape(-1, n_group, n_experts // n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        _, keep = jax.lax.top_k(group_scores, topk_group)
+        group_mask = jnp.zeros_like(group_scores, dtype=jnp.bool_).at[jnp.arange(keep.shape[0])[:, None], keep].set(True)
+        expert_mask = jnp.repeat(group_mask, n_experts // n_group, axis=-1)
+        choice = jnp.where(expert_mask, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return Routing(experts, weights * scaling, scores)
+
+
+def expert_load(experts: Int[Array, "T K"], n_experts: int) -> Int[Array, " E"]:
+    """Tokens routed to each expert."""
+    return jnp.zeros(n_experts, jnp.int32).at[experts.reshape(-1)].add(1)
+
+
+def routed_experts_ragged(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Dropless expert compute: sort the T·K (token, expert) pairs by expert and run each
+    expert's SwiGLU on its contiguous rows as grouped matmuls (``ragged_dot``). No capacity,
+    no token dropped; the work is exactly the routed tokens'."""
+    t, k = routing.experts.shape
+    flat = routing.experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = expert_load(routing.experts, w_gate.shape[0])
+    rows = jnp.take(x, order // k, axis=0)
+    gate = checkpoint_name(jax.lax.ragged_dot(rows, w_gate, group_sizes), "moe_gate")
+    up = checkpoint_name(jax.lax.ragged_dot(rows, w_up, group_sizes), "moe_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    out = jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    # Undo the sort (a gather, not a scatter-add) and combine each token's K expert outputs.
+    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
+
+
+def routed_experts_dense(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Reference path: every expert on every token, combined with the routing weights
+    (zero for experts not chosen). E/K times the work of the dropless path."""
+    combine = jnp.zeros(routing.scores.shape, x.dtype)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], routing.experts].set(routing.weights.astype(x.dtype))
+    gate = checkpoint_name(jnp.einsum("td,edm->tem", x, w_gate), "moe_gate")
+    up = checkpoint_name(jnp.einsum("td,edm->tem", x, w_up), "moe_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    return jnp.einsum("tem,emd,te->td", hidden, w_down, combine)
+
+
+def sequence_balance_loss(
+    scores: Float[Array, "B S E"], experts: Int[Array, "B S K"]
+) -> Float[Array, ""]:
+    """DeepSeek-V3's sequence-wise balance loss, before its α: per sequence,
+    ``Σ_e f_e · P_e`` with ``f_e = E/(K·S) · #tokens choosing e`` and ``P_e`` the mean of the
+    scores normalised over experts; averaged over the batch."""
+    _, s, e = scores.shape
+    k = experts.shape[-1]
+    counts = jax.vmap(lambda ex: expert_load(ex, e))(experts)
+    f = counts.astype(jnp.float32) * (e / (k * s))
+    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
+
+
+def update_router_bias(
+    bias: Float[Array, "*L E"], load: Int[Array, "*L E"], gamma: float
+) -> Float[Array, "*L E"]:
+    """The auxiliary-loss-free balancing step: ``bias_e += γ · sign(mean load − load_e)``
+    per layer, so under-loaded experts become likelier to be chosen. Not a gradient step."""
+    load = load.astype(jnp.float32)
+    step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return bias + (gamma * step).astype(bias.dtype)
