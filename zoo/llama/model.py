@@ -87,7 +87,9 @@ def llama_layer(
     q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
     ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids)
     ctx = checkpoint_name(ctx, "context")
-    x = x + jnp.einsum("bshk,hkd->bsd", ctx, a.wo)
+    # The projection only feeds the residual add, but the add's result feeds the MLP norm,
+    # whose backward needs it: saving this name spares recomputing the projection.
+    x = x + checkpoint_name(jnp.einsum("bshk,hkd->bsd", ctx, a.wo), "attn_out")
     h = checkpoint_name(rms_norm(x, layer.mlp_norm, eps), "mlp_norm")
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 

@@ -1,0 +1,477 @@
+"""The placement map: one source of truth with the model code, every name matters, numerics
+never change, the CUDA program moves exactly the offloaded names, memory falls with remat,
+and parameters / optimizer state can live in pinned host memory between steps."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import io
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from conftest import FIXTURES, reference
+from helpers import global_norm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zoo
+from zoo import LlamaPlacement, PlacementError
+from zoo.llama import preset
+from zoo.placement import (
+    PlacementMap,
+    layer_policy,
+    make_train_step,
+    memory_kinds,
+    named_tensors,
+    placement_map_for,
+    tree_placement,
+)
+
+NAMES = LlamaPlacement.names()
+PRESETS = LlamaPlacement.preset_names()
+FAST = {"xla_backend_optimization_level": 0}  # same buffers, a fraction of the CPU compile time
+
+
+@functools.cache
+def tiny() -> zoo.Llama:
+    return zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+
+
+@functools.cache
+def tiny_ids() -> jax.Array:
+    return jnp.asarray(reference("llama3_1-tiny")["input_ids"])
+
+
+def maps() -> st.SearchStrategy[LlamaPlacement]:
+    """Random maps: every field any placement it accepts."""
+    return st.builds(LlamaPlacement, **{n: st.sampled_from(LlamaPlacement.choices(n)) for n in NAMES})
+
+
+# -- one source of truth -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", [None, "device", "remat", "offload_attn"])
+def test_fields_are_exactly_the_names_in_the_model(placement):
+    """Every field names a tensor of the traced program (no dead field) and every
+    checkpoint_name of the model is a field, each once per layer body."""
+    model, ids = tiny(), tiny_ids()
+    found = collections.Counter(n for n, _ in named_tensors(lambda m: zoo.lm_loss(m, ids, placement=placement), model))
+    assert found == collections.Counter(NAMES)
+
+
+def test_fields_are_a_typed_dataclass():
+    assert dataclasses.is_dataclass(LlamaPlacement)
+    assert [f.name for f in dataclasses.fields(LlamaPlacement)] == list(NAMES)
+    assert all(f.type == "Placement" for f in dataclasses.fields(LlamaPlacement))
+    m = dataclasses.replace(LlamaPlacement(), query="pinned_host")
+    assert m.query == "pinned_host" and m.placed("pinned_host") == ("query",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.query = "remat"  # type: ignore[misc]
+
+
+# -- every name matters ----------------------------------------------------------------------
+
+
+def residuals(model, ids, placement) -> collections.Counter:
+    """What the backward pass keeps, as ``dtype<memory>[shape]`` strings (``<host>`` marks
+    pinned host memory), from ``jax.ad_checkpoint.print_saved_residuals``."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda m: zoo.lm_loss(m, ids, placement=placement), model)
+    return collections.Counter(line.split(" ", 1)[0] for line in out.getvalue().splitlines())
+
+
+def stacked(model, name: str, *, host: bool = False) -> str:
+    """The residual one named tensor becomes: stacked over the L scanned layers."""
+    shapes = {n: s for n, s in named_tensors(lambda m: zoo.lm_loss(m, tiny_ids(), placement="device"), model)}
+    s = shapes[name]
+    dtype = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}[jnp.dtype(s.dtype)]
+    return f"{dtype}{'<host>' if host else ''}[{','.join(map(str, (model.config.num_layers, *s.shape)))}]"
+
+
+def check_flip(model, ids, base: LlamaPlacement, name: str) -> None:
+    """From ``base`` with ``name`` on device: remat drops exactly that tensor's residual and
+    adds nothing; pinned_host moves exactly it to host memory."""
+    on_device = residuals(model, ids, dataclasses.replace(base, **{name: "device"}))
+    mine = stacked(model, name)
+    assert on_device[mine] >= 1
+    if "remat" in LlamaPlacement.choices(name):
+        rematted = residuals(model, ids, dataclasses.replace(base, **{name: "remat"}))
+        assert on_device - rematted == collections.Counter({mine: 1}), name
+        assert rematted - on_device == collections.Counter(), name
+    offloaded = residuals(model, ids, dataclasses.replace(base, **{name: "pinned_host"}))
+    assert on_device - offloaded == collections.Counter({mine: 1}), name
+    assert offloaded - on_device == collections.Counter({stacked(model, name, host=True): 1}), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_name_changes_what_the_backward_pass_keeps(name):
+    check_flip(tiny(), tiny_ids(), LlamaPlacement.preset("device"), name)
+
+
+@settings(max_examples=6, deadline=None)
+@given(base=maps(), name=st.sampled_from(NAMES))
+def test_every_name_matters_whatever_the_rest(base, name):
+    check_flip(tiny(), tiny_ids(), base, name)
+
+
+def test_layer_input_refuses_remat_because_it_cannot_be_recomputed(monkeypatch):
+    """Dropping ``layer_input`` from the saved names changes nothing: the body's argument is
+    kept anyway. So the map refuses 'remat' for it rather than silently meaning 'device'."""
+    model, ids = tiny(), tiny_ids()
+    rest = [n for n in NAMES if n != "layer_input"]
+    monkeypatch.setattr(zoo.placement, "layer_policy", lambda policy, model: policy)
+    keep = jax.checkpoint_policies.save_only_these_names(*NAMES)
+    drop = jax.checkpoint_policies.save_only_these_names(*rest)
+    assert residuals(model, ids, keep) == residuals(model, ids, drop)
+    monkeypatch.undo()
+    with pytest.raises(PlacementError, match="layer_input cannot be 'remat': the layer input is the scan carry"):
+        LlamaPlacement(layer_input="remat")
+    with pytest.raises(PlacementError, match="layer_input cannot be 'remat'"):
+        LlamaPlacement.parse("device+layer_input=remat")
+    assert LlamaPlacement.choices("layer_input") == ("device", "pinned_host")
+    assert LlamaPlacement.preset("remat").layer_input == "device"
+
+
+def test_a_tensor_the_backward_never_needs_would_be_a_dead_name(monkeypatch):
+    """Why the down projection has no name: it only feeds the add that ends the layer, so
+    saving or recomputing it leaves the backward pass unchanged."""
+    model, ids = tiny(), tiny_ids()
+    real = zoo.llama.model.swiglu
+    monkeypatch.setattr(zoo.llama.model, "swiglu", lambda *a, **k: jax.ad_checkpoint.checkpoint_name(real(*a, **k), "mlp_out"))
+    monkeypatch.setattr(zoo.placement, "layer_policy", lambda policy, model: policy)
+    save = jax.checkpoint_policies.save_only_these_names(*NAMES, "mlp_out")
+    skip = jax.checkpoint_policies.save_only_these_names(*NAMES)
+    assert residuals(model, ids, save) == residuals(model, ids, skip)
+    # ... whereas the attention output projection, which also only feeds an add, matters
+    # (the add's result feeds the MLP norm): test_every_name_changes_... covers attn_out.
+
+
+# -- numerics never change ---------------------------------------------------------------
+
+
+@functools.cache
+def grads(placement: LlamaPlacement | str | None):
+    f = jax.jit(
+        lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement), compiler_options=FAST
+    )
+    return f(tiny(), tiny_ids())
+
+
+def check_same_gradients(placement) -> None:
+    loss, g = grads(placement)
+    ref_loss, ref = grads(None)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(ref)):
+        err = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert err <= 1e-6, f"{placement}: gradient of {jax.tree_util.keystr(path)} off by {err:.2e} relative"
+    np.testing.assert_allclose(global_norm(g), float(reference("llama3_1-tiny")["grad_norm"]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_give_the_same_gradients(name):
+    check_same_gradients(LlamaPlacement.preset(name))
+
+
+@settings(max_examples=5, deadline=None)
+@given(placement=maps())
+def test_random_maps_give_the_same_gradients(placement):
+    check_same_gradients(placement)
+
+
+def test_no_map_matches_transformers():
+    np.testing.assert_allclose(global_norm(grads(None)[1]), float(reference("llama3_1-tiny")["grad_norm"]), rtol=1e-5)
+
+
+# -- the CUDA program moves exactly the offloaded names -------------------------------------
+
+_FUNC = re.compile(r"^(\s*)func\.func (?:public|private) @([\w.$-]+)\(")
+_CALL = re.compile(r"(?<![\w.])(?:func\.)?call @([\w.$-]+)\(")  # not custom_call
+_ANNOTATE = re.compile(
+    r'@annotate_device_placement\(.*_xla_buffer_placement = "(\w+)".*: \((tensor<[^>]*>)\) ->'
+)
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _close(lines: list[str], start: int) -> int:
+    """The line closing the region opened at ``start`` (the next ``}`` at its indentation)."""
+    ind = _indent(lines[start])
+    return next(i for i in range(start + 1, len(lines)) if _indent(lines[i]) == ind and lines[i].lstrip().startswith("}"))
+
+
+def placement_annotations(mlir: str) -> tuple[list[collections.Counter], collections.Counter]:
+    """``annotate_device_placement`` custom calls of a StableHLO module, as
+    ``(placement, tensor type)`` counts: per ``while`` loop body (a scan) and for the whole
+    program run from ``main``, through the function calls, once per call."""
+    lines = mlir.splitlines()
+    funcs = {m.group(2): (i, _close(lines, i)) for i, line in enumerate(lines) if (m := _FUNC.match(line))}
+
+    @functools.cache
+    def in_func(name: str) -> collections.Counter:
+        return in_span(*funcs[name])
+
+    def in_span(a: int, b: int) -> collections.Counter:
+        found: collections.Counter = collections.Counter()
+        for line in lines[a + 1 : b]:
+            if m := _ANNOTATE.search(line):
+                found[m.groups()] += 1
+            for callee in _CALL.findall(line):
+                found += in_func(callee)
+        return found
+
+    loops = [in_span(i, _close(lines, i)) for i, line in enumerate(lines) if line.strip() == "} do {"]
+    return loops, in_func("main")
+
+
+def tensor_type(s: jax.ShapeDtypeStruct) -> str:
+    return f"tensor<{'x'.join(map(str, s.shape))}x{ {jnp.dtype(jnp.float32): 'f32'}[jnp.dtype(s.dtype)] }>"
+
+
+def cuda_training_step(placement) -> str:
+    model, ids = tiny(), tiny_ids()
+    step = jax.jit(lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement))
+    return jax.export.export(step, platforms=["cuda"])(model, ids).mlir_module()
+
+
+def check_round_trips(placement: LlamaPlacement) -> None:
+    """Forward scan body: one copy to pinned host per offloaded name; backward scan body: one
+    copy back to device per offloaded name; nothing else anywhere."""
+    shapes = dict(named_tensors(lambda m: zoo.lm_loss(m, tiny_ids(), placement="device"), tiny()))
+    offloaded = collections.Counter(tensor_type(shapes[n]) for n in placement.placed("pinned_host"))
+    loops, total = placement_annotations(cuda_training_step(placement))
+    busy = [c for c in loops if c]
+    if not offloaded:
+        assert total == collections.Counter() and busy == []
+        return
+    to_host = collections.Counter({("pinned_host", t): k for t, k in offloaded.items()})
+    to_device = collections.Counter({("device", t): k for t, k in offloaded.items()})
+    assert busy == [to_host, to_device], busy
+    assert total == to_host + to_device
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_program_offloads_one_name(name):
+    check_round_trips(dataclasses.replace(LlamaPlacement.preset("save_matmuls"), **{name: "pinned_host"}))
+
+
+@pytest.mark.parametrize("name", ["device", "remat", "save_matmuls", "offload_attn"])
+def test_cuda_program_offloads_each_preset(name):
+    check_round_trips(LlamaPlacement.preset(name))
+
+
+def test_cuda_program_offloads_everything():
+    everything = LlamaPlacement(**{n: "pinned_host" for n in NAMES})
+    check_round_trips(everything)
+    loops, _ = placement_annotations(cuda_training_step(everything))
+    assert sum(sum(c.values()) for c in loops) == 2 * len(NAMES)
+
+
+def test_no_map_means_no_checkpoint_and_no_transfers():
+    mlir = cuda_training_step(None)
+    assert "annotate_device_placement" not in mlir
+    loops, total = placement_annotations(mlir)
+    assert len(loops) == 2 and total == collections.Counter()  # forward and backward scans
+
+
+# -- memory moves the right way --------------------------------------------------------------
+
+
+def test_device_memory_falls_as_names_move_to_remat():
+    """Compiled temp bytes of the training step on a deeper, longer model: each name moved
+    from device to remat lowers them, and full remat is far below everything on device."""
+    config = dataclasses.replace(
+        preset("tiny"), hidden_size=128, intermediate_size=512, num_layers=16, num_heads=4, num_kv_heads=2, head_dim=32
+    )
+    model = jax.eval_shape(lambda: zoo.Llama(config, key=jr.key(0)))
+    ids = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+
+    def temp(placement) -> int:
+        step = jax.jit(lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement))
+        return step.lower(model, ids).compile(FAST).memory_analysis().temp_size_in_bytes
+
+    chain = {"device": LlamaPlacement.preset("device")}
+    for name in NAMES:
+        if "remat" in LlamaPlacement.choices(name):
+            chain[name] = dataclasses.replace(list(chain.values())[-1], **{name: "remat"})
+    assert list(chain.values())[-1] == LlamaPlacement.preset("remat")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles outside the GIL
+        sizes = dict(zip(chain, pool.map(temp, chain.values())))
+    values = list(sizes.values())
+    assert all(a > b for a, b in zip(values, values[1:])), sizes
+    assert values[-1] * 3 < values[0], sizes
+
+
+# -- parsing, presets, errors ----------------------------------------------------------------
+
+
+def test_parse_forms():
+    assert LlamaPlacement.parse("query=pinned_host,mlp_up=remat") == LlamaPlacement(query="pinned_host", mlp_up="remat")
+    assert LlamaPlacement.parse("remat") == LlamaPlacement.preset("remat")
+    remat_q = LlamaPlacement.parse(" remat + query = pinned_host ")
+    assert remat_q == dataclasses.replace(LlamaPlacement.preset("remat"), query="pinned_host")
+    assert LlamaPlacement.parse("remat+query=device+key=device") == dataclasses.replace(
+        LlamaPlacement.preset("remat"), query="device", key="device"
+    )
+    for name in PRESETS:
+        m = LlamaPlacement.preset(name)
+        assert LlamaPlacement.parse(m.spec()) == m == LlamaPlacement.parse(name)
+
+
+def test_presets():
+    assert set(LlamaPlacement.preset("device").placed("device")) == set(NAMES)
+    remat = LlamaPlacement.preset("remat")
+    assert remat.placed("device") == ("layer_input",) and len(remat.placed("remat")) == len(NAMES) - 1
+    save = LlamaPlacement.preset("save_matmuls")
+    assert save.placed("device") == ("layer_input", "query", "key", "value", "context", "attn_out", "mlp_gate", "mlp_up")
+    offload = LlamaPlacement.preset("offload_attn")
+    assert offload.placed("pinned_host") == ("layer_input", "query", "key", "value")
+    assert offload.placed("remat") == save.placed("remat")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("quer=pinned_host", r"no tensor named 'quer' \(did you mean 'query'\?\); valid names: layer_input, attn_norm"),
+        ("query=pinned", r"unknown placement 'pinned' \(did you mean 'pinned_host'\?\); valid placements: device, remat"),
+        ("save_matmul", r"no preset 'save_matmul' \(did you mean 'save_matmuls'\?\); valid presets: device, remat"),
+        ("query=device+remat", "a preset name may only come first"),
+        ("remat+query", "expected name=placement"),
+        ("query=device,query=remat", "'query' is given twice"),
+        ("  ", "empty placement spec"),
+        ("remat+layer_input=remat", "layer_input cannot be 'remat'"),
+    ],
+)
+def test_parse_errors_name_the_culprit(spec, message):
+    with pytest.raises(PlacementError, match=message):
+        LlamaPlacement.parse(spec)
+    assert issubclass(PlacementError, ValueError)
+
+
+def test_constructor_validates():
+    with pytest.raises(PlacementError, match=r"LlamaPlacement.query: unknown placement 'hbm'"):
+        LlamaPlacement(query="hbm")  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="LlamaPlacement.key: unknown placement"):
+        dataclasses.replace(LlamaPlacement(), key="host")
+
+
+# -- the map fits the model ------------------------------------------------------------------
+
+
+class ToyModel:
+    """Stands in for a second model (DeepSeek-V3 registers the same way)."""
+
+
+@dataclass(frozen=True)
+class ToyPlacement(PlacementMap, model=ToyModel):
+    presets: ClassVar[dict[str, str]] = {"keep_router": "remat+router=device"}
+    router: zoo.Placement = "device"
+    expert_out: zoo.Placement = "device"
+
+
+def test_a_second_model_registers_its_map_by_declaring_it():
+    assert placement_map_for(ToyModel()) is ToyPlacement
+    assert placement_map_for(zoo.Llama) is LlamaPlacement
+    assert ToyPlacement.preset("keep_router") == ToyPlacement(router="device", expert_out="remat")
+    assert ToyPlacement.preset_names() == ("device", "remat", "keep_router")
+    assert layer_policy("remat+router=pinned_host", ToyModel()) is ToyPlacement(router="pinned_host", expert_out="remat").policy()
+
+
+def test_layer_policy_checks_the_map_fits_the_model():
+    model = tiny()
+    assert layer_policy(None, model) is None
+    assert layer_policy("offload_attn", model) is LlamaPlacement.preset("offload_attn").policy()
+    with pytest.raises(PlacementError, match="a ToyPlacement places the tensors of ToyModel, not of a Llama; use LlamaPlacement"):
+        layer_policy(ToyPlacement(), model)
+    with pytest.raises(PlacementError, match="ToyPlacement has no tensor named 'query'"):
+        layer_policy("query=remat", ToyModel())
+    with pytest.raises(TypeError, match="placement"):  # the annotation's check, or layer_policy's own
+        layer_policy({"query": "remat"}, model)
+    with pytest.raises(PlacementError, match="no placement map is registered for object"):
+        layer_policy("remat", object())
+    with pytest.raises(PlacementError, match="ToyPlacement"):
+        zoo.lm_loss(model, tiny_ids(), placement=ToyPlacement())
+
+
+def test_placement_strings_reach_the_model():
+    loss = zoo.lm_loss(tiny(), tiny_ids(), placement="save_matmuls+query=pinned_host")
+    np.testing.assert_allclose(float(loss), float(reference("llama3_1-tiny")["loss"]), rtol=1e-5)
+
+
+# -- parameters and optimizer state ----------------------------------------------------------
+
+
+def test_tree_placement_moves_whole_trees():
+    model = tiny()
+    on_host = tree_placement(model, "pinned_host")
+    assert memory_kinds(on_host) == {"pinned_host"} and memory_kinds(model) == {"device"}
+    back = tree_placement(on_host, "device")
+    assert memory_kinds(back) == {"device"}
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)))
+    mesh = jax.make_mesh((8,), ("data",))
+    sharded = jax.device_put(jnp.arange(16.0), jax.sharding.NamedSharding(mesh, jax.P("data")))
+    moved = tree_placement(sharded, "pinned_host")
+    assert moved.sharding == sharded.sharding.with_memory_kind("pinned_host")
+    with pytest.raises(PlacementError, match="parameters cannot be 'remat': it is an input of the training step"):
+        tree_placement(model, "remat", what="parameters")
+    with pytest.raises((PlacementError, TypeError), match="'host'"):  # the Literal's check, or ours
+        tree_placement(model, "host")  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="optimizer state cannot be 'remat'"):
+        make_train_step(zoo.lm_loss, optax.adamw(1e-3), opt_state="remat")
+
+
+def _steps(params: str, opt_state: str, n: int = 2):
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    model = tiny()
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    model, state = tree_placement(model, params), tree_placement(state, opt_state)
+    step = make_train_step(zoo.lm_loss, optimizer, params=params, opt_state=opt_state, donate=False, compiler_options=FAST)
+    losses = []
+    for _ in range(n):
+        model, state, loss = step(model, state, tiny_ids())
+        losses.append(float(loss))
+    return model, state, losses, step
+
+
+def test_train_step_with_params_and_optimizer_state_on_host_matches_device():
+    ref_model, ref_state, ref_losses, _ = _steps("device", "device")
+    for params, opt_state in [("pinned_host", "pinned_host"), ("device", "pinned_host")]:
+        model, state, losses, _ = _steps(params, opt_state)
+        assert memory_kinds(model) == {params} and memory_kinds(state) == {opt_state}
+        assert losses == ref_losses and losses[1] < losses[0]
+        for a, b in zip(jax.tree.leaves((model, state)), jax.tree.leaves((ref_model, ref_state))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert memory_kinds((ref_model, ref_state)) == {"device"}
+
+
+def test_cuda_train_step_streams_params_and_optimizer_state():
+    """Exported for CUDA: host-resident arguments and results, one copy in to device and one
+    back to pinned host per parameter and optimizer-state array; none for the device step."""
+    optimizer = optax.adamw(1e-2)
+    model = tiny()
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    leaves = len(jax.tree.leaves((model, state)))
+    for where in ("pinned_host", "device"):
+        step = make_train_step(zoo.lm_loss, optimizer, params=where, opt_state=where)
+        args = (tree_placement(model, where), tree_placement(state, where), tiny_ids())
+        mlir = jax.export.export(step, platforms=["cuda"])(*args).mlir_module()
+        main = next(line for line in mlir.splitlines() if "func.func public @main" in line)
+        assert main.count('mhlo.memory_kind = "pinned_host"') == (2 * leaves if where == "pinned_host" else 0)
+        loops, total = placement_annotations(mlir)
+        assert all(not c for c in loops)  # the transfers are outside the layer scans
+        moves = collections.Counter(p for (p, _), k in total.items() for _ in range(k))
+        assert moves == (collections.Counter(device=leaves, pinned_host=leaves) if where == "pinned_host" else {})
