@@ -20,11 +20,12 @@ def check_parity(path: Path, *, atol: float = 1e-5, rtol: float = 1e-5, **load) 
     ref = dict(np.load(path / "reference.npz"))
     model = zoo.from_pretrained(path, **load)
     ids = jnp.asarray(ref["input_ids"])
-    logits, hidden = model.forward(ids, return_hidden=True)
+    out = eqx.filter_jit(lambda m, x: m.forward(x, return_hidden=True))(model, ids)
+    logits, hidden = out[0], out[1]
     np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=atol, rtol=0)
     assert hidden.shape == ref["hidden_states"].shape
     for i, (h, r) in enumerate(zip(np.asarray(hidden), ref["hidden_states"])):
         np.testing.assert_allclose(h, r, atol=atol, rtol=0, err_msg=f"hidden state {i}")
-    loss, grads = eqx.filter_value_and_grad(zoo.lm_loss)(model, ids)
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, ids)
     np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=rtol)
     np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=rtol)

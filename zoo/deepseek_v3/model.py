@@ -36,7 +36,7 @@ from zoo.deepseek_v3.moe import (
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
-from zoo.params import Param, build, init_params, strip_prefix
+from zoo.params import Param, build, flatten, init_params, strip_prefix
 
 
 def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
@@ -255,13 +255,19 @@ class DeepseekV3(eqx.Module):
         if arrays is None:
             if key is None:
                 raise TypeError("DeepseekV3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = self._init(specs, key, param_dtype)
+            arrays = jax.jit(lambda k: self._init(specs, k, param_dtype))(key)
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.num_dense_layers else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.num_moe_layers else None
         self.final_norm = arrays["final_norm"]
         self.head = None if config.tie_word_embeddings else arrays["head"]
         self.mtp = build(MTP, arrays, "mtp.") if config.mtp else None
+
+    def with_expert_impl(self, expert_impl: str) -> DeepseekV3:
+        """The same weights with another expert path (``"ragged"`` or ``"dense"``)."""
+        return DeepseekV3(
+            self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl
+        )
 
     def _init(self, specs, key, dtype) -> dict[str, Array]:
         """Fresh weights; each layer stack is built by ``filter_vmap`` over per-layer keys."""

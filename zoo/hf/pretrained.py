@@ -41,6 +41,8 @@ class Family:
     # Tensors stored twice in the hub layout: key -> the parameter path it copies (written on
     # save, not read on load).
     duplicates: Callable[[Any], dict[str, str]] = field(default=lambda config: {})
+    # Model-specific consistency checks of the file's keys against the config (raise CheckpointError).
+    check: Callable[[Any, set[str]], None] = field(default=lambda config, keys: None)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -193,6 +195,10 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, **optio
     files = CheckpointFiles(path)
     source = _TensorSource(files, raw, path / "config.json")
     specs = family.params(config)
+    try:
+        family.check(config, files.keys())
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     skipped = family.skipped(config, files.keys())
     if skipped:
         log.info("%s: skipping %d tensors not used by this model (%s ...)", path, len(skipped), sorted(skipped)[0])

@@ -94,6 +94,19 @@ def llama_layer(
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 
+def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArray, dtype) -> dict[str, Array]:
+    """Fresh weights; the layer stack is built by ``filter_vmap`` over per-layer keys."""
+    k_layers, k_rest = jr.split(key)
+    std = config.initializer_range
+    rest = {p: s for p, s in specs.items() if not p.startswith("layers.")}
+    arrays = init_params(rest, config.sizes, key=k_rest, std=std, dtype=dtype)
+    layer_specs = strip_prefix(specs, "layers", "L")
+    stacked = eqx.filter_vmap(lambda k: init_params(layer_specs, config.sizes, key=k, std=std, dtype=dtype))(
+        jr.split(k_layers, config.num_layers)
+    )
+    return arrays | {f"layers.{p}": a for p, a in stacked.items()}
+
+
 class Llama(eqx.Module):
     """Llama 3.x causal language model: ``model(input_ids) -> logits``.
 
@@ -123,19 +136,8 @@ class Llama(eqx.Module):
         if arrays is None:
             if key is None:
                 raise TypeError("Llama needs key= (fresh init) or arrays= (loaded weights)")
-            k_layers, k_rest = jr.split(key)
-            rest = {p: s for p, s in specs.items() if not p.startswith("layers.")}
-            arrays = init_params(rest, config.sizes, key=k_rest, std=config.initializer_range, dtype=param_dtype)
-            layer_specs = strip_prefix(specs, "layers", "L")
-
-            @eqx.filter_vmap
-            def make_layer(k):
-                a = init_params(layer_specs, config.sizes, key=k, std=config.initializer_range, dtype=param_dtype)
-                return build(LlamaLayer, a)
-
-            self.layers = make_layer(jr.split(k_layers, config.num_layers))
-        else:
-            self.layers = build(LlamaLayer, arrays, "layers.")
+            arrays = jax.jit(lambda k: _init_llama(config, specs, k, param_dtype))(key)
+        self.layers = build(LlamaLayer, arrays, "layers.")
         self.embed = arrays["embed"]
         self.final_norm = arrays["final_norm"]
         self.head = None if config.tie_word_embeddings else arrays["head"]

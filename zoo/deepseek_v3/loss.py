@@ -1,0 +1,47 @@
+"""DeepSeek-V3's training objective: next-token loss, weighted MTP loss, sequence-wise balance loss."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from zoo.deepseek_v3.model import DeepseekV3
+from zoo.loss import cross_entropy, next_token_targets
+
+
+class DeepseekV3Metrics(NamedTuple):
+    lm_loss: Float[Array, ""]
+    mtp_loss: Float[Array, ""]
+    balance_loss: Float[Array, ""]
+    expert_load: Int[Array, "Lm E"] | None
+
+
+def deepseek_v3_loss(
+    model: DeepseekV3,
+    input_ids: Int[Array, "B S"],
+    *,
+    positions: Int[Array, "B S"] | None = None,
+    segment_ids: Int[Array, "B S"] | None = None,
+    placement=None,
+    mtp_weight: float = 0.3,
+    balance_alpha: float | None = None,
+) -> tuple[Float[Array, ""], DeepseekV3Metrics]:
+    """``lm + mtp_weight · mtp + balance_alpha · balance`` and its parts.
+
+    The MTP term (when the model has MTP) is the cross-entropy of predicting token t+2 from
+    position t. ``balance_alpha`` defaults to the config's ``aux_loss_alpha``. The per-layer
+    expert load in the metrics feeds :func:`zoo.deepseek_v3.update_router_bias`.
+    """
+    out = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
+    labels, mask = next_token_targets(input_ids, segment_ids)
+    lm = cross_entropy(out.logits[:, :-1], labels, mask)
+    mtp = jnp.zeros((), jnp.float32)
+    if out.mtp_logits is not None:
+        labels2 = input_ids[:, 2:]
+        mask2 = None if segment_ids is None else (segment_ids[:, 2:] == segment_ids[:, :-2])
+        mtp = cross_entropy(out.mtp_logits[:, :-2], labels2, mask2)
+    alpha = model.config.aux_loss_alpha if balance_alpha is None else balance_alpha
+    total = lm + mtp_weight * mtp + alpha * out.balance_loss
+    return total, DeepseekV3Metrics(lm, mtp, out.balance_loss, out.expert_load)
