@@ -41,7 +41,9 @@ from zoo.placement import (
 
 NAMES = LlamaPlacement.names()
 PRESETS = LlamaPlacement.preset_names()
-FAST = {"xla_backend_optimization_level": 0}  # same buffers, a fraction of the CPU compile time
+# XLA:CPU compiles ~5x faster without LLVM optimisation and the MLIR fusion emitters; the
+# buffers are the same to within a few hundred bytes, the arithmetic is the same float32.
+FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 @functools.cache
@@ -121,7 +123,7 @@ def test_every_name_changes_what_the_backward_pass_keeps(name):
     check_flip(tiny(), tiny_ids(), LlamaPlacement.preset("device"), name)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(base=maps(), name=st.sampled_from(NAMES))
 def test_every_name_matters_whatever_the_rest(base, name):
     check_flip(tiny(), tiny_ids(), base, name)
@@ -185,7 +187,7 @@ def test_presets_give_the_same_gradients(name):
     check_same_gradients(LlamaPlacement.preset(name))
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(placement=maps())
 def test_random_maps_give_the_same_gradients(placement):
     check_same_gradients(placement)
@@ -389,6 +391,19 @@ def test_a_second_model_registers_its_map_by_declaring_it():
     assert ToyPlacement.preset("keep_router") == ToyPlacement(router="device", expert_out="remat")
     assert ToyPlacement.preset_names() == ("device", "remat", "keep_router")
     assert layer_policy("remat+router=pinned_host", ToyModel()) is ToyPlacement(router="pinned_host", expert_out="remat").policy()
+
+
+def test_presets_may_build_on_each_other_but_not_in_a_cycle():
+    @dataclass(frozen=True)
+    class Cyclic(PlacementMap):
+        presets: ClassVar[dict[str, str]] = {"a": "b+x=remat", "b": "a", "c": "a+x=device"}
+        x: zoo.Placement = "device"
+
+    with pytest.raises(PlacementError, match="cycle: a -> b -> a"):
+        Cyclic.preset("a")
+    with pytest.raises(PlacementError, match="cycle: c -> a -> b -> a"):
+        Cyclic.parse("c")
+    assert LlamaPlacement.preset("offload_attn").attn_norm == "remat"  # built on save_matmuls, built on remat
 
 
 def test_layer_policy_checks_the_map_fits_the_model():

@@ -152,16 +152,7 @@ class PlacementMap:
     @classmethod
     def preset(cls: type[M], name: str) -> M:
         """A named map: ``device``, ``remat`` or one of the class's ``presets``."""
-        if name == "device":
-            return cls(**{n: "device" for n in cls.names()})
-        if name == "remat":
-            return cls(**{n: "remat" if "remat" in cls.choices(n) else "device" for n in cls.names()})
-        if name not in cls.presets:
-            raise PlacementError(f"{cls.__name__} has no preset {_choices('presets', name, cls.preset_names())}")
-        spec = cls.presets[name]
-        if spec.split("+", 1)[0].strip() == name:
-            raise PlacementError(f"{cls.__name__}.presets[{name!r}] refers to itself")
-        return cls.parse(spec)
+        return cls._preset(name, ())
 
     @classmethod
     def parse(cls: type[M], spec: str) -> M:
@@ -170,6 +161,22 @@ class PlacementMap:
         ``"query=pinned_host,mlp_up=remat"`` (unlisted names keep the field defaults), a preset
         name ``"save_matmuls"``, or a preset with overrides ``"remat+query=pinned_host"``.
         """
+        return cls._parse(spec, ())
+
+    @classmethod
+    def _preset(cls: type[M], name: str, seen: tuple[str, ...]) -> M:
+        if name == "device":
+            return cls(**{n: "device" for n in cls.names()})
+        if name == "remat":
+            return cls(**{n: "remat" if "remat" in cls.choices(n) else "device" for n in cls.names()})
+        if name not in cls.presets:
+            raise PlacementError(f"{cls.__name__} has no preset {_choices('presets', name, cls.preset_names())}")
+        if name in seen:
+            raise PlacementError(f"{cls.__name__}.presets refer to each other in a cycle: {' -> '.join((*seen, name))}")
+        return cls._parse(cls.presets[name], (*seen, name))
+
+    @classmethod
+    def _parse(cls: type[M], spec: str, seen: tuple[str, ...]) -> M:
         if not isinstance(spec, str) or not spec.strip():
             raise PlacementError(
                 f"{cls.__name__}: empty placement spec; give a preset ({', '.join(cls.preset_names())}) "
@@ -177,7 +184,7 @@ class PlacementMap:
             )
         parts = [p.strip() for p in spec.split("+")]
         if "=" not in parts[0]:
-            base, parts = cls.preset(parts[0]), parts[1:]
+            base, parts = cls._preset(parts[0], seen), parts[1:]
         else:
             base = cls()
         overrides: dict[str, str] = {}

@@ -1,0 +1,200 @@
+"""Memory and speed of every activation-placement preset, as one markdown table.
+
+    python benchmarks/placement.py [--model llama] [--platform cpu|gpu] [--budget-gib 1.0]
+                                   [--host-budget-gib G] [--steps 3] [--max-batch 256]
+
+For each preset of the model's placement map (and ``none``: no ``jax.checkpoint``), on the
+model's bench shape (Llama: ``zoo.llama.preset("bench")``, batch 4 x seq 256), one training
+step (loss and gradients) is compiled ahead of time and reported:
+
+- device temp / host temp: ``memory_analysis()`` temp bytes in device and host memory;
+- offloaded (map): bytes of the residuals the map sends to pinned host memory (L x the named
+  tensors placed ``pinned_host``), computed from the traced shapes, whatever the platform;
+- step: median wall time of ``--steps`` steps after one warm-up;
+- max batch: the largest batch (same sequence length) whose compiled step fits the device
+  budget (arguments + outputs + temps - aliased), by AOT compiles and binary search; with
+  ``--host-budget-gib`` the host temp must fit that too.
+
+On CPU, device and pinned host memory are the same RAM: XLA:CPU keeps offloaded residuals
+among the device temps and reports no host temps, so offloading shows only in the
+``offloaded (map)`` column there. On GPU the flags below are set before JAX starts.
+
+Another model joins with one entry in ``MODELS`` (its config preset, map class and shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Let XLA overlap the offload copies (async host<->device transfers) with compute, and let
+# its own rematerialisation pass treat pinned-host buffers as host memory (it otherwise
+# counts them against the device limit) and offload too.
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_gpu_enable_host_memory_offloading=true")
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What the benchmark needs from a model: a fresh model, its map class and its shape."""
+
+    build: Callable[[], tuple[Callable[[Any], Any], type]]  # -> (make_model(key), map class)
+    batch: int
+    seq: int
+
+
+def _llama() -> tuple[Callable[[Any], Any], type]:
+    import zoo
+    from zoo.llama import preset
+
+    return (lambda key: zoo.Llama(preset("bench"), key=key)), zoo.LlamaPlacement
+
+
+# Register a model here (deepseek_v3: its bench preset and DeepseekV3Placement).
+MODELS: dict[str, Bench] = {"llama": Bench(_llama, batch=4, seq=256)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama", choices=sorted(MODELS))
+    p.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--budget-gib", type=float, default=1.0, help="device memory budget for the max-batch search")
+    p.add_argument("--host-budget-gib", type=float, default=None, help="also require host temp bytes under this")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per preset (after one warm-up)")
+    p.add_argument("--max-batch", type=int, default=256, help="upper end of the max-batch search")
+    p.add_argument("--presets", default=None, help="comma-separated subset (default: none + every preset)")
+    return p.parse_args(argv)
+
+
+def setup_platform(platform: str) -> None:
+    """Environment for JAX, which must not be imported yet."""
+    if "jax" in sys.modules:
+        raise RuntimeError("setup_platform must run before jax is imported")
+    if platform == "gpu":
+        os.environ["JAX_PLATFORMS"] = "cuda"
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = " ".join([flags, *GPU_XLA_FLAGS]).strip()
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_platform(args.platform)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import zoo
+    from zoo.placement import named_tensors
+
+    bench = MODELS[args.model]
+    make_model, map_cls = bench.build()
+    # On CPU the buffers barely depend on LLVM's optimisation or the fusion emitters (a few
+    # hundred bytes): compile the search ~5x faster without them.
+    search_options = (
+        {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False} if args.platform == "cpu" else None
+    )
+
+    names = ["none", *map_cls.preset_names()] if args.presets is None else args.presets.split(",")
+    placements = {n: None if n == "none" else map_cls.parse(n) for n in names}
+    model = make_model(jax.random.key(0))
+    abstract = jax.eval_shape(lambda: model)
+    num_layers = model.config.num_layers
+    ids_of = lambda b: jax.ShapeDtypeStruct((b, bench.seq), jnp.int32)  # noqa: E731
+    shapes = dict(named_tensors(lambda m: zoo.lm_loss(m, jnp.zeros((bench.batch, bench.seq), jnp.int32)), model))
+
+    def step_fn(placement):
+        return jax.jit(lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement))
+
+    def device_bytes(stats) -> int:
+        return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+
+    def fits(placement, batch: int) -> bool:
+        stats = step_fn(placement).lower(abstract, ids_of(batch)).compile(search_options).memory_analysis()
+        ok = device_bytes(stats) <= args.budget_gib * GiB
+        if args.host_budget_gib is not None:
+            ok = ok and stats.host_temp_size_in_bytes <= args.host_budget_gib * GiB
+        return ok
+
+    def max_batch(placement) -> str:
+        if not fits(placement, 1):
+            return "0"
+        good, bad = 1, None
+        while bad is None:
+            trial = min(good * 2, args.max_batch)
+            if trial == good:
+                return f">={good}"
+            if fits(placement, trial):
+                good = trial
+            else:
+                bad = trial
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if fits(placement, mid) else (good, mid)
+        return str(good)
+
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, model.config.vocab_size, (bench.batch, bench.seq)), jnp.int32)
+    rows = []
+    for name, placement in placements.items():
+        step = step_fn(placement)
+        compiled = step.lower(model, ids).compile()
+        stats = compiled.memory_analysis()
+        offloaded = 0 if placement is None else sum(
+            num_layers * int(np.prod(shapes[n].shape)) * jnp.dtype(shapes[n].dtype).itemsize
+            for n in placement.placed("pinned_host")
+        )
+        jax.block_until_ready(compiled(model, ids))
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(model, ids))
+            times.append(time.perf_counter() - t0)
+        rows.append(
+            (
+                name,
+                fmt_bytes(stats.temp_size_in_bytes),
+                fmt_bytes(stats.host_temp_size_in_bytes),
+                fmt_bytes(offloaded),
+                f"{1000 * statistics.median(times):.0f}",
+                max_batch(placement),
+            )
+        )
+        print(f"  {name}: done", file=sys.stderr, flush=True)
+
+    device = jax.devices()[0]
+    host = "" if args.host_budget_gib is None else f", host budget {args.host_budget_gib:g} GiB"
+    print(
+        f"{args.model} bench shape (batch {bench.batch} x seq {bench.seq}, {num_layers} layers), "
+        f"loss + gradients, {device.platform} ({device.device_kind}); max batch under {args.budget_gib:g} GiB device{host}\n"
+    )
+    header = ("placement", "device temp", "host temp", "offloaded (map)", "step ms", f"max batch @ {args.budget_gib:g} GiB")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
