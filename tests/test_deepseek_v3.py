@@ -22,11 +22,10 @@ from zoo.deepseek_v3 import (
     deepseek_v3_loss,
     preset,
     route,
-    routed_experts_dense,
-    routed_experts_ragged,
     sequence_balance_loss,
     update_router_bias,
 )
+from zoo.deepseek_v3.moe import EXPERT_IMPLS
 from zoo.hf.safetensors import SafetensorsFile, write_safetensors
 from zoo.params import flatten
 
@@ -87,7 +86,7 @@ def test_fixture_bias_matters():
 
 def test_router_bias_gets_no_gradient():
     model = zoo.from_pretrained(TINY)
-    grads = eqx.filter_grad(zoo.lm_loss)(model, jnp.asarray(reference("deepseek_v3-tiny")["input_ids"]))
+    grads = eqx.filter_jit(eqx.filter_grad(zoo.lm_loss))(model, jnp.asarray(reference("deepseek_v3-tiny")["input_ids"]))
     assert float(jnp.abs(grads.moe_layers.moe.router_bias).max()) == 0.0
     assert float(jnp.abs(grads.moe_layers.moe.router).max()) > 0.0
 
@@ -101,30 +100,34 @@ def _expert_args(seed=0, t=48, d=16, e=8, m=12, k=2):
     return x, routing, ws
 
 
-def test_ragged_equals_dense_values_and_gradients():
-    x, routing, ws = _expert_args()
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("shape", [dict(), dict(t=37, e=16, m=4, k=4), dict(t=3, e=16, k=3)])
+def test_dropless_paths_equal_dense_values_and_gradients(impl, shape):
+    """Both dropless paths match every-expert-on-every-token, including few tokens (most
+    experts empty) and token counts that are not a multiple of anything."""
+    x, routing, ws = _expert_args(**shape)
+    fast, dense = EXPERT_IMPLS[impl], EXPERT_IMPLS["dense"]
 
     def loss(fn, x, weights, ws):
         r = routing._replace(weights=weights)
         return jnp.sum(jnp.sin(fn(x, r, *ws)))
 
+    np.testing.assert_allclose(fast(x, routing, *ws), dense(x, routing, *ws), atol=1e-5, rtol=1e-5)
     for argnum in (1, 2, 3):
-        g_r = jax.grad(loss, argnums=argnum)(routed_experts_ragged, x, routing.weights, ws)
-        g_d = jax.grad(loss, argnums=argnum)(routed_experts_dense, x, routing.weights, ws)
-        for a, b in zip(jax.tree.leaves(g_r), jax.tree.leaves(g_d)):
+        g_f = jax.grad(loss, argnums=argnum)(fast, x, routing.weights, ws)
+        g_d = jax.grad(loss, argnums=argnum)(dense, x, routing.weights, ws)
+        for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_d)):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(
-        routed_experts_ragged(x, routing, *ws), routed_experts_dense(x, routing, *ws), atol=1e-5, rtol=1e-5
-    )
 
 
-def test_ragged_model_equals_dense_model():
+def test_dropless_model_equals_dense_model():
     ids = jnp.asarray(reference("deepseek_v3-tiny-16e-mtp")["input_ids"])
     ragged = zoo.from_pretrained(FIXTURES / "deepseek_v3-tiny-16e-mtp")
+    assert ragged.expert_impl == "auto"
     dense = ragged.with_expert_impl("dense")
-    np.testing.assert_allclose(ragged(ids), dense(ids), atol=1e-5)
-    g_r = eqx.filter_grad(zoo.lm_loss)(ragged, ids)
-    g_d = eqx.filter_grad(zoo.lm_loss)(dense, ids)
+    np.testing.assert_allclose(eqx.filter_jit(ragged)(ids), eqx.filter_jit(dense)(ids), atol=1e-5)
+    grad = eqx.filter_jit(eqx.filter_grad(zoo.lm_loss))
+    g_r, g_d = grad(ragged, ids), grad(dense, ids)
     for (path, a), b in zip(flatten(g_r).items(), flatten(g_d).values()):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4, err_msg=path)
 
@@ -266,7 +269,7 @@ def test_fresh_model_trains_and_scans():
     model = zoo.DeepseekV3(config, key=jr.key(0))
     assert model.moe_layers.moe.w_gate.shape == (2, 8, 64, 32)
     ids = jr.randint(jr.key(1), (2, 16), 0, 256)
-    (loss, metrics), g = eqx.filter_value_and_grad(deepseek_v3_loss, has_aux=True)(model, ids)
+    (loss, metrics), g = eqx.filter_jit(eqx.filter_value_and_grad(deepseek_v3_loss, has_aux=True))(model, ids)
     assert np.isfinite(float(loss)) and global_norm(g) > 0
     assert float(metrics.mtp_loss) > 0
 

@@ -25,14 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.deepseek_v3.config import DeepseekV3Config
-from zoo.deepseek_v3.moe import (
-    MoE,
-    expert_load,
-    route,
-    routed_experts_dense,
-    routed_experts_ragged,
-    sequence_balance_loss,
-)
+from zoo.deepseek_v3.moe import EXPERT_IMPLS, MoE, expert_load, resolve_expert_impl, route, sequence_balance_loss
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
@@ -183,8 +176,7 @@ def moe_ffn(
         x, p.router, p.router_bias, top_k=config.num_experts_per_tok, n_group=config.n_group,
         topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
     )  # fmt: skip
-    experts = routed_experts_ragged if impl == "ragged" else routed_experts_dense
-    out = experts(x, routing, p.w_gate, p.w_up, p.w_down).reshape(b, s, d)
+    out = EXPERT_IMPLS[resolve_expert_impl(impl)](x, routing, p.w_gate, p.w_up, p.w_down).reshape(b, s, d)
     if p.shared is not None:
         out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")
     k = config.num_experts_per_tok
@@ -224,8 +216,10 @@ class DeepseekV3(eqx.Module):
 
     Build fresh with ``DeepseekV3(config, key=key)``, or from arrays (``{path: array}``, as
     :func:`zoo.from_pretrained` does) with ``DeepseekV3(config, arrays=arrays)``.
-    ``expert_impl``: ``"ragged"`` (dropless grouped matmuls, default) or ``"dense"`` (every
-    expert on every token; the reference the tests compare against).
+    ``expert_impl``: dropless ``"ragged_dot"`` (``jax.lax.ragged_dot``) or ``"tiled"`` (grouped
+    matmuls from gathers; see :func:`zoo.deepseek_v3.moe.routed_experts_tiled`), ``"auto"``
+    (the default: ``ragged_dot`` on TPU, ``tiled`` elsewhere), or ``"dense"`` (every expert on
+    every token; the reference the tests compare against).
     """
 
     embed: Float[Array, "V D"]
@@ -246,10 +240,9 @@ class DeepseekV3(eqx.Module):
         arrays: Mapping[str, Array] | None = None,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
-        expert_impl: str = "ragged",
+        expert_impl: str = "auto",
     ):
-        if expert_impl not in ("ragged", "dense"):
-            raise ValueError(f"expert_impl must be 'ragged' or 'dense', got {expert_impl!r}")
+        resolve_expert_impl(expert_impl)  # validates the name
         self.config, self.compute_dtype, self.expert_impl = config, jnp.dtype(compute_dtype), expert_impl
         specs = deepseek_v3_params(config)
         if arrays is None:
@@ -264,7 +257,7 @@ class DeepseekV3(eqx.Module):
         self.mtp = build(MTP, arrays, "mtp.") if config.mtp else None
 
     def with_expert_impl(self, expert_impl: str) -> DeepseekV3:
-        """The same weights with another expert path (``"ragged"`` or ``"dense"``)."""
+        """The same weights with another expert path (``"auto"``, ``"ragged_dot"``, ``"tiled"``, ``"dense"``)."""
         return DeepseekV3(
             self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl
         )

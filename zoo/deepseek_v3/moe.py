@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from zoo.layers.mlp import SwiGLU
 
-ExpertImpl = Literal["ragged", "dense"]
+ExpertImpl = Literal["auto", "ragged_dot", "tiled", "dense"]
 
 
 class MoE(eqx.Module):
@@ -106,6 +106,54 @@ def routed_experts_ragged(
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
 
 
+def routed_experts_tiled(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Dropless grouped matmuls from plain gathers and one batched einsum per projection.
+
+    The T·K (token, expert) pairs are sorted by expert and cut into tiles of ``tile`` rows,
+    each tile owned by one expert (an expert's last tile is padded). With ``tile`` the mean
+    rows per expert there are at most 2E tiles whatever the routing, so the static shapes cost
+    at most twice the routed FLOPs and a transient copy of twice the expert weights — against
+    E/K times the FLOPs for the dense path. (``jax.lax.ragged_dot`` is lowered natively on
+    TPU only; on CPU and CUDA, jaxlib 0.10 expands it to a masked dense product.)
+    """
+    t, k = routing.experts.shape
+    e = w_gate.shape[0]
+    rows = t * k
+    tile = max(8, -(-rows // e))
+    n_tiles = -(-rows // tile) + e
+    flat = routing.experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = expert_load(routing.experts, e)
+    tiles_per = -(-sizes // tile)
+    tile_end = jnp.cumsum(tiles_per)
+    tile_start = tile_end - tiles_per
+    row_start = jnp.cumsum(sizes) - sizes
+    tile_ids = jnp.arange(n_tiles, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), e - 1).astype(jnp.int32)
+    offset = (tile_ids - tile_start[owner])[:, None] * tile + jnp.arange(tile, dtype=jnp.int32)[None, :]
+    valid = (offset < sizes[owner][:, None]) & (tile_ids < tile_end[-1])[:, None]
+    sorted_pos = jnp.where(valid, row_start[owner][:, None] + offset, 0)
+    tokens = jnp.take(order // k, sorted_pos)
+    xt = jnp.where(valid[..., None], jnp.take(x, tokens, axis=0), jnp.zeros((), x.dtype))
+    gate = checkpoint_name(jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_gate, owner, axis=0)), "moe_gate")
+    up = checkpoint_name(jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_up, owner, axis=0)), "moe_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    out = jnp.einsum("ntm,nmd->ntd", hidden, jnp.take(w_down, owner, axis=0)).reshape(n_tiles * tile, -1)
+    # Where each (token, k) pair landed: its rank in the sort gives its expert's tile and slot.
+    rank = jnp.argsort(order)
+    expert = flat
+    within = rank - row_start[expert]
+    slot = (tile_start[expert] + within // tile) * tile + within % tile
+    out = jnp.take(out, slot, axis=0).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
+
+
 def routed_experts_dense(
     x: Float[Array, "T D"],
     routing: Routing,
@@ -121,6 +169,18 @@ def routed_experts_dense(
     up = checkpoint_name(jnp.einsum("td,edm->tem", x, w_up), "moe_up")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
     return jnp.einsum("tem,emd,te->td", hidden, w_down, combine)
+
+
+EXPERT_IMPLS = {"ragged_dot": routed_experts_ragged, "tiled": routed_experts_tiled, "dense": routed_experts_dense}
+
+
+def resolve_expert_impl(impl: str) -> str:
+    """``auto``: ``ragged_dot`` where XLA has a grouped-matmul lowering for it (TPU), else ``tiled``."""
+    if impl == "auto":
+        return "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"expert_impl must be one of {['auto', *EXPERT_IMPLS]}, got {impl!r}")
+    return impl
 
 
 def sequence_balance_loss(
