@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         return jax.jit(lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement))
 
     def device_bytes(stats) -> int:
-        return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+        used = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        return used - stats.alias_size_in_bytes
 
     def fits(placement, batch: int) -> bool:
         stats = step_fn(placement).lower(abstract, ids_of(batch)).compile(search_options).memory_analysis()
@@ -187,9 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     host = "" if args.host_budget_gib is None else f", host budget {args.host_budget_gib:g} GiB"
     print(
         f"{args.model} bench shape (batch {bench.batch} x seq {bench.seq}, {num_layers} layers), "
-        f"loss + gradients, {device.platform} ({device.device_kind}); max batch under {args.budget_gib:g} GiB device{host}\n"
+        f"loss + gradients, {device.platform} ({device.device_kind}); "
+        f"max batch under {args.budget_gib:g} GiB device{host}\n"
     )
-    header = ("placement", "device temp", "host temp", "offloaded (map)", "step ms", f"max batch @ {args.budget_gib:g} GiB")
+    budget = f"max batch @ {args.budget_gib:g} GiB"
+    header = ("placement", "device temp", "host temp", "offloaded (map)", "step ms", budget)
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
     for row in rows:

@@ -100,7 +100,9 @@ class PlacementMap:
         cls.model = model if isinstance(model, str) else _qualname(model)
         clash = set(cls.presets) & set(BUILTIN_PRESETS)
         if clash:
-            raise PlacementError(f"{cls.__name__}.presets: {sorted(clash)} are built-in presets and cannot be redefined")
+            raise PlacementError(
+                f"{cls.__name__}.presets: {sorted(clash)} are built-in presets and cannot be redefined"
+            )
         _MAPS[cls.model] = cls
 
     def __post_init__(self) -> None:
@@ -108,7 +110,9 @@ class PlacementMap:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value not in PLACEMENTS:
-                raise PlacementError(f"{cls.__name__}.{f.name}: unknown placement {_choices('placements', str(value), PLACEMENTS)}")
+                raise PlacementError(
+                    f"{cls.__name__}.{f.name}: unknown placement {_choices('placements', str(value), PLACEMENTS)}"
+                )
             reason = f.metadata.get("refuse", {}).get(value)
             if reason:
                 raise PlacementError(f"{cls.__name__}.{f.name} cannot be {value!r}: {reason}")
@@ -191,12 +195,15 @@ class PlacementMap:
         for part in parts:
             for item in (i.strip() for i in part.split(",")):
                 if "=" not in item:
-                    hint = "a preset name may only come first" if item in cls.preset_names() else "expected name=placement"
+                    preset = item in cls.preset_names()
+                    hint = "a preset name may only come first" if preset else "expected name=placement"
                     raise PlacementError(f"{cls.__name__}: cannot read {item!r} in {spec!r}: {hint}")
                 name, value = (s.strip() for s in item.split("=", 1))
                 cls._field(name)
                 if value not in PLACEMENTS:
-                    raise PlacementError(f"{cls.__name__}: {name}={value}: unknown placement {_choices('placements', value, PLACEMENTS)}")
+                    raise PlacementError(
+                        f"{cls.__name__}: {name}={value}: unknown placement {_choices('placements', value, PLACEMENTS)}"
+                    )
                 if name in overrides:
                     raise PlacementError(f"{cls.__name__}: {name!r} is given twice in {spec!r}")
                 overrides[name] = value
@@ -354,7 +361,8 @@ def _space(placement: str, what: str) -> jax.memory.Space:
         return jax.memory.Space.Host
     if placement == "remat":
         raise PlacementError(_TREE_REMAT.format(what=what))
-    raise PlacementError(f"{what}: unknown placement {_choices('placements', str(placement), ('device', 'pinned_host'))}")
+    valid = ("device", "pinned_host")
+    raise PlacementError(f"{what}: unknown placement {_choices('placements', str(placement), valid)}")
 
 
 def tree_placement(tree: T, placement: Placement, *, what: str = "a tree") -> T:
