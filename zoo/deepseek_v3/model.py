@@ -146,6 +146,22 @@ def mla(
 ) -> Float[Array, "B S D"]:
     """Queries from the (optionally low-rank) query path; keys and values expanded from the
     normalised kv latent; RoPE on the decoupled rope part only, shared by all heads for keys."""
+    q, kv_latent, k_rope = mla_project(config, p, h, cos, sin)
+    k, v = mla_expand(config, p, kv_latent, k_rope)
+    ctx = checkpoint_name(causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids), "context")
+    return jnp.einsum("bshu,hud->bsd", ctx, p.wo)
+
+
+def mla_project(
+    config: DeepseekV3Config,
+    p: MLA,
+    h: Float[Array, "B S D"],
+    cos: Float[Array, "B S R"],
+    sin: Float[Array, "B S R"],
+) -> tuple[Float[Array, "B S H K"], Float[Array, "B S C"], Float[Array, "B S P"]]:
+    """MLA's projections: queries (RoPE on their last P), the normalised kv latent and the
+    rotated rope key shared by all heads. The latent and the rope key are all that a
+    compressed generation cache keeps (``zoo.generate``)."""
     eps, n, c = config.rms_norm_eps, config.qk_nope_head_dim, config.kv_lora_rank
     if p.wq is not None:
         q = jnp.einsum("bsd,dhk->bshk", h, p.wq)
@@ -154,15 +170,23 @@ def mla(
         q = jnp.einsum("bsq,qhk->bshk", q_latent, p.wq_b)
     kv = jnp.einsum("bsd,da->bsa", h, p.wkv_a)
     kv_latent = checkpoint_name(rms_norm(kv[..., :c], p.kv_norm, eps), "kv_latent")
-    k_rope = apply_rope(kv[..., None, c:], cos, sin, interleaved=config.rope_interleave)
+    k_rope = apply_rope(kv[..., None, c:], cos, sin, interleaved=config.rope_interleave)[..., 0, :]
     q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
+    q = checkpoint_name(jnp.concatenate([q[..., :n], q_rope], axis=-1), "query")
+    return q, kv_latent, k_rope
+
+
+def mla_expand(
+    config: DeepseekV3Config, p: MLA, kv_latent: Float[Array, "B T C"], k_rope: Float[Array, "B T P"]
+) -> tuple[Float[Array, "B T H K"], Float[Array, "B T H U"]]:
+    """Per-head keys and values from the latent through ``wkv_b`` (its first N columns per
+    head make the keys' no-rope part, the last U the values); the rope key is shared."""
+    n = config.qk_nope_head_dim
     expanded = jnp.einsum("bsc,chw->bshw", kv_latent, p.wkv_b)
     k_nope, v = expanded[..., :n], expanded[..., n:]
-    q = checkpoint_name(jnp.concatenate([q[..., :n], q_rope], axis=-1), "query")
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))], axis=-1)
-    k, v = checkpoint_name(k, "key"), checkpoint_name(v, "value")
-    ctx = checkpoint_name(causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids), "context")
-    return jnp.einsum("bshu,hud->bsd", ctx, p.wo)
+    k_rope = jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:-1], k_rope.shape[-1]))
+    k = jnp.concatenate([k_nope, k_rope], axis=-1)
+    return checkpoint_name(k, "key"), checkpoint_name(v, "value")
 
 
 def moe_ffn(
@@ -188,6 +212,11 @@ def dense_layer(config, layer: DenseLayer, x, cos, sin, segment_ids):
     """Pre-norm MLA then pre-norm SwiGLU, each added to the residual stream."""
     h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
     x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
+    return dense_layer_ffn(config, layer, x)
+
+
+def dense_layer_ffn(config: DeepseekV3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
+    """A dense layer after its attention: pre-norm SwiGLU added to the residual stream."""
     h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
@@ -196,6 +225,14 @@ def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
     """Pre-norm MLA then pre-norm MoE; also the layer's expert load and balance loss."""
     h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
     x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
+    return moe_layer_ffn(config, layer, x, impl)
+
+
+def moe_layer_ffn(
+    config: DeepseekV3Config, layer: MoELayer, x: Float[Array, "B S D"], impl: str
+) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""]]:
+    """An MoE layer after its attention: pre-norm MoE added to the residual stream; also the
+    layer's expert load and balance loss."""
     h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
     out, load, balance = moe_ffn(config, layer.moe, h, impl)
     return x + out, load, balance

@@ -78,15 +78,35 @@ def llama_layer(
     ``checkpoint_name`` marks every intermediate the backward pass may need; the placement
     map decides for each whether it is kept, recomputed or offloaded.
     """
-    eps, a = config.rms_norm_eps, layer.attn
     x = checkpoint_name(x, "layer_input")
+    q, k, v = llama_qkv(config, layer, x, cos, sin)
+    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids)
+    return llama_post_attention(config, layer, x, checkpoint_name(ctx, "context"))
+
+
+def llama_qkv(
+    config: LlamaConfig,
+    layer: LlamaLayer,
+    x: Float[Array, "B S D"],
+    cos: Float[Array, "B S R"],
+    sin: Float[Array, "B S R"],
+) -> tuple[Float[Array, "B S H K"], Float[Array, "B S G K"], Float[Array, "B S G K"]]:
+    """A layer's attention inputs from its residual stream: pre-norm, projections, RoPE on
+    queries and keys. ``k`` and ``v`` are what a generation cache keeps (``zoo.generate``)."""
+    eps, a = config.rms_norm_eps, layer.attn
     h = checkpoint_name(rms_norm(x, layer.attn_norm, eps), "attn_norm")
     q = apply_rope(jnp.einsum("bsd,dhk->bshk", h, a.wq), cos, sin)
     k = apply_rope(jnp.einsum("bsd,dgk->bsgk", h, a.wk), cos, sin)
     v = jnp.einsum("bsd,dgk->bsgk", h, a.wv)
-    q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids)
-    ctx = checkpoint_name(ctx, "context")
+    return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+
+
+def llama_post_attention(
+    config: LlamaConfig, layer: LlamaLayer, x: Float[Array, "B S D"], ctx: Float[Array, "B S H K"]
+) -> Float[Array, "B S D"]:
+    """The rest of a layer after attention: output projection added to the residual stream
+    ``x``, then pre-norm SwiGLU added to it."""
+    eps, a = config.rms_norm_eps, layer.attn
     # The projection only feeds the residual add, but the add's result feeds the MLP norm,
     # whose backward needs it: saving this name spares recomputing the projection.
     x = x + checkpoint_name(jnp.einsum("bshk,hkd->bsd", ctx, a.wo), "attn_out")
