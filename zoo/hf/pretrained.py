@@ -52,7 +52,7 @@ def register(family: Family) -> None:
     FAMILIES[family.model_type] = family
 
 
-def _family_of_model(model) -> Family:
+def family_of_model(model) -> Family:
     for fam in FAMILIES.values():
         if isinstance(model, fam.model_cls):
             return fam
@@ -233,7 +233,7 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
     The directory appears complete or not at all: it is written under a temporary name and
     renamed into place (an existing directory is replaced only after the new one is complete).
     """
-    family = _family_of_model(model)
+    family = family_of_model(model)
     config = model.config
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

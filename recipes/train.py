@@ -1,0 +1,141 @@
+"""Train Llama 3.1 or DeepSeek-V3: from a preset, or fine-tune a Hugging Face checkpoint.
+
+    python recipes/train.py                                   # small Llama on the embedded corpus (CPU, minutes)
+    python recipes/train.py --model deepseek_v3 --preset small --mesh expert=8 --cpu-devices 8
+    python recipes/train.py --checkpoint path/to/Llama-3.2-1B --data my.txt --steps 200
+
+The embedded corpus is byte-level text of the Python standard library's own sources (vocab 256),
+so the byte-level presets (tiny, small) train with no download. Every flag: --help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODELS = ("llama", "deepseek_v3")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=MODELS, default="llama", help="model family (default llama)")
+    m.add_argument("--preset", default="small", help="config preset, e.g. small, tiny, bench, llama3.1-8b (default small)")
+    m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory to fine-tune (overrides --model/--preset)")
+    m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
+    m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", default="stdlib", help="'stdlib' (embedded), text files (comma-separated) or a .npy token file")
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--seq-len", type=int, default=128)
+    d.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=600)
+    o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    o.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
+    o.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
+    o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (not on norms/biases)")
+    o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    o.add_argument("--seed", type=int, default=0, help="init and data seed (batches depend on (seed, step) only)")
+    o.add_argument("--mtp-weight", type=float, default=0.3, help="DeepSeek-V3: MTP loss weight (needs an MTP module)")
+    o.add_argument("--balance-alpha", type=float, default=None, help="DeepSeek-V3: sequence-wise balance loss weight")
+    o.add_argument("--router-bias-rate", type=float, default=1e-3, help="DeepSeek-V3: aux-loss-free bias update rate γ")
+    x = p.add_argument_group("memory and parallelism")
+    x.add_argument("--placement", default=None, help="activation placement: a preset name or 'name=where,...' (see README)")
+    x.add_argument("--param-memory", choices=["device", "pinned_host"], default="device")
+    x.add_argument("--opt-memory", choices=["device", "pinned_host"], default="device")
+    x.add_argument("--mesh", default="", help="e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, tensor, expert)")
+    x.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
+    x.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
+    x.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
+    x.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
+    r = p.add_argument_group("run")
+    r.add_argument("--run-dir", default="runs/latest", help="metrics.jsonl, loss.png and checkpoints/ go here")
+    r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
+    r.add_argument("--log-every", type=int, default=25)
+    r.add_argument("--eval-every", type=int, default=100)
+    r.add_argument("--checkpoint-every", type=int, default=200)
+    r.add_argument("--keep-checkpoints", type=int, default=3)
+    r.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured matmul peak)")
+    r.add_argument("--save-hf", default=None, help="also write the trained model as a Hugging Face checkpoint here")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "seq_len", "grad_accum", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup >= args.steps:
+        p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.cpu_devices:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    import jax.numpy as jnp
+    import jax.random as jr
+
+    import zoo
+    from zoo import data as zdata
+    from zoo import train as ztrain
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    if args.checkpoint:
+        model = zoo.from_pretrained(args.checkpoint, dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])
+    else:
+        if args.model == "llama":
+            from zoo.llama import preset
+        else:
+            from zoo.deepseek_v3 import preset
+        config = preset(args.preset)
+        if args.model == "deepseek_v3" and config.num_nextn_predict_layers == 1:
+            import dataclasses
+
+            config = dataclasses.replace(config, mtp=True)
+        cls = zoo.Llama if args.model == "llama" else zoo.DeepseekV3
+        model = cls(config, key=jr.key(args.seed), param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])
+    mesh = None
+    if args.mesh or args.coordinator or args.num_processes:
+        from zoo import parallel
+
+        if hasattr(parallel, "initialize_distributed"):
+            parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        mesh = parallel.make_mesh(args.mesh)
+        parallel.validate_mesh(mesh, model.config)
+    data = zdata.load_data(args.data, model.config.vocab_size)
+    cfg = ztrain.TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+        seed=args.seed, mtp_weight=args.mtp_weight, balance_alpha=args.balance_alpha,
+        router_bias_rate=args.router_bias_rate, log_every=args.log_every, eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+    )  # fmt: skip
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else ztrain.matmul_peak_flops(dtype[args.compute_dtype])
+    n = model.config.num_params()
+    print(
+        f"{type(model).__name__} {args.preset if not args.checkpoint else args.checkpoint}: {n / 1e6:.1f}M parameters; "
+        f"data {data.source} ({len(data.train) / 1e6:.1f}M train tokens); "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s); matmul peak {peak / 1e12:.2f} TFLOP/s",
+        flush=True,
+    )
+    model, history = ztrain.train(
+        model, data, cfg, run_dir=args.run_dir, resume=args.resume, placement=args.placement, mesh=mesh,
+        param_memory=args.param_memory, opt_memory=args.opt_memory, peak_flops=peak,
+    )  # fmt: skip
+    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    if vals:
+        print(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {args.run_dir}/metrics.jsonl, curve: {args.run_dir}/loss.png)")
+    if args.save_hf:
+        zoo.save_pretrained(model, args.save_hf)
+        print(f"saved {args.save_hf}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Training data: token arrays, deterministic splits, and batches that depend only on (seed, step).
+
+The embedded default needs no download: byte-level tokens (vocabulary 256) of the Python
+standard library's own source files, which every machine that runs zoo has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from jaxtyping import Int, UInt8
+
+from zoo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """Train and validation token streams (1-D arrays, memory-mapped where possible)."""
+
+    train: np.ndarray
+    valid: np.ndarray
+    vocab_size: int
+    source: str
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *, split: str = "train") -> Int[np.ndarray, "B S"]:
+        """``batch_size`` windows of ``seq_len`` tokens at offsets drawn from (seed, step) alone,
+        so a resumed run sees exactly the batches an uninterrupted one would."""
+        tokens = self.train if split == "train" else self.valid
+        if len(tokens) <= seq_len:
+            raise ConfigError(f"{self.source}: {split} split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}")
+        rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
+        starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
+        return np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int32) for s in starts])
+
+
+def _split_by_name(names: list[str], valid_fraction: float) -> tuple[list[int], list[int]]:
+    """Validation = the files whose name hashes below ``valid_fraction`` (stable across runs)."""
+    train, valid = [], []
+    for i, name in enumerate(names):
+        h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "little") / 2**32
+        (valid if h < valid_fraction else train).append(i)
+    if not valid:
+        valid.append(train.pop())
+    return train, valid
+
+
+def _concat(chunks: list[bytes]) -> UInt8[np.ndarray, " N"]:
+    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+
+
+def stdlib_corpus(max_bytes: int = 48 * 2**20, valid_fraction: float = 0.05) -> TokenData:
+    """Bytes of the standard library's ``.py`` files (sorted; no site-packages, no tests)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
+    )  # fmt: skip
+    chunks, names, total = [], [], 0
+    for p in files:
+        data = p.read_bytes()
+        chunks.append(data)
+        names.append(str(p.relative_to(root)))
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise ConfigError(f"no Python source files found under {root}")
+    train, valid = _split_by_name(names, valid_fraction)
+    return TokenData(_concat([chunks[i] for i in train]), _concat([chunks[i] for i in valid]), 256, f"stdlib:{root}")
+
+
+def text_files(paths: list[str | Path], valid_fraction: float = 0.05) -> TokenData:
+    """Byte-level tokens of a user's text files (split by file; one file is split 95/5)."""
+    chunks, names = [], []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise ConfigError(f"--data: {path} is not a file")
+        chunks.append(path.read_bytes())
+        names.append(str(path))
+    if len(chunks) == 1:
+        data = _concat(chunks)
+        cut = int(len(data) * (1 - valid_fraction))
+        return TokenData(data[:cut], data[cut:], 256, names[0])
+    train, valid = _split_by_name(names, valid_fraction)
+    return TokenData(_concat([chunks[i] for i in train]), _concat([chunks[i] for i in valid]), 256, ",".join(names))
+
+
+def token_file(path: str | Path, vocab_size: int, valid_fraction: float = 0.01) -> TokenData:
+    """A pre-tokenized 1-D ``.npy`` of token ids, memory-mapped; the last ``valid_fraction`` validates."""
+    path = Path(path)
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--data: cannot read {path} as a .npy token array ({e})") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ConfigError(f"--data: {path} must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+    cut = int(len(tokens) * (1 - valid_fraction))
+    return TokenData(tokens[:cut], tokens[cut:], vocab_size, str(path))
+
+
+def load_data(spec: str | None, vocab_size: int) -> TokenData:
+    """``None``/``"stdlib"``: the embedded corpus; a ``.npy`` path: token ids; else text files (comma-separated)."""
+    if spec in (None, "", "stdlib"):
+        return stdlib_corpus()
+    if spec.endswith(".npy"):
+        return token_file(spec, vocab_size)
+    return text_files(spec.split(","))
