@@ -30,13 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib", help="'stdlib' (embedded), text files (comma-separated) or a .npy token file")
-    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--seq-len", type=int, default=128)
     d.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=600)
-    o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    o.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
+    o.add_argument("--steps", type=int, default=250)
+    o.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
+    o.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
     o.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (not on norms/biases)")
     o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--run-dir", default="runs/latest", help="metrics.jsonl, loss.png and checkpoints/ go here")
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
     r.add_argument("--log-every", type=int, default=25)
-    r.add_argument("--eval-every", type=int, default=100)
+    r.add_argument("--eval-every", type=int, default=50)
     r.add_argument("--checkpoint-every", type=int, default=200)
     r.add_argument("--keep-checkpoints", type=int, default=3)
     r.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured matmul peak)")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     model, history = ztrain.train(
         model, data, cfg, run_dir=args.run_dir, resume=args.resume, placement=args.placement, mesh=mesh,
-        param_memory=args.param_memory, opt_memory=args.opt_memory, peak_flops=peak,
+        param_memory=args.param_memory, opt_memory=args.opt_memory, peak_flops=peak, consume=True,
     )  # fmt: skip
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     if vals:

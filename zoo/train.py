@@ -296,19 +296,23 @@ def train(
     opt_memory: str = "device",
     peak_flops: float | None = None,
     stop_after: int | None = None,
+    consume: bool = False,
 ) -> tuple[eqx.Module, list[dict[str, Any]]]:
     """Train ``model`` on ``data``; returns the trained model and the metric records.
 
     Checkpoints (orbax, asynchronous, atomic, last ``keep_checkpoints`` kept) go to
     ``run_dir/checkpoints`` every ``checkpoint_every`` steps and at the end; ``resume``
     continues from the latest. ``stop_after``: stop (without a final save) after that many
-    steps of this call — for tests that interrupt a run.
+    steps of this call — for tests that interrupt a run. ``consume``: let the steps reuse the
+    given model's buffers (no copy; the caller's ``model`` is unusable afterwards).
     """
     import orbax.checkpoint as ocp
 
     run_dir = Path(run_dir) if run_dir is not None else None
     tx = optimizer(cfg, model)
     params = eqx.filter(model, eqx.is_inexact_array)
+    if not consume:  # the steps donate their inputs
+        params = jax.tree.map(jnp.copy, params)
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     if mesh is not None and mesh.size > 1:
         from zoo import parallel
@@ -351,8 +355,9 @@ def train(
         done = step + 1
         is_log = done % cfg.log_every == 0 or done == cfg.steps
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps
-        if is_log or is_eval:
-            loss = float(metrics["loss"])
+        is_save = done % cfg.checkpoint_every == 0
+        if is_log or is_eval or is_save:
+            loss = float(metrics["loss"])  # also checked before every save: a NaN is never written
             if not math.isfinite(loss):
                 if manager is not None:
                     manager.wait_until_finished()
@@ -363,6 +368,7 @@ def train(
             now = time.perf_counter()
             tps = tokens_per_step * (done - last_step) / (now - last_time)
             last_time, last_step = now, done
+        if is_log or is_eval:
             record = {"step": done, "loss": loss, "tokens_per_s": tps}
             record.update({k: float(v) for k, v in metrics.items() if k not in ("loss", "expert_load")})
             if peak_flops:
