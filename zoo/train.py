@@ -7,10 +7,8 @@ place with I/O (metrics lines, orbax checkpoints, the loss-curve PNG).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,7 +23,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from zoo.params import Param, flatten, map_params
+from zoo.params import Param, map_params
 
 
 @dataclass(frozen=True)
