@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 
 import equinox as eqx
 import jax
@@ -209,7 +210,7 @@ def test_rows_stop_at_their_end_of_sequence_token():
     ref = np.asarray(greedy().tokens)
     eos = int(ref[0, 2])  # row 0's third token
     stop = [int(np.flatnonzero(r == eos)[0]) + 1 if eos in r else 8 for r in ref]
-    out = gen.generate(model("llama3_1-tiny"), ids, lengths, max_new_tokens=8, eos_token_id=[999, eos], pad_id=255)
+    out = gen.generate(model("llama3_1-tiny"), ids, lengths, max_new_tokens=8, eos_token_id=eos, pad_id=255)
     assert np.asarray(out.num_tokens).tolist() == stop
     for row, n in enumerate(stop):
         np.testing.assert_array_equal(np.asarray(out.tokens[row, :n]), ref[row, :n])
@@ -253,17 +254,24 @@ def test_length_past_the_models_positions_is_refused_naming_the_numbers():
 # -- sampling -----------------------------------------------------------------------------------
 
 
-def draws(logits, n=4000, **kw) -> np.ndarray:
-    keys = jr.split(jr.key(0), n)
-    return np.asarray(jax.jit(jax.vmap(lambda k: gen.sample(logits, k, **kw)))(keys))[:, 0]
+@jax.jit
+def _draws(logits, keys, settings: gen.Sampling):
+    kw = {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
+    return jax.vmap(lambda k: gen.sample(logits, k, **kw))(keys)[:, 0]
+
+
+def draws(logits, **kw) -> np.ndarray:
+    """4000 samples; one compiled program for every setting (they are traced arrays)."""
+    return np.asarray(_draws(logits, jr.split(jr.key(0), 4000), gen.Sampling.of(**kw)))
 
 
 def test_sampling_rules():
     probs = jnp.array([[0.05, 0.5, 0.1, 0.3, 0.05]])
     logits = jnp.log(probs)
     assert int(gen.sample(logits, None)[0]) == 1  # greedy
+    assert set(draws(logits, temperature=0.0)) == {1}  # greedy with traced settings
     for kw in ({"top_k": 1}, {"top_p": 0.2}):
-        assert set(draws(logits, 200, temperature=5.0, **kw)) == {1}
+        assert set(draws(logits, temperature=5.0, **kw)) == {1}
     two = draws(logits, top_k=2, temperature=1.0)
     assert set(two) == {1, 3}
     np.testing.assert_allclose((two == 1).mean(), 0.5 / 0.8, atol=0.03)
@@ -287,3 +295,78 @@ def test_sampling_rules():
 def test_bad_sampling_settings_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         gen.sample(jnp.zeros((1, 4)), jr.key(0), **kw)
+
+
+# -- the recipe ---------------------------------------------------------------------------------
+
+
+def recipe():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_recipe", FIXTURES.parents[1] / "recipes" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_streams_with_the_checkpoints_tokenizer(tmp_path, monkeypatch, capsys):
+    """A checkpoint with a tokenizer.json is tokenized through the `tokenizers` library (a
+    stand-in here, byte-level, so the tokens are checkable), imported only then."""
+    import sys
+    import types
+
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        (tmp_path / f).symlink_to(FIXTURES / "llama3_1-tiny" / f)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    opened = []
+
+    class Tokenizer:
+        @staticmethod
+        def from_file(path):
+            opened.append(path)
+            return Tokenizer()
+
+        def encode(self, text):
+            return types.SimpleNamespace(ids=list(text.encode()))
+
+        def decode(self, ids):
+            return bytes(ids).decode(errors="replace")
+
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=Tokenizer))
+    args = [str(tmp_path), "--prompt", "Hello", "--prompt", "The quick", "--max-new-tokens", "8", "--ignore-eos"]
+    result = recipe().main(args)
+    assert opened == [str(tmp_path / "tokenizer.json")] * 2
+    assert result["tokens"] == np.asarray(greedy().tokens).tolist()  # the prompts of PROMPTS, greedily
+    out = capsys.readouterr().out
+    assert "Hello" + bytes(result["tokens"][0]).decode(errors="replace") in out  # streamed
+    assert "tokenizer.json tokens, end of sequence off" in out
+    assert "prefill: 14 tokens in" in out and "decode: 14 tokens in" in out and "tokens/s" in out
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # not installed: say so
+    with pytest.raises(SystemExit, match="install the tokenizers library"):
+        recipe().main(args)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+        (["--top-k", "0"], "--top-k: expected a positive integer, got 0"),
+        (["--max-new-tokens", "many"], "--max-new-tokens: expected a positive integer, got 'many'"),
+        (["--eos", "2,x"], "--eos takes token ids separated by commas, got '2,x'"),
+        (["--eos", "2", "--ignore-eos"], "not allowed with argument --eos"),
+        (["--mla", "fast"], "invalid choice: 'fast'"),
+        (["/nowhere"], "/nowhere is not a checkpoint directory"),
+        (["--max-new-tokens", "200000"], "prompt length 19 \\+ max_new_tokens 200000 = 200019 tokens exceeds"),
+    ],
+)
+def test_recipe_flags_are_documented_and_checked(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        recipe().main(["--help"])
+    assert e.value.code == 0
+    shown = capsys.readouterr().out
+    assert all(f in shown for f in ("--max-new-tokens", "--top-p", "--eos", "--ignore-eos", "tokenizer.json"))
+    with pytest.raises(SystemExit) as e:
+        recipe().main(args)
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

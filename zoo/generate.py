@@ -363,7 +363,7 @@ def decode_step(model: Model, cache: Cache, tokens: Int[Array, " B"]) -> tuple[F
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Refuse settings that mean nothing, naming them."""
-    if not (isinstance(temperature, (int, float)) and temperature >= 0 and np.isfinite(temperature)):
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and 0 <= temperature < np.inf):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
@@ -371,37 +371,62 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 
 
+class Sampling(eqx.Module):
+    """Sampling settings as arrays, so one compiled program serves every setting."""
+
+    temperature: Float[Array, ""]
+    top_k: Int[Array, ""]
+    top_p: Float[Array, ""]
+
+    @classmethod
+    def of(cls, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> Sampling:
+        """Checked settings; ``top_k=None`` keeps every token, ``top_p=None`` all the mass."""
+        check_sampling(temperature, top_k, top_p)
+        big = np.iinfo(np.int32).max
+        return cls(jnp.float32(temperature), jnp.int32(big if top_k is None else top_k), jnp.float32(top_p or 1.0))
+
+
 def sample(
     logits: Float[Array, "B V"],
     key: PRNGKeyArray | None,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    temperature: float | Float[Array, ""] = 0.0,
+    top_k: int | Int[Array, ""] | None = None,
+    top_p: float | Float[Array, ""] | None = None,
 ) -> Int[Array, " B"]:
     """One token per row. ``temperature == 0``: greedy (argmax; ``key`` unused). Otherwise
     the logits are divided by ``temperature``, cut to the ``top_k`` largest, then to the
-    smallest set of largest whose probability reaches ``top_p`` (the order ``transformers``
-    applies them in), and sampled with ``key``."""
-    check_sampling(temperature, top_k, top_p)
+    smallest set of the largest whose probability (renormalised after the top-k cut)
+    reaches ``top_p`` (``transformers``' order), and sampled with ``key``. Ties with the
+    last token kept are kept. The settings may be Python numbers (checked) or traced arrays."""
+    if not any(isinstance(v, jax.Array) for v in (temperature, top_k, top_p)):
+        settings = Sampling.of(temperature, top_k, top_p)
+        if temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if key is None:
+            raise ValueError(f"sampling with temperature={temperature} needs a PRNG key (key=jax.random.key(0))")
+    else:
+        settings = Sampling(
+            jnp.asarray(temperature, jnp.float32),
+            jnp.asarray(np.iinfo(np.int32).max if top_k is None else top_k, jnp.int32),
+            jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+        )
+        key = jr.key(0) if key is None else key
     logits = logits.astype(jnp.float32)
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if key is None:
-        raise ValueError(f"sampling with temperature={temperature} needs a PRNG key (key=jax.random.key(0))")
-    logits = logits / temperature
-    floor = jnp.finfo(jnp.float32).min
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, floor, logits)
-    if top_p is not None and top_p < 1:
-        desc = -jnp.sort(-logits, axis=-1)
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly larger tokens
-        keep = before < top_p  # always keeps the largest
+
+    def draw() -> Int[Array, " B"]:
+        scaled = logits / jnp.maximum(settings.temperature, jnp.finfo(jnp.float32).tiny)
+        floor = jnp.finfo(jnp.float32).min
+        desc = -jnp.sort(-scaled, axis=-1)
+        rank = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
+        in_top_k = rank < settings.top_k
+        probs = jax.nn.softmax(jnp.where(in_top_k, desc, floor), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the larger tokens
+        keep = in_top_k & ((before < settings.top_p) | (rank == 0))
         threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, floor, logits)
-    return jr.categorical(key, logits, axis=-1).astype(jnp.int32)
+        return jr.categorical(key, jnp.where(scaled < threshold, floor, scaled), axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(settings.temperature > 0, draw, lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
 # -- the loop --------------------------------------------------------------------------------
@@ -481,11 +506,11 @@ def _key(key: PRNGKeyArray | None, temperature: float) -> PRNGKeyArray:
 
 
 @eqx.filter_jit
-def _generate(model, input_ids, lengths, key, eos_ids, max_len, max_new_tokens, sampling, pad_id, mla):
+def _generate(model, input_ids, lengths, key, eos_ids, sampling: Sampling, pad_id, max_len, max_new_tokens, mla):
     b = input_ids.shape[0]
     logits, cache = prefill(model, input_ids, lengths, max_len=max_len, mla=mla)
-    first = sample(logits, jr.fold_in(key, 0), **sampling)
-    tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    first = sample(logits, jr.fold_in(key, 0), **_kw(sampling))
+    tokens = jnp.full((b, max_new_tokens), pad_id).at[:, 0].set(first)
     done = jnp.isin(first, eos_ids)
 
     def cond(state):
@@ -495,7 +520,7 @@ def _generate(model, input_ids, lengths, key, eos_ids, max_len, max_new_tokens, 
     def body(state):
         i, last, cache, tokens, done, count = state
         logits, cache = decode_step(model, cache, last)
-        token = jnp.where(done, pad_id, sample(logits, jr.fold_in(key, i), **sampling))
+        token = jnp.where(done, pad_id, sample(logits, jr.fold_in(key, i), **_kw(sampling)))
         count = count + (~done).astype(jnp.int32)
         done = done | jnp.isin(token, eos_ids)
         return i + 1, token, cache, tokens.at[:, i].set(token), done, count
@@ -529,26 +554,31 @@ def generate(
     ``config.max_position_embeddings``.
     """
     _check_model(model, mla)
-    check_sampling(temperature, top_k, top_p)
+    sampling = Sampling.of(temperature, top_k, top_p)
     lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens)
     eos = eos_token_ids(model if eos_token_id is None else eos_token_id)
-    sampling = {"temperature": float(temperature), "top_k": top_k, "top_p": top_p}
-    key = _key(key, temperature)
     eos_ids = jnp.asarray(eos or (-1,), jnp.int32)  # -1: never sampled
-    return _generate(model, input_ids, jnp.asarray(lengths), key, eos_ids, max_len, max_new_tokens, sampling, pad_id, mla)
+    key = _key(key, temperature)
+    return _generate(
+        model, input_ids, jnp.asarray(lengths), key, eos_ids, sampling, jnp.int32(pad_id), max_len, max_new_tokens, mla
+    )
 
 
 @eqx.filter_jit
-def _prefill_sample(model, input_ids, lengths, key, max_len, sampling, mla):
+def _prefill_sample(model, input_ids, lengths, key, sampling: Sampling, max_len, mla):
     logits, cache = prefill(model, input_ids, lengths, max_len=max_len, mla=mla)
-    return sample(logits, jr.fold_in(key, 0), **sampling), cache
+    return sample(logits, jr.fold_in(key, 0), **_kw(sampling)), cache
 
 
 @eqx.filter_jit
-def _decode_sample(model, cache, last, key, i, done, sampling, pad_id):
+def _decode_sample(model, cache, last, key, i, done, sampling: Sampling, pad_id):
     logits, cache = decode_step(model, cache, last)
-    token = jnp.where(done, pad_id, sample(logits, jr.fold_in(key, i), **sampling))
+    token = jnp.where(done, pad_id, sample(logits, jr.fold_in(key, i), **_kw(sampling)))
     return token, cache
+
+
+def _kw(sampling: Sampling) -> dict[str, Array]:
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
 
 
 def stream(
@@ -569,16 +599,17 @@ def stream(
     for rows already stopped) as soon as they are sampled, the same tokens ``generate``
     returns. The first step is the prefill; each later one a compiled decode step."""
     _check_model(model, mla)
-    check_sampling(temperature, top_k, top_p)
+    sampling = Sampling.of(temperature, top_k, top_p)
     lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens)
     eos = np.asarray(eos_token_ids(model if eos_token_id is None else eos_token_id), np.int32)
-    sampling = {"temperature": float(temperature), "top_k": top_k, "top_p": top_p}
     key = _key(key, temperature)
-    token, cache = _prefill_sample(model, input_ids, jnp.asarray(lengths), key, max_len, sampling, mla)
+    token, cache = _prefill_sample(model, input_ids, jnp.asarray(lengths), key, sampling, max_len, mla)
     done = np.zeros(len(lengths), bool)
     for i in range(max_new_tokens):
         if i:
-            token, cache = _decode_sample(model, cache, token, key, jnp.int32(i), jnp.asarray(done), sampling, pad_id)
+            token, cache = _decode_sample(
+                model, cache, token, key, jnp.int32(i), jnp.asarray(done), sampling, jnp.int32(pad_id)
+            )
         host = np.asarray(token)
         yield host
         done = done | np.isin(host, eos)

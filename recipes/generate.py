@@ -1,0 +1,205 @@
+"""Generate text from a Hugging Face checkpoint directory, streaming tokens as they come.
+
+    python recipes/generate.py [CHECKPOINT_DIR] [--prompt TEXT ...] [--max-new-tokens N]
+                               [--temperature T] [--top-k K] [--top-p P] [--seed S]
+                               [--eos ID[,ID...] | --ignore-eos] [--mla absorbed|reexpand|expanded]
+
+Without a directory it loads the tiny Llama 3.1 checkpoint in tests/fixtures (random
+weights: expect noise). The prompt is tokenized with the checkpoint's tokenizer.json
+through the `tokenizers` library when the checkpoint has one (pip install tokenizers), as
+bytes otherwise. Several --prompt flags make a batch of prompts of different lengths; the
+first streams, and every completion is printed at the end. Generation stops at the
+checkpoint's end-of-sequence tokens (generation_config.json, else config.json) unless
+--eos or --ignore-eos says otherwise. Temperature 0 (the default) is greedy decoding.
+
+Reports the compile time, then prefill tokens/s (prompt tokens over the time to the first
+new token) and decode tokens/s (tokens after the first, all rows, over the time they took).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zoo  # noqa: E402
+from zoo import generate as gen  # noqa: E402
+
+DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama3_1-tiny"
+
+
+class ByteTokenizer:
+    """One token per byte (the tiny checkpoints' 256-token vocabulary)."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 256:
+            raise ValueError(f"byte tokens need a vocabulary of at least 256, the model has {vocab_size}")
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def stream(self, token: int) -> str:
+        return self.decoder.decode(bytes([token])) if token < 256 else ""
+
+    def decode(self, tokens: list[int]) -> str:
+        return bytes(t for t in tokens if t < 256).decode(errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer.json through the `tokenizers` library (imported only here)."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise SystemExit(
+                f"error: {path} has a tokenizer.json: install the tokenizers library (pip install tokenizers), "
+                "or pass --bytes to feed the prompt as bytes"
+            ) from None
+        self.tok = Tokenizer.from_file(str(path))
+        self.done: list[int] = []
+        self.shown = ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def stream(self, token: int) -> str:
+        # Decoding the whole completion each time keeps multi-token characters and spaces right.
+        self.done.append(token)
+        text = self.tok.decode(self.done)
+        if text.endswith("\ufffd"):  # an unfinished character: wait for the next token
+            return ""
+        new, self.shown = text[len(self.shown) :], text
+        return new
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens)
+
+
+def parse_eos(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--eos takes token ids separated by commas, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"--eos takes non-negative token ids separated by commas, got {text!r}")
+    return ids
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", nargs="?", default=str(DEFAULT), help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The quick brown fox')")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens holding mass P (0 < P <= 1)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--eos", type=parse_eos, default=None, metavar="ID[,ID...]",
+                      help="end-of-sequence token ids (default: the checkpoint's generation_config.json)")  # fmt: skip
+    stop.add_argument("--ignore-eos", action="store_true", help="never stop before --max-new-tokens")
+    p.add_argument("--mla", choices=gen.MLA_DECODES, default="absorbed",
+                   help="DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same cache "
+                        "re-expanded every step, or an expanded per-head cache")  # fmt: skip
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--bytes", action="store_true", help="tokenize as bytes even if the checkpoint has a tokenizer.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser()
+    args = p.parse_args(argv)
+    path = Path(args.checkpoint)
+    if not (path / "config.json").is_file():
+        p.error(f"{path} is not a checkpoint directory (no config.json)")
+    try:
+        gen.check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        message = str(e).replace(" or None", "").replace("temperature", "--temperature")
+        p.error(message.replace("top_k", "--top-k").replace("top_p", "--top-p"))
+    prompts = args.prompt or ["The quick brown fox"]
+
+    model = zoo.from_pretrained(path, compute_dtype=None if args.dtype is None else jnp.dtype(args.dtype))
+    vocab = model.config.vocab_size
+    use_hf = (path / "tokenizer.json").is_file() and not args.bytes
+    make_tokenizer = (lambda: HFTokenizer(path / "tokenizer.json")) if use_hf else (lambda: ByteTokenizer(vocab))
+    try:
+        tokenizers = [make_tokenizer() for _ in prompts]
+    except ValueError as e:
+        p.error(str(e))
+    encoded = [t.encode(text) for t, text in zip(tokenizers, prompts)]
+    if any(not ids for ids in encoded):
+        p.error("every --prompt needs at least one token")
+    if max(max(ids) for ids in encoded) >= vocab:
+        p.error(f"the prompt has token ids beyond the model's vocabulary of {vocab}")
+    eos = () if args.ignore_eos else (args.eos if args.eos is not None else gen.eos_token_ids(path))
+    ids, lengths = gen.pad_prompts(encoded)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, mla=args.mla,
+    )  # fmt: skip
+
+    print(f"{type(model).__name__} from {path}: {model.config.num_layers} layers, vocab {vocab}, "
+          f"{'tokenizer.json' if use_hf else 'byte'} tokens, end of sequence {list(eos) or 'off'}")  # fmt: skip
+    # Compile the prefill and the decode step for these shapes first (two steps of the same
+    # program), so the timings below are of the computation alone.
+    t0 = time.perf_counter()
+    try:
+        for i, _ in enumerate(gen.stream(model, ids, lengths, **{**kw, "eos_token_id": ()})):
+            if i == 1:
+                break
+    except ValueError as e:  # a request past the model's positions, say
+        p.error(str(e))
+    compile_s = time.perf_counter() - t0
+    print(f"compiled (and warmed up) in {compile_s:.1f} s\n")
+    print(prompts[0], end="", flush=True)
+
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    start = time.perf_counter()
+    first = None
+    for step in gen.stream(model, ids, lengths, **kw):
+        first = first or time.perf_counter()
+        for row, token in enumerate(step.tolist()):
+            if done[row]:
+                continue  # the stream pads rows that have stopped
+            out[row].append(token)
+            if token in eos:
+                done[row] = True
+            elif row == 0:
+                print(tokenizers[0].stream(token), end="", flush=True)
+    end = time.perf_counter()
+    print()
+    prompt_tokens = int(np.sum(lengths))
+    decoded = sum(len(r) for r in out) - len(out)
+    prefill_tps = prompt_tokens / (first - start)
+    decode_tps = decoded / (end - first) if decoded else float("nan")
+    if len(prompts) > 1:
+        for row, text in enumerate(prompts):
+            print(f"\n[{row}] {text}{tokenizers[row].decode(out[row])}")
+    print(f"\nprefill: {prompt_tokens} tokens in {first - start:.3f} s ({prefill_tps:,.0f} tokens/s)")
+    print(f"decode: {decoded} tokens in {end - first:.3f} s ({decode_tps:,.0f} tokens/s)")
+    return {"tokens": out, "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps, "compile_s": compile_s}
+
+
+if __name__ == "__main__":
+    main()
