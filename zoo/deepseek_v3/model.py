@@ -29,6 +29,7 @@ from zoo.deepseek_v3.moe import EXPERT_IMPLS, MoE, expert_load, resolve_expert_i
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
+from zoo.parallel import gather_layer, routed_experts, tensor_psum, varying_like
 from zoo.params import Param, build, flatten, init_params, strip_prefix
 
 
@@ -149,7 +150,7 @@ def mla(
     q, kv_latent, k_rope = mla_project(config, p, h, cos, sin)
     k, v = mla_expand(config, p, kv_latent, k_rope)
     ctx = checkpoint_name(causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids), "context")
-    return jnp.einsum("bshu,hud->bsd", ctx, p.wo)
+    return tensor_psum(jnp.einsum("bshu,hud->bsd", ctx, p.wo))
 
 
 def mla_project(
@@ -200,7 +201,8 @@ def moe_ffn(
         x, p.router, p.router_bias, top_k=config.num_experts_per_tok, n_group=config.n_group,
         topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
     )  # fmt: skip
-    out = EXPERT_IMPLS[resolve_expert_impl(impl)](x, routing, p.w_gate, p.w_up, p.w_down).reshape(b, s, d)
+    experts = EXPERT_IMPLS[resolve_expert_impl(impl)]
+    out = routed_experts(experts, x, routing, p.w_gate, p.w_up, p.w_down).reshape(b, s, d)
     if p.shared is not None:
         out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")
     k = config.num_experts_per_tok
@@ -353,18 +355,19 @@ class DeepseekV3(eqx.Module):
         if self.dense_layers is not None:
 
             def dense_body(h, layer):
-                h = dense_layer(config, jax.tree.map(lambda w: w.astype(dtype), layer), h, cos, sin, segment_ids)
+                layer = gather_layer(jax.tree.map(lambda w: w.astype(dtype), layer))
+                h = dense_layer(config, layer, h, cos, sin, segment_ids)
                 return h, (h if return_hidden else None)
 
             x, ys = scan_layers(dense_body, x, self.dense_layers, policy=policy)
             outputs.append(ys)
-        load, balance = None, jnp.zeros((), jnp.float32)
+        load, balance = None, varying_like(jnp.zeros((), jnp.float32), x)
         if self.moe_layers is not None:
 
             def moe_body(carry, layer):
                 h, total = carry
                 h, layer_load, layer_balance = moe_layer(
-                    config, self._cast_moe(layer, dtype), h, cos, sin, segment_ids, self.expert_impl
+                    config, gather_layer(self._cast_moe(layer, dtype)), h, cos, sin, segment_ids, self.expert_impl
                 )
                 return (h, total + layer_balance), (layer_load, h if return_hidden else None)
 

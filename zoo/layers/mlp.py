@@ -6,6 +6,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
+from zoo.parallel import tensor_psum
+
 
 class SwiGLU(eqx.Module):
     """Projections of a SwiGLU MLP (stacked over layers when a leading ``L`` is present)."""
@@ -31,4 +33,4 @@ def swiglu(
     gate = checkpoint_name(jnp.einsum("bsd,df->bsf", x, w_gate), f"{prefix}_gate")
     up = checkpoint_name(jnp.einsum("bsd,df->bsf", x, w_up), f"{prefix}_up")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, f"{prefix}_hidden")
-    return jnp.einsum("bsf,fd->bsd", hidden, w_down)
+    return tensor_psum(jnp.einsum("bsf,fd->bsd", hidden, w_down))

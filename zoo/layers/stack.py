@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 
 import jax
 
+from zoo.parallel import remat_policy
+
 Carry = TypeVar("Carry")
 
 
@@ -22,5 +24,6 @@ def scan_layers(
     ``policy``: a ``jax.checkpoint`` policy for the layer body (from a placement map), or
     ``None`` to keep every intermediate on device. Returns the last carry and the stacked outs.
     """
+    policy = remat_policy(policy)  # inside zoo.parallel's step: FSDP re-gathers instead of saving
     fn = body if policy is None else jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(fn, carry, stacked)

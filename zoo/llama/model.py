@@ -23,6 +23,7 @@ from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_s
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
+from zoo.parallel import gather_layer, tensor_psum
 from zoo.params import Param, build, init_params, strip_prefix
 
 
@@ -109,7 +110,7 @@ def llama_post_attention(
     eps, a = config.rms_norm_eps, layer.attn
     # The projection only feeds the residual add, but the add's result feeds the MLP norm,
     # whose backward needs it: saving this name spares recomputing the projection.
-    x = x + checkpoint_name(jnp.einsum("bshk,hkd->bsd", ctx, a.wo), "attn_out")
+    x = x + checkpoint_name(tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, a.wo)), "attn_out")
     h = checkpoint_name(rms_norm(x, layer.mlp_norm, eps), "mlp_norm")
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
@@ -193,7 +194,7 @@ class Llama(eqx.Module):
         x = embed(self.embed, input_ids, dtype)
 
         def body(h, layer):
-            layer = jax.tree.map(lambda w: w.astype(dtype), layer)
+            layer = gather_layer(jax.tree.map(lambda w: w.astype(dtype), layer))
             h = llama_layer(config, layer, h, cos, sin, segment_ids)
             return h, (h if return_hidden else None)
 

@@ -1,0 +1,350 @@
+"""Parallelism on 8 CPU devices: one sharded step equals the single-device step, layouts
+follow the parameter description, per-device bytes shrink as the layout says, FSDP keeps one
+layer's full weights at a time, and bad meshes fail naming the culprit."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zoo
+from zoo import parallel
+from zoo.deepseek_v3 import deepseek_v3_loss
+from zoo.deepseek_v3 import preset as deepseek_preset
+from zoo.llama import preset as llama_preset
+from zoo.parallel import MeshError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The layouts written out by hand (size-1 axes included): what partition_specs must derive
+# from the models' Param letters. "-" is a dimension kept whole.
+LLAMA_LAYOUT = {
+    "embed": "fsdp -",
+    "layers.attn_norm": "- fsdp",
+    "layers.attn.wq": "- fsdp tensor -",
+    "layers.attn.wk": "- fsdp tensor -",
+    "layers.attn.wv": "- fsdp tensor -",
+    "layers.attn.wo": "- tensor - fsdp",
+    "layers.mlp_norm": "- fsdp",
+    "layers.mlp.w_gate": "- fsdp tensor",
+    "layers.mlp.w_up": "- fsdp tensor",
+    "layers.mlp.w_down": "- tensor fsdp",
+    "final_norm": "fsdp",
+    "head": "fsdp -",
+}
+_MLA = {
+    "attn_norm": "fsdp",
+    "attn.wq_a": "fsdp -",
+    "attn.q_norm": "fsdp",
+    "attn.wq_b": "fsdp tensor -",
+    "attn.wkv_a": "fsdp -",
+    "attn.kv_norm": "fsdp",
+    "attn.wkv_b": "fsdp tensor -",
+    "attn.wo": "tensor - fsdp",
+    "mlp_norm": "fsdp",
+}
+_MOE = {
+    "moe.router": "fsdp -",
+    "moe.router_bias": "-",
+    "moe.w_gate": "expert fsdp tensor",
+    "moe.w_up": "expert fsdp tensor",
+    "moe.w_down": "expert tensor fsdp",
+    "moe.shared.w_gate": "fsdp tensor",
+    "moe.shared.w_up": "fsdp tensor",
+    "moe.shared.w_down": "tensor fsdp",
+}
+DEEPSEEK_LAYOUT = {
+    "embed": "fsdp -",
+    **{f"dense_layers.{k}": f"- {v}" for k, v in _MLA.items()},
+    "dense_layers.mlp.w_gate": "- fsdp tensor",
+    "dense_layers.mlp.w_up": "- fsdp tensor",
+    "dense_layers.mlp.w_down": "- tensor fsdp",
+    **{f"moe_layers.{k}": f"- {v}" for k, v in {**_MLA, **_MOE}.items()},
+    "final_norm": "fsdp",
+    "head": "fsdp -",
+    "mtp.enorm": "fsdp",
+    "mtp.hnorm": "fsdp",
+    "mtp.proj": "- fsdp",
+    "mtp.final_norm": "fsdp",
+    **{f"mtp.block.{k}": v for k, v in {**_MLA, **_MOE}.items()},
+}
+
+
+def expected_spec(layout: str, mesh) -> tuple:
+    return tuple(None if a == "-" or mesh.shape[a] == 1 else a for a in layout.split())
+
+
+@functools.cache
+def llama():
+    return zoo.Llama(llama_preset("tiny"), key=jax.random.key(0))
+
+
+@functools.cache
+def deepseek():
+    return zoo.DeepseekV3(deepseek_preset("tiny", mtp=True), key=jax.random.key(0))
+
+
+def batch(model, b: int = 8, s: int = 16):
+    return jax.random.randint(jax.random.key(1), (b, s), 0, model.config.vocab_size, dtype=jnp.int32)
+
+
+@functools.cache
+def reference(name: str):
+    """Loss (and aux) and gradients of the single-device step."""
+    model, loss_fn, has_aux = MODELS[name]()
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=has_aux))(model, batch(model))
+
+
+MODELS = {
+    "llama": lambda: (llama(), zoo.lm_loss, False),
+    "deepseek_v3": lambda: (deepseek(), deepseek_v3_loss, True),
+}
+
+
+def flat(tree) -> dict:
+    """``{path: leaf}`` for the array (or PartitionSpec) leaves of a model-shaped tree."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    return {".".join(str(getattr(k, "name", k)) for k in path): x for path, x in leaves}
+
+
+# -- mesh spec ----------------------------------------------------------------------------
+
+
+def test_parse_mesh():
+    assert parallel.parse_mesh("data=2,fsdp=2,tensor=2") == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert parallel.parse_mesh("") == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert parallel.parse_mesh(" expert = 4 , fsdp=2 ,") == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'fsdb' \(did you mean 'fsdp'\?\)"):
+        parallel.parse_mesh("data=2,fsdb=4")
+    with pytest.raises(MeshError, match=r"size of axis 'tensor' must be an integer, got 'two'"):
+        parallel.parse_mesh("tensor=two")
+    with pytest.raises(MeshError, match=r"size of axis 'data' must be >= 1, got 0"):
+        parallel.parse_mesh("data=0")
+    with pytest.raises(MeshError, match=r"axis 'data' given twice"):
+        parallel.parse_mesh("data=2,data=4")
+    with pytest.raises(MeshError, match=r"'fsdp' is not axis=size"):
+        parallel.parse_mesh("fsdp")
+
+
+def test_make_mesh():
+    mesh = parallel.make_mesh("fsdp=4,tensor=2")
+    assert mesh.axis_names == parallel.AXES
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+    assert parallel.make_mesh({"expert": 4}, devices=jax.devices()[:4]).devices.size == 4
+    with pytest.raises(MeshError, match=r"data=1 x fsdp=2 x tensor=2 x expert=1 has 4 devices but 8 are available"):
+        parallel.make_mesh("fsdp=2,tensor=2")
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'experts' \(did you mean 'expert'\?\)"):
+        parallel.make_mesh({"experts": 8})
+
+
+def test_validate_mesh_names_the_field():
+    mesh = parallel.make_mesh
+    cases = [
+        (llama_preset("tiny"), "tensor=8", r"LlamaConfig.num_heads = 4 is not divisible by mesh axis 'tensor' of size 8"),
+        (dataclasses.replace(llama_preset("tiny"), num_heads=8, num_kv_heads=2), "tensor=4,data=2",
+         r"LlamaConfig.num_kv_heads = 2 is not divisible by mesh axis 'tensor' of size 4"),
+        (dataclasses.replace(llama_preset("tiny"), num_heads=8, num_kv_heads=8, intermediate_size=100), "tensor=8",
+         r"LlamaConfig.intermediate_size = 100 is not divisible by mesh axis 'tensor' of size 8"),
+        (dataclasses.replace(llama_preset("tiny"), vocab_size=100), "fsdp=8",
+         r"LlamaConfig.vocab_size = 100 is not divisible by mesh axis 'fsdp' of size 8"),
+        (llama_preset("tiny"), "expert=8", r"mesh axis 'expert' has size 8 but LlamaConfig has no experts"),
+        (deepseek_preset("tiny", n_routed_experts=12), "expert=8",
+         r"DeepseekV3Config.n_routed_experts = 12 is not divisible by mesh axis 'expert' of size 8"),
+        (deepseek_preset("tiny", kv_lora_rank=12), "fsdp=8",
+         r"DeepseekV3Config.kv_lora_rank = 12 is not divisible by mesh axis 'fsdp' of size 8"),
+        (deepseek_preset("tiny", moe_intermediate_size=36), "tensor=8",
+         r"DeepseekV3Config.num_heads = 4 is not divisible"),
+        (deepseek_preset("tiny", num_heads=8, moe_intermediate_size=36), "tensor=8",
+         r"DeepseekV3Config.moe_intermediate_size = 36 is not divisible by mesh axis 'tensor' of size 8"),
+    ]  # fmt: skip
+    for config, spec, message in cases:
+        with pytest.raises(MeshError, match=message):
+            parallel.validate_mesh(mesh(spec), config)
+    parallel.validate_mesh(mesh("fsdp=2,expert=4"), deepseek_preset("tiny"))  # fits: no error
+    parallel.validate_mesh(mesh("fsdp=4,tensor=2"), llama())  # a model works as well as its config
+
+
+# -- layout -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, layout", [("llama", LLAMA_LAYOUT), ("deepseek_v3", DEEPSEEK_LAYOUT)])
+def test_partition_specs_follow_the_param_letters(name, layout):
+    model = MODELS[name]()[0]
+    for spec in ("fsdp=4,tensor=2", "fsdp=2,expert=4"):
+        mesh = parallel.make_mesh(spec)
+        if name == "llama" and "expert" in spec:
+            continue
+        specs = flat(parallel.partition_specs(model, mesh))
+        assert set(specs) == set(flat(model)) == set(layout)
+        for path, s in specs.items():
+            assert tuple(s) == expected_spec(layout[path], mesh), (spec, path)
+    # Any tree holding models: an optimizer state's moments get the model's layout.
+    mesh = parallel.make_mesh("fsdp=8")
+    state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_inexact_array))
+    specs = parallel.partition_specs(state, mesh)
+    assert tuple(specs[0].mu.embed) == ("fsdp", None) and tuple(specs[0].count) == ()
+
+
+def test_shard_places_every_array_and_passes_memory_kind():
+    model, mesh = llama(), parallel.make_mesh("fsdp=4,tensor=2")
+    sharded = parallel.shard(model, mesh)
+    for path, x in flat(sharded).items():
+        assert x.sharding.spec == jax.sharding.PartitionSpec(*expected_spec(LLAMA_LAYOUT[path], mesh)), path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(flat(model)[path]))
+    host = parallel.shard(model, mesh, memory_kind="pinned_host")
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(host)} == {"pinned_host"}
+
+
+# -- one step equals the single-device step -------------------------------------------------
+
+LAYOUTS = [
+    # model, mesh, batch axes, extra loss kwargs
+    ("llama", "data=8", parallel.BATCH_AXES, {}),
+    ("llama", "fsdp=4,tensor=2", parallel.BATCH_AXES, {"placement": "save_matmuls"}),
+    ("llama", "data=2,fsdp=2,tensor=2", parallel.BATCH_AXES, {}),
+    ("deepseek_v3", "data=8", parallel.BATCH_AXES, {}),
+    ("deepseek_v3", "fsdp=4,tensor=2", parallel.BATCH_AXES, {}),
+    ("deepseek_v3", "fsdp=2,expert=4", parallel.BATCH_AXES, {}),
+    ("deepseek_v3", "data=2,expert=4", ("data", "fsdp", "expert"), {}),  # tokens split over the expert group
+]
+
+
+@pytest.mark.parametrize("name, spec, batch_axes, kwargs", LAYOUTS, ids=[f"{m}-{s}-{len(b)}" for m, s, b, _ in LAYOUTS])
+def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
+    model, loss_fn, has_aux = MODELS[name]()
+    layout = LLAMA_LAYOUT if name == "llama" else DEEPSEEK_LAYOUT
+    mesh = parallel.make_mesh(spec)
+    sharded = parallel.shard(model, mesh)
+
+    # Parameter bytes per device shrink by exactly the product of the axes each one is split on.
+    full = {p: x.nbytes for p, x in flat(model).items()}
+    expected = sum(n // math.prod(mesh.shape[a] for a in expected_spec(layout[p], mesh) if a) for p, n in full.items())
+    assert parallel.param_bytes(sharded) == expected
+    print(f"\n{name} {spec}: {parallel.param_bytes(sharded)} parameter bytes per device of {sum(full.values())}")
+
+    step = parallel.value_and_grad(functools.partial(loss_fn, **kwargs), mesh, has_aux=has_aux, batch_axes=batch_axes)
+    value, grads = step(sharded, batch(model))
+    ref_value, ref_grads = reference(name)
+    loss, ref_loss = (value[0], ref_value[0]) if has_aux else (value, ref_value)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    g, ref_g, params = flat(grads), flat(ref_grads), flat(sharded)
+    assert set(g) == set(ref_g)
+    for path in g:
+        r = np.asarray(ref_g[path])
+        np.testing.assert_allclose(np.asarray(g[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
+        # Gradients come back laid out like the parameters, ready for the optimizer.
+        assert g[path].sharding.is_equivalent_to(params[path].sharding, g[path].ndim), path
+    if has_aux:
+        aux, ref_aux = value[1], ref_value[1]
+        np.testing.assert_array_equal(np.asarray(aux.expert_load), np.asarray(ref_aux.expert_load))  # summed, not averaged
+        for field in ("lm_loss", "mtp_loss", "balance_loss"):
+            np.testing.assert_allclose(float(getattr(aux, field)), float(getattr(ref_aux, field)), rtol=1e-5, err_msg=field)
+        assert not np.any(np.asarray(g["moe_layers.moe.router_bias"]))  # trainable=False: no update
+
+
+def test_fsdp_holds_one_layer_of_full_weights():
+    """The compiled step's temporaries stay under half the layer stack's full weights: the
+    backward pass re-gathers each layer instead of keeping every gathered layer."""
+    config = zoo.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_layers=8,
+                             num_heads=4, num_kv_heads=4, head_dim=64)  # fmt: skip
+    model = zoo.Llama(config, key=jax.random.key(0))
+    mesh = parallel.make_mesh("fsdp=8")
+    sharded = parallel.shard(model, mesh)
+    stack = sum(x.nbytes for x in jax.tree.leaves(model.layers))
+    assert parallel.param_bytes(sharded.layers) == stack // 8
+    step = parallel.value_and_grad(zoo.lm_loss, mesh)
+    temp = jax.jit(step).lower(sharded, jnp.zeros((8, 8), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
+    print(f"\nfsdp=8 step temporaries: {temp / 2**20:.1f} MiB; full layer stack {stack / 2**20:.1f} MiB")
+    assert temp < stack / 2
+
+
+def test_step_errors_name_the_culprit():
+    model, mesh = llama(), parallel.make_mesh("data=2,fsdp=4")
+    step = parallel.value_and_grad(zoo.lm_loss, mesh)
+    with pytest.raises(MeshError, match=r"batch argument 0: leading size 6 is not divisible by data=2 x fsdp=4 = 8"):
+        step(model, jnp.zeros((6, 4), jnp.int32))
+    with pytest.raises(MeshError, match=r"'tensor' cannot split the batch"):
+        parallel.value_and_grad(zoo.lm_loss, mesh, batch_axes=("data", "tensor"))
+
+
+# -- multi-host ---------------------------------------------------------------------------
+
+_WORKER = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    import jax
+    jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    from zoo import parallel
+    ran = parallel.initialize_distributed()
+    import jax.numpy as jnp, numpy as np
+    import zoo
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from zoo.llama import preset
+
+    assert ran == (jax.process_count() > 1) and len(jax.devices()) == 4, (ran, jax.devices())
+    model = zoo.Llama(preset("tiny"), key=jax.random.key(0))
+    mesh = parallel.make_mesh("fsdp=2,tensor=2")
+    ids = np.asarray(jax.random.randint(jax.random.key(1), (8, 16), 0, 256, dtype=jnp.int32))
+    ids = jax.make_array_from_callback(ids.shape, NamedSharding(mesh, P(("data", "fsdp"))), lambda i: ids[i])
+    loss, grads = parallel.value_and_grad(zoo.lm_loss, mesh)(parallel.shard(model, mesh), ids)
+    norm = jax.jit(lambda g: jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))),
+                   out_shardings=NamedSharding(mesh, P()))(grads)
+    value = lambda x: repr(float(np.asarray(x.addressable_data(0))))
+    print("RESULT", jax.process_index(), value(loss), value(norm), flush=True)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(n: int, devices: int) -> list[tuple[float, float]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if n > 1:
+        env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": str(n)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WORKER, str(devices)], env=env | ({"JAX_PROCESS_ID": str(i)} if n > 1 else {}),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(n)
+    ]  # fmt: skip
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+        line = next(line for line in out.splitlines() if line.startswith("RESULT"))
+        results.append(tuple(float(v) for v in line.split()[2:]))
+    return results
+
+
+def test_two_processes_match_one():
+    """2 processes x 2 CPU devices compute the loss and gradient norm of 1 process x 4 (here)."""
+    model = llama()
+    mesh = parallel.make_mesh("fsdp=2,tensor=2", devices=jax.devices()[:4])
+    loss, grads = parallel.value_and_grad(zoo.lm_loss, mesh)(parallel.shard(model, mesh), batch(model))
+    norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+    results = _run_workers(2, 2)
+    assert len(results) == 2
+    for worker_loss, worker_norm in results:
+        np.testing.assert_allclose(worker_loss, float(loss), rtol=1e-6)
+        np.testing.assert_allclose(worker_norm, norm, rtol=1e-6)

@@ -1,0 +1,626 @@
+"""Data, FSDP, tensor and expert parallelism: one device mesh, one ``jax.shard_map`` step.
+
+The mesh always has the four axes of :data:`AXES` (size 1 when unused). Where each parameter
+lives is *derived* from the model's own parameter description (:mod:`zoo.params`): every
+dimension letter of a :class:`~zoo.params.Param` maps to at most one mesh axis
+(:data:`LOGICAL_AXES`), so a new model gets its layout from its legend, not from a recipe.
+
+The step (:func:`value_and_grad`) runs the unchanged model code under ``jax.shard_map`` with
+explicit collectives. The model code calls four trace-time hooks that are the identity
+outside the step: :func:`gather_layer` (FSDP: all-gather one layer's weights inside the
+scanned layer body), :func:`tensor_psum` (Megatron-style reduction after the output and
+down projections), :func:`routed_experts` (expert-parallel dispatch and combine) and
+:func:`varying_like` (keeps a scan carry's type when it starts as a constant). Gradients need
+no hand-written collective: ``shard_map`` tracks which values vary across which mesh axes,
+so the transpose of the FSDP all-gather is a reduce-scatter, and a parameter replicated over
+the batch axes gets its gradient summed over them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, Int, PyTree
+
+AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+
+# Dimension letter -> mesh axis. The first letter of a parameter's axes that maps to a mesh
+# axis gets it; each mesh axis shards at most one dimension of a parameter. "tensor" and
+# "expert" split the computation (kept split inside the step); "fsdp" only splits storage
+# (gathered before use). E maps to "expert" only where it indexes separately stored experts
+# (``{E}`` in the checkpoint key): the router's E stays whole, routing needs every score.
+LOGICAL_AXES: Mapping[str, str] = {
+    "H": "tensor",  # attention heads
+    "G": "tensor",  # Llama key/value heads
+    "F": "tensor",  # dense MLP hidden
+    "M": "tensor",  # DeepSeek-V3 routed experts' hidden
+    "X": "tensor",  # DeepSeek-V3 shared experts' hidden
+    "E": "expert",  # routed experts
+    "D": "fsdp",  # model width
+    "Q": "fsdp",  # MLA query latent
+    "C": "fsdp",  # MLA key/value latent
+    "V": "fsdp",  # vocabulary (embedding, head)
+}
+
+# The config field behind each letter, for errors.
+_FIELDS: Mapping[str, str] = {
+    "V": "vocab_size", "D": "hidden_size", "F": "intermediate_size", "H": "num_heads", "G": "num_kv_heads",
+    "M": "moe_intermediate_size", "X": "moe_intermediate_size * n_shared_experts", "Q": "q_lora_rank",
+    "C": "kv_lora_rank", "E": "n_routed_experts",
+}  # fmt: skip
+
+GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
+
+
+class MeshError(ValueError):
+    """A mesh spec, mesh or batch that does not fit the devices or the model; names the culprit."""
+
+
+# ---------------------------------------------------------------------------------------
+# Mesh
+# ---------------------------------------------------------------------------------------
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"data=2,fsdp=2,tensor=2"`` -> ``{"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}``.
+
+    Every axis is present (1 when not named), so callers never special-case a missing one.
+    """
+    sizes = dict.fromkeys(AXES, 1)
+    seen: set[str] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, eq, value = (s.strip() for s in part.partition("="))
+        if not eq:
+            raise MeshError(f"mesh spec {spec!r}: {part!r} is not axis=size (axes: {', '.join(AXES)})")
+        _check_axis(name, f"mesh spec {spec!r}")
+        if name in seen:
+            raise MeshError(f"mesh spec {spec!r}: axis {name!r} given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            raise MeshError(f"mesh spec {spec!r}: size of axis {name!r} must be an integer, got {value!r}") from None
+        if size < 1:
+            raise MeshError(f"mesh spec {spec!r}: size of axis {name!r} must be >= 1, got {size}")
+        seen.add(name)
+        sizes[name] = size
+    return sizes
+
+
+def _check_axis(name: str, where: str) -> None:
+    if name not in AXES:
+        close = difflib.get_close_matches(name, AXES, n=1, cutoff=0.4)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise MeshError(f"{where}: unknown mesh axis {name!r}{hint}; axes: {', '.join(AXES)}")
+
+
+def make_mesh(spec: str | Mapping[str, int], *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with the four axes of :data:`AXES`, in that order, over ``devices`` (default all).
+
+    The axis sizes must multiply to the device count: a silently idle device is a bug.
+    Axis types are ``Auto`` so jitted code outside the step may still reshard freely.
+    """
+    if isinstance(spec, str):
+        sizes = parse_mesh(spec)
+    else:
+        sizes = dict.fromkeys(AXES, 1)
+        for name, size in spec.items():
+            _check_axis(name, "make_mesh")
+            if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+                raise MeshError(f"make_mesh: size of axis {name!r} must be a positive integer, got {size!r}")
+            sizes[name] = int(size)
+    devices = list(jax.devices() if devices is None else devices)
+    total = math.prod(sizes.values())
+    if total != len(devices):
+        layout = " x ".join(f"{a}={sizes[a]}" for a in AXES)
+        raise MeshError(f"mesh {layout} has {total} devices but {len(devices)} are available; the sizes must multiply to {len(devices)}")
+    shape = tuple(sizes[a] for a in AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    try:
+        return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+    except Exception:  # topologies make_mesh cannot tile: plain row-major order
+        return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=auto)
+
+
+def _size(mesh: Mesh, axis: str) -> int:
+    return int(mesh.shape.get(axis, 1))
+
+
+# ---------------------------------------------------------------------------------------
+# Layout derived from the parameter description
+# ---------------------------------------------------------------------------------------
+
+
+def _family(obj: Any):
+    """The registered model family of a model or config (``zoo.hf.pretrained.FAMILIES``)."""
+    import zoo  # noqa: F401  (registers the families)
+    from zoo.hf.pretrained import FAMILIES
+
+    for fam in FAMILIES.values():
+        if isinstance(obj, (fam.model_cls, fam.config_cls)):
+            return fam
+    raise TypeError(f"{type(obj).__name__} is not a registered zoo model or config")
+
+
+def _mesh_axis(param, letter: str) -> str | None:
+    axis = LOGICAL_AXES.get(letter)
+    if axis == "expert" and letter not in param.stacked:
+        return None
+    return axis
+
+
+def param_axes(param, mesh: Mesh | None = None) -> tuple[str | None, ...]:
+    """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole).
+
+    With a ``mesh``, axes of size 1 are left out: nothing is split over them, and the step's
+    type checks then need no collective over them.
+    """
+    out: list[str | None] = []
+    used: set[str] = set()
+    for letter in param.names:
+        axis = _mesh_axis(param, letter)
+        if axis is None or axis in used or (mesh is not None and _size(mesh, axis) == 1):
+            out.append(None)
+            continue
+        used.add(axis)
+        out.append(axis)
+    return tuple(out)
+
+
+def _is_layer_stack(param) -> bool:
+    """Scanned layer stacks lead with a stacked layer letter (``L``, ``Ld``, ``Lm``)."""
+    names = param.names
+    return bool(names) and names[0].startswith("L") and names[0] in param.stacked
+
+
+def _model_specs(model) -> dict[str, Any]:
+    fam = _family(model)
+    return fam.params(model.config)
+
+
+def _spec_tree(model, mesh: Mesh):
+    from zoo.params import map_params
+
+    specs = _model_specs(model)
+
+    def leaf(path: str, x):
+        if path not in specs:
+            raise KeyError(f"{type(model).__name__}: array {path!r} has no Param description")
+        return PartitionSpec(*param_axes(specs[path], mesh))
+
+    return map_params(leaf, model)
+
+
+def _is_model(x) -> bool:
+    try:
+        _family(x)
+    except TypeError:
+        return False
+    return isinstance(x, eqx.Module)
+
+
+def partition_specs(model: PyTree, mesh: Mesh) -> PyTree[PartitionSpec]:
+    """A ``PartitionSpec`` per array leaf, derived from the model's ``Param`` axes.
+
+    ``model`` may also be any tree holding models (an optimizer state's ``mu``/``nu`` are
+    models with the same leaves); arrays outside a model are replicated (``P()``).
+    """
+
+    def sub(x):
+        if _is_model(x):
+            return _spec_tree(x, mesh)
+        return PartitionSpec() if isinstance(x, (jax.Array, np.ndarray)) else x
+
+    return jax.tree.map(sub, model, is_leaf=_is_model)
+
+
+def shard(model_or_tree: PyTree, mesh: Mesh, *, memory_kind: str | None = None) -> PyTree:
+    """``device_put`` every array with its :func:`partition_specs` sharding.
+
+    ``memory_kind`` (``"device"``, ``"pinned_host"``) is passed through, so parameters or
+    optimizer state can be both sharded and kept in host memory between steps.
+    """
+    specs = partition_specs(model_or_tree, mesh)
+
+    def put(x, spec):
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, spec, memory_kind=memory_kind))
+
+    return jax.tree.map(put, model_or_tree, specs)
+
+
+def validate_mesh(mesh: Mesh, config: Any) -> None:
+    """Every dimension a mesh axis splits must divide evenly, and every axis must split something.
+
+    Raises :class:`MeshError` naming the config field, its value and the axis. ``config`` may
+    also be a model. Checked up front because an uneven split fails deep inside XLA.
+    """
+    config = getattr(config, "config", config)
+    fam = _family(config)
+    sizes = config.sizes
+    name = type(config).__name__
+    for axis in AXES:
+        if axis not in mesh.shape:
+            raise MeshError(f"mesh has no axis {axis!r}; build it with zoo.parallel.make_mesh (axes: {', '.join(AXES)})")
+    split: dict[tuple[str, str], str] = {}  # (letter, axis) -> first parameter split so
+    for path, p in fam.params(config).items():
+        for letter, axis in zip(p.names, param_axes(p, mesh)):
+            if axis is not None:
+                split.setdefault((letter, axis), path)
+    order = list(LOGICAL_AXES)
+    for (letter, axis), path in sorted(split.items(), key=lambda kv: order.index(kv[0][0])):
+        n = _size(mesh, axis)
+        if sizes[letter] % n:
+            field = _FIELDS.get(letter, f"size of dimension {letter}")
+            raise MeshError(
+                f"{name}.{field} = {sizes[letter]} is not divisible by mesh axis {axis!r} of size {n} "
+                f"(it splits dimension {letter} of {path})"
+            )
+    used = {axis for _, axis in split}
+    for axis in ("tensor", "expert"):
+        if _size(mesh, axis) > 1 and axis not in used:
+            what = "experts" if axis == "expert" else "heads or hidden units"
+            raise MeshError(
+                f"mesh axis {axis!r} has size {_size(mesh, axis)} but {name} has no {what} to split over it; "
+                "every device on it would repeat the same work (use data or fsdp instead)"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# Trace-time hooks called by the model code (identity outside the step)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Step:
+    mesh: Mesh
+    plans: dict[Any, Any]  # layer treedef -> per-leaf dims to all-gather over "fsdp"
+    gathered: set[Any]
+
+
+_STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
+
+
+def _varying(x) -> frozenset[str]:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _psum(x, axes: Sequence[str]):
+    axes = tuple(a for a in axes if a in _varying(x))
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def in_step() -> bool:
+    """Whether the current trace is inside :func:`value_and_grad`'s ``shard_map``."""
+    return _STEP.get() is not None
+
+
+def tensor_psum(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """Sum the partial results of a head- or hidden-split projection over ``"tensor"``.
+
+    Called on the output of ``wo`` and ``w_down``: with heads / hidden units split, each
+    device holds a partial sum of the full product (Megatron's row-parallel layer).
+    """
+    if _STEP.get() is None:
+        return x
+    return _psum(x, ("tensor",))
+
+
+def gather_layer(tree: PyTree) -> PyTree:
+    """FSDP: one layer's weights all-gathered over ``"fsdp"``; call inside the scanned body.
+
+    Only this layer's full weights exist at a time; the step's remat policy re-gathers them
+    for the backward pass instead of saving them, and autodiff turns the transpose of the
+    tiled all-gather into a reduce-scatter of the gradients. Tensor- and expert-split
+    dimensions stay split. Call it on the weights already cast to the compute dtype: the
+    gather then moves half the bytes in bf16, and nothing derived from the full weights is
+    left for the backward pass to save (the reduce-scatter runs in the compute dtype too).
+    """
+    step = _STEP.get()
+    if step is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    plan = step.plans.get(treedef)
+    if plan is None:
+        raise MeshError(f"gather_layer: {type(tree).__name__} is not a layer stack of the model in this step")
+    step.gathered.add(treedef)
+    return jax.tree.unflatten(treedef, [checkpoint_name(_gather(x, d), GATHERED) for x, d in zip(leaves, plan)])
+
+
+def _gather(x, dims):
+    for d in dims:
+        x = jax.lax.all_gather(x, "fsdp", axis=d, tiled=True)
+    return x
+
+
+def remat_policy(policy: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The remat policy for a scanned layer body inside the step.
+
+    Without a placement map XLA would keep every layer's gathered weights for the backward
+    pass (a full copy of the model): this policy saves everything else and re-gathers them.
+    A placement map's policy already saves only named tensors, so it is kept as is.
+    """
+    step = _STEP.get()
+    if step is None or policy is not None or _size(step.mesh, "fsdp") == 1:
+        return policy
+    return _regather
+
+
+def _regather(prim, *avals, **params) -> bool:
+    """Save anything but the FSDP all-gathers' outputs and the name on them. (Written out:
+    ``jax.checkpoint_policies.save_anything_except_these_names`` saves everything in jax 0.10.)"""
+    if prim is jax.lax.all_gather_p:
+        names = params.get("axis_name", ())
+        return "fsdp" not in (names if isinstance(names, tuple) else (names,))
+    return not (prim.name == "name" and params.get("name") == GATHERED)
+
+
+def varying_like(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
+    """``x`` typed as varying over the mesh axes ``like`` varies over.
+
+    A scan carry that starts as a constant (a zero accumulator) and accumulates per-device
+    values must start with the type it ends with; outside the step, ``x`` unchanged.
+    """
+    if _STEP.get() is None:
+        return x
+    axes = tuple(sorted(_varying(like) - _varying(x)))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def routed_experts(
+    impl: Callable[..., Float[Array, "T D"]],
+    x: Float[Array, "T D"],
+    routing: Any,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """The routed experts' combined output; expert-parallel inside the step.
+
+    Each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
+    units). **Dispatch**: tokens already shared by the expert group (the batch is split over
+    ``data``/``fsdp`` only) need no move; tokens split over ``"expert"`` (a batch split over it)
+    are all-gathered within the group. Each device then runs the unchanged dropless expert
+    kernel (``impl``) on *every* (token, expert) pair of the group, the pairs routed to other
+    devices' experts going to one zero-weight padding expert with combine weight 0: no
+    capacity factor, no token dropped, whatever the routing. **Combine**: a psum over
+    ``"expert"`` (or its reduce-scatter, back to each device's own tokens), then over
+    ``"tensor"``. Why not all-to-all: a dropless all-to-all needs either the worst-case buffer
+    (all pairs to one device) or data-dependent shapes, and the static-shape kernels already
+    pay for the worst case; the all-gather/reduce-scatter pair is also its own autodiff
+    transpose. The gain is memory: expert weights, their gradients and optimizer state
+    shrink by the ``expert`` size.
+    """
+    step = _STEP.get()
+    if step is None:
+        return impl(x, routing, w_gate, w_up, w_down)
+    if "expert" not in _varying(w_gate):
+        return _psum(impl(x, routing, w_gate, w_up, w_down), ("tensor",))
+    spread = "expert" in _varying(x)
+    experts, weights = routing.experts, routing.weights
+    if spread:
+        x, experts, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, experts, weights))
+    e_local = w_gate.shape[0]
+    local = experts - jax.lax.axis_index("expert").astype(experts.dtype) * e_local
+    mine = (local >= 0) & (local < e_local)
+    local_routing = routing._replace(
+        experts=jnp.where(mine, local, e_local).astype(experts.dtype),
+        weights=jnp.where(mine, weights, jnp.zeros((), weights.dtype)),
+        scores=jnp.zeros((x.shape[0], e_local + 1), routing.scores.dtype),
+    )
+
+    def pad(w):
+        return jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)], axis=0)
+
+    out = impl(x, local_routing, pad(w_gate), pad(w_up), pad(w_down))
+    if spread:
+        out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+    else:
+        out = jax.lax.psum(out, "expert")
+    return _psum(out, ("tensor",))
+
+
+# ---------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------
+
+
+def _layer_plans(model, mesh: Mesh) -> tuple[dict[Any, list], list]:
+    """Per layer stack (keyed by its tree structure), the dims each leaf of one layer is
+    all-gathered on; and per model leaf, the dims a non-layer leaf is gathered on at the
+    start of the step (none for layer-stack leaves: they are gathered layer by layer)."""
+    from zoo.params import map_params
+
+    specs = _model_specs(model)
+    stacks: dict[str, bool] = {}
+    for path, p in specs.items():
+        root = path.split(".")[0]
+        stacks[root] = stacks.get(root, True) and _is_layer_stack(p)
+
+    def dims(path: str, drop: int) -> tuple[int, ...]:
+        axes = param_axes(specs[path], mesh)
+        return tuple(i - drop for i, a in enumerate(axes) if a == "fsdp")
+
+    plans = {}
+    for root, is_stack in stacks.items():
+        sub = getattr(model, root, None)
+        if is_stack and sub is not None:
+            plan = map_params(lambda path, x, root=root: dims(f"{root}.{path}", 1), sub)
+            plans[jax.tree.structure(sub)] = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
+    rest = map_params(lambda path, x: () if stacks[path.split(".")[0]] else dims(path, 0), model)
+    return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
+
+
+def _check_batch(batch: Sequence[Any], mesh: Mesh, axes: tuple[str, ...]) -> None:
+    n = math.prod(_size(mesh, a) for a in axes)
+    for i, arg in enumerate(batch):
+        for leaf in jax.tree.leaves(arg):
+            if not hasattr(leaf, "shape") or not leaf.shape:
+                raise MeshError(f"batch argument {i}: the step splits arrays on their leading axis; got {leaf!r}")
+            if leaf.shape[0] % n:
+                raise MeshError(
+                    f"batch argument {i}: leading size {leaf.shape[0]} is not divisible by "
+                    f"{' x '.join(f'{a}={_size(mesh, a)}' for a in axes)} = {n}"
+                )
+
+
+def _trainable_mask(model) -> PyTree:
+    from zoo.params import map_params
+
+    specs = _model_specs(model)
+    return map_params(lambda path, x: specs[path].trainable, model)
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    has_aux: bool = False,
+    batch_axes: Sequence[str] = BATCH_AXES,
+) -> Callable[..., Any]:
+    """``f(model, *batch, **static) -> (loss[, aux]), grads`` computed under ``jax.shard_map``.
+
+    Each batch argument is split on its leading axis over ``batch_axes`` (default ``data`` and
+    ``fsdp``; adding ``"expert"`` also splits the non-expert work over the expert group, whose
+    MoE layers then all-gather tokens and reduce-scatter outputs). Parameters arrive with
+    their :func:`partition_specs` layout and the gradients leave with it. ``loss`` is the mean
+    of the per-device losses over the batch axes: the global mean whenever every device's
+    loss averages the same number of terms (always without ``segment_ids`` masks). ``aux``
+    leaves are reduced over the batch axes too: integer leaves (counts such as
+    ``expert_load``) summed, floating leaves averaged. Parameters with ``trainable=False``
+    (the router bias) get zero gradients. Keyword arguments (``placement=``, ...) are passed
+    to ``loss_fn`` as static values. The returned function is jitted with ``eqx.filter_jit``.
+    """
+    batch_axes = tuple(batch_axes)
+    for a in batch_axes:
+        _check_axis(a, "value_and_grad batch_axes")
+    if "tensor" in batch_axes:
+        raise MeshError("value_and_grad: 'tensor' cannot split the batch: its devices share tokens and split heads")
+
+    @eqx.filter_jit
+    def step(model, *batch, **kwargs):
+        validate_mesh(mesh, model.config)
+        axes = tuple(a for a in batch_axes if _size(mesh, a) > 1)
+        _check_batch(batch, mesh, axes)
+        specs = _spec_tree(model, mesh)
+        plans, rest = _layer_plans(model, mesh)
+        trainable = _trainable_mask(model)
+        bspec = PartitionSpec(axes if axes else None)
+
+        def body(params, *local_batch):
+            ctx = _Step(mesh, plans, set())
+            token = _STEP.set(ctx)
+            try:
+
+                def objective(p):
+                    leaves, treedef = jax.tree.flatten(p)
+                    p = jax.tree.unflatten(treedef, [_gather(x, d) for x, d in zip(leaves, rest)])
+                    out = loss_fn(p, *local_batch, **kwargs)
+                    loss, aux = out if has_aux else (out, None)
+                    stray = _varying(loss) - set(axes)
+                    if stray:
+                        raise MeshError(
+                            f"the loss still varies over mesh axes {sorted(stray)}: the model code misses "
+                            "a zoo.parallel hook (tensor_psum / routed_experts)"
+                        )
+                    over = tuple(a for a in axes if a in _varying(loss))
+                    return (jax.lax.pmean(loss, over) if over else loss), aux
+
+                (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
+                missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
+                if missing and _size(mesh, "fsdp") > 1:
+                    raise MeshError("the model's forward never called zoo.parallel.gather_layer on a layer stack")
+            finally:
+                _STEP.reset(token)
+            aux = jax.tree.map(lambda a: _reduce_aux(a, axes), aux)
+            grads = jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
+            return (loss, aux) if has_aux else loss, grads
+
+        in_specs = (specs, *(jax.tree.map(lambda _: bspec, b) for b in batch))
+        value_spec = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
+        fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(value_spec, specs), check_vma=True)
+        return fn(model, *batch)
+
+    return step
+
+
+def _reduce_aux(a, axes: tuple[str, ...]):
+    if not isinstance(a, jax.Array):
+        return a
+    over = tuple(x for x in axes if x in _varying(a))
+    if not over:
+        return a
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return jax.lax.psum(a, over)
+    return jax.lax.pmean(a, over)
+
+
+def param_bytes(tree: PyTree) -> int:
+    """Parameter bytes held by one device: the first addressable shard of every array."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+
+
+# ---------------------------------------------------------------------------------------
+# Multi-host
+# ---------------------------------------------------------------------------------------
+
+
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> bool:
+    """``jax.distributed.initialize`` from arguments or the environment; returns whether it ran.
+
+    Falls back to ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``,
+    then SLURM (``SLURM_NTASKS`` > 1: JAX's own cluster detection). One process: a no-op, so
+    the same recipe runs on a laptop and on a cluster.
+    """
+    env = os.environ
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    slurm = int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env
+    if coordinator is None and not slurm:
+        if num_processes not in (None, 1):
+            raise MeshError(f"initialize_distributed: num_processes={num_processes} needs a coordinator address")
+        return False
+    if num_processes == 1:
+        return False
+    if coordinator is not None and (num_processes is None or process_id is None):
+        raise MeshError(
+            f"initialize_distributed: coordinator {coordinator!r} given but "
+            f"{'num_processes' if num_processes is None else 'process_id'} is missing "
+            "(flag or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+        )
+    if coordinator is None:
+        jax.distributed.initialize()  # SLURM: JAX reads the job's own variables
+    else:
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    return True
+
+
+__all__ = [
+    "AXES", "BATCH_AXES", "GATHERED", "LOGICAL_AXES", "MeshError", "gather_layer", "in_step", "initialize_distributed",
+    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "routed_experts",
+    "shard", "tensor_psum", "validate_mesh", "value_and_grad", "varying_like",
+]  # fmt: skip
