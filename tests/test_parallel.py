@@ -250,9 +250,11 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
         assert g[path].sharding.is_equivalent_to(params[path].sharding, g[path].ndim), path
     if has_aux:
         aux, ref_aux = value[1], ref_value[1]
-        np.testing.assert_array_equal(np.asarray(aux.expert_load), np.asarray(ref_aux.expert_load))  # summed, not averaged
+        # Counts are summed over the batch shards, not averaged.
+        np.testing.assert_array_equal(np.asarray(aux.expert_load), np.asarray(ref_aux.expert_load))
         for field in ("lm_loss", "mtp_loss", "balance_loss"):
-            np.testing.assert_allclose(float(getattr(aux, field)), float(getattr(ref_aux, field)), rtol=1e-5, err_msg=field)
+            got, want = float(getattr(aux, field)), float(getattr(ref_aux, field))
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=field)
         assert not np.any(np.asarray(g["moe_layers.moe.router_bias"]))  # trainable=False: no update
 
 

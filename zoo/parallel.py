@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import Array, Float, PyTree
 
 AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
@@ -127,12 +127,14 @@ def make_mesh(spec: str | Mapping[str, int], *, devices: Sequence[jax.Device] | 
     total = math.prod(sizes.values())
     if total != len(devices):
         layout = " x ".join(f"{a}={sizes[a]}" for a in AXES)
-        raise MeshError(f"mesh {layout} has {total} devices but {len(devices)} are available; the sizes must multiply to {len(devices)}")
+        raise MeshError(
+            f"mesh {layout} has {total} devices but {len(devices)} are available; the sizes must multiply to {len(devices)}"
+        )
     shape = tuple(sizes[a] for a in AXES)
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     try:
         return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
-    except Exception:  # topologies make_mesh cannot tile: plain row-major order
+    except (ValueError, NotImplementedError):  # a device set make_mesh cannot tile: row-major order
         return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=auto)
 
 
@@ -256,7 +258,9 @@ def validate_mesh(mesh: Mesh, config: Any) -> None:
     name = type(config).__name__
     for axis in AXES:
         if axis not in mesh.shape:
-            raise MeshError(f"mesh has no axis {axis!r}; build it with zoo.parallel.make_mesh (axes: {', '.join(AXES)})")
+            raise MeshError(
+                f"mesh has no axis {axis!r}; build it with zoo.parallel.make_mesh (axes: {', '.join(AXES)})"
+            )
     split: dict[tuple[str, str], str] = {}  # (letter, axis) -> first parameter split so
     for path, p in fam.params(config).items():
         for letter, axis in zip(p.names, param_axes(p, mesh)):
