@@ -105,8 +105,8 @@ def test_absorbed_decode_equals_the_expanded_computation():
     @jax.jit
     def both(p, h, latent, k_rope):
         q, _, _ = mla_project(config, p, h, cos, sin)
-        k, v = mla_expand(config, p, latent, k_rope)
-        expanded = gen.cached_attention(q, k, v, positions, scale=config.softmax_scale)
+        k, v = mla_expand(config, p, latent, k_rope)  # [B, T, H, *]; a cache keeps heads first
+        expanded = gen.cached_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions, scale=config.softmax_scale)
         return gen.absorbed_attention(config, p, q, latent, k_rope, positions), expanded
 
     absorbed, expanded = both(p, h, latent, k_rope)

@@ -61,22 +61,23 @@ class KVCache(eqx.Module):
     """Keys (after RoPE) and values of every layer for ``T`` positions of ``B`` rows.
 
     Llama's grouped-query cache (G key/value heads); DeepSeek-V3's expanded reference cache
-    (G = H, and a value head size U that differs from K). ``lengths[b]``: the tokens row
-    ``b`` holds, which is also the position of its next token.
+    (G = H, and a value head size U that differs from K). Heads come before positions so
+    that a layer's slice is already in the layout the attention products read.
+    ``lengths[b]``: the tokens row ``b`` holds, which is also the position of its next token.
     """
 
-    k: Float[Array, "L B T G K"]
-    v: Float[Array, "L B T G U"]
+    k: Float[Array, "L B G T K"]
+    v: Float[Array, "L B G T U"]
     lengths: Int[Array, " B"]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies over all layers."""
-        return _bytes_per_token(self.k, self.v)
+        """Bytes one token occupies over all layers: ``L · G · (K + U) · itemsize``."""
+        return _bytes_per_token(self, self.k, self.v)
 
 
 class MLACache(eqx.Module):
@@ -96,14 +97,14 @@ class MLACache(eqx.Module):
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies over all layers: ``L · (C + P) · itemsize``."""
-        return _bytes_per_token(self.latent, self.k_rope)
+        return _bytes_per_token(self, self.latent, self.k_rope)
 
 
 Cache = KVCache | MLACache
 
 
-def _bytes_per_token(*arrays: Array | jax.ShapeDtypeStruct) -> int:
-    _, b, t = arrays[0].shape[:3]
+def _bytes_per_token(cache: KVCache | MLACache, *arrays: Array | jax.ShapeDtypeStruct) -> int:
+    b, t = cache.lengths.shape[0], cache.max_len
     return sum(a.size * a.dtype.itemsize for a in arrays) // (b * t)
 
 
@@ -125,10 +126,10 @@ def init_cache(model: Model, batch: int, max_len: int, *, mla: MLADecode = "abso
     lengths = jnp.zeros((batch,), jnp.int32)
     layers = config.num_layers
     if isinstance(model, Llama):
-        shape = (layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (layers, batch, config.num_kv_heads, max_len, config.head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), lengths)
     if mla == "expanded":
-        heads = (layers, batch, max_len, config.num_heads)
+        heads = (layers, batch, config.num_heads, max_len)
         return KVCache(
             jnp.zeros((*heads, config.qk_head_dim), dtype), jnp.zeros((*heads, config.v_head_dim), dtype), lengths
         )
@@ -155,8 +156,8 @@ def _softmax(scores: Float[Array, "*X T"], visible: Array) -> Float[Array, "*X T
 
 def cached_attention(
     q: Float[Array, "B S H K"],
-    k: Float[Array, "B T G K"],
-    v: Float[Array, "B T G U"],
+    k: Float[Array, "B G T K"],
+    v: Float[Array, "B G T U"],
     positions: Int[Array, "B S"],
     *,
     scale: float,
@@ -164,11 +165,11 @@ def cached_attention(
     """Grouped-query attention of queries at ``positions`` over a cache's slots (query head
     h reads key head h // (H/G)); scores and softmax in float32."""
     b, s, h, kd = q.shape
-    g = k.shape[2]
+    g = k.shape[1]
     qg = q.reshape(b, s, g, h // g, kd)
-    scores = jnp.einsum("bsgrk,btgk->bgrst", qg, k, preferred_element_type=jnp.float32) * scale
-    probs = _softmax(scores, _visible(positions, k.shape[1])[:, None, None]).astype(v.dtype)
-    ctx = jnp.einsum("bgrst,btgu->bsgru", probs, v)
+    scores = jnp.einsum("bsgrk,bgtk->bgrst", qg, k, preferred_element_type=jnp.float32) * scale
+    probs = _softmax(scores, _visible(positions, k.shape[2])[:, None, None]).astype(v.dtype)
+    ctx = jnp.einsum("bgrst,bgtu->bsgru", probs, v)
     return ctx.reshape(b, s, h, v.shape[-1])
 
 
@@ -199,10 +200,17 @@ def absorbed_attention(
     return jnp.einsum("bshc,chu->bshu", ctx_latent, w_v)
 
 
-def _write(buffer: Float[Array, "L B T *F"], layer: Array, positions: Int[Array, " B"], rows: Array) -> Array:
-    """Write one token per row (``rows``: ``[B, *F]``) into slot ``positions[b]`` of layer ``layer``."""
+def _write(buffer: Float[Array, "L B *X"], layer: Int[Array, ""], positions: Int[Array, " B"], rows: Array) -> Array:
+    """Write one token per row into slot ``positions[b]`` of layer ``layer``: ``rows`` is
+    ``[B, F]`` for an MLA cache (``L B T F``), ``[B, G, K]`` for a key/value cache (``L B G T K``)."""
     b = positions.shape[0]
+    if buffer.ndim == 5:  # heads before positions: the indexed axes are not adjacent, B leads
+        return buffer.at[layer, jnp.arange(b), :, positions].set(rows.astype(buffer.dtype))
     return buffer.at[layer, jnp.arange(b), positions].set(rows.astype(buffer.dtype))
+
+
+def _heads_first(x: Float[Array, "B T H K"]) -> Float[Array, "B H T K"]:
+    return jnp.swapaxes(x, 1, 2)
 
 
 def _mla_decode(
@@ -229,7 +237,7 @@ def _mla_decode(
             ctx = absorbed_attention(config, p, q, lat[i], kr[i], positions)
         else:  # re-expand keys and values for every cached position (the reference)
             k, v = mla_expand(config, p, lat[i], kr[i])
-            ctx = cached_attention(q, k, v, positions, scale=config.softmax_scale)
+            ctx = cached_attention(q, _heads_first(k), _heads_first(v), positions, scale=config.softmax_scale)
         cache = eqx.tree_at(lambda c: (c.latent, c.k_rope), cache, (lat, kr))
     return jnp.einsum("bshu,hud->bsd", ctx, p.wo), cache
 
@@ -312,6 +320,8 @@ def prefill(
         entries.append(stored)
     stored = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *entries)
     names = ("k", "v") if isinstance(cache, KVCache) else ("latent", "k_rope")
+    if isinstance(cache, KVCache):  # [L, B, S, G, K] -> heads before positions
+        stored = tuple(jnp.swapaxes(e, 2, 3) for e in stored)
     full = tuple(
         jax.lax.dynamic_update_slice(getattr(cache, n), e.astype(dtype), (0,) * e.ndim) for n, e in zip(names, stored)
     )
@@ -570,8 +580,9 @@ def _prefill_sample(model, input_ids, lengths, key, sampling: Sampling, max_len,
     return sample(logits, jr.fold_in(key, 0), **_kw(sampling)), cache
 
 
-@eqx.filter_jit
-def _decode_sample(model, cache, last, key, i, done, sampling: Sampling, pad_id):
+@eqx.filter_jit(donate="all-except-first")  # the cache is updated in place
+def _decode_sample(fixed, cache, last, i, done):
+    model, key, sampling, pad_id = fixed
     logits, cache = decode_step(model, cache, last)
     token = jnp.where(done, pad_id, sample(logits, jr.fold_in(key, i), **_kw(sampling)))
     return token, cache
@@ -605,12 +616,11 @@ def stream(
     key = _key(key, temperature)
     token, cache = _prefill_sample(model, input_ids, jnp.asarray(lengths), key, sampling, max_len, mla)
     done = np.zeros(len(lengths), bool)
+    fixed = (model, key, sampling, jnp.int32(pad_id))
     for i in range(max_new_tokens):
         if i:
-            token, cache = _decode_sample(
-                model, cache, token, key, jnp.int32(i), jnp.asarray(done), sampling, jnp.int32(pad_id)
-            )
-        host = np.asarray(token)
+            token, cache = _decode_sample(fixed, cache, token, jnp.int32(i), jnp.asarray(done))
+        host = np.array(token)  # a copy: the buffer is donated to the next step
         yield host
         done = done | np.isin(host, eos)
         if done.all():
