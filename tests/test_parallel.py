@@ -258,6 +258,27 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
         assert not np.any(np.asarray(g["moe_layers.moe.router_bias"]))  # trainable=False: no update
 
 
+def test_array_keyword_arguments_are_split_like_the_batch():
+    """``segment_ids=`` / ``positions=`` (keyword-only in the losses) reach every device's own
+    rows. Every row packs two segments at the same boundary, so each shard's masked mean
+    averages as many terms as the global one and the means agree."""
+    model = llama()
+    ids = batch(model)
+    segment_ids = jnp.broadcast_to((jnp.arange(16) >= 6).astype(jnp.int32), ids.shape)
+    positions = jnp.broadcast_to(jnp.concatenate([jnp.arange(6), jnp.arange(10)]).astype(jnp.int32), ids.shape)
+    kw = {"segment_ids": segment_ids, "positions": positions}
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, ids, **kw)
+    mesh = parallel.make_mesh("data=2,fsdp=2,tensor=2")
+    loss, grads = parallel.value_and_grad(zoo.lm_loss, mesh)(parallel.shard(model, mesh), ids, **kw)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert abs(float(loss) - float(reference("llama")[0])) > 1e-3  # the masks changed the loss
+    for path, g in flat(grads).items():
+        r = np.asarray(flat(ref_grads)[path])
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
+    with pytest.raises(MeshError, match=r"keyword argument segment_ids=: leading size 6 is not divisible by"):
+        parallel.value_and_grad(zoo.lm_loss, mesh)(model, ids, segment_ids=segment_ids[:6])
+
+
 def test_fsdp_holds_one_layer_of_full_weights():
     """The compiled step's temporaries stay under half the layer stack's full weights: the
     backward pass re-gathers each layer instead of keeping every gathered layer."""

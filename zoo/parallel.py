@@ -474,15 +474,17 @@ def _layer_plans(model, mesh: Mesh) -> tuple[dict[Any, list], list]:
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
 
 
-def _check_batch(batch: Sequence[Any], mesh: Mesh, axes: tuple[str, ...]) -> None:
+def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: Mesh, axes: tuple[str, ...]) -> None:
     n = math.prod(_size(mesh, a) for a in axes)
-    for i, arg in enumerate(batch):
+    named = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
+    for key, arg in named:
+        what = f"batch argument {key}" if isinstance(key, int) else f"keyword argument {key}="
         for leaf in jax.tree.leaves(arg):
             if not hasattr(leaf, "shape") or not leaf.shape:
-                raise MeshError(f"batch argument {i}: the step splits arrays on their leading axis; got {leaf!r}")
+                raise MeshError(f"{what}: the step splits arrays on their leading axis; got {leaf!r}")
             if leaf.shape[0] % n:
                 raise MeshError(
-                    f"batch argument {i}: leading size {leaf.shape[0]} is not divisible by "
+                    f"{what}: leading size {leaf.shape[0]} is not divisible by "
                     f"{' x '.join(f'{a}={_size(mesh, a)}' for a in axes)} = {n}"
                 )
 
@@ -511,8 +513,9 @@ def value_and_grad(
     loss averages the same number of terms (always without ``segment_ids`` masks). ``aux``
     leaves are reduced over the batch axes too: integer leaves (counts such as
     ``expert_load``) summed, floating leaves averaged. Parameters with ``trainable=False``
-    (the router bias) get zero gradients. Keyword arguments (``placement=``, ...) are passed
-    to ``loss_fn`` as static values. The returned function is jitted with ``eqx.filter_jit``.
+    (the router bias) get zero gradients. Keyword arguments are passed to ``loss_fn``: arrays
+    (``positions=``, ``segment_ids=``) split like the batch, anything else (``placement=``)
+    as a static value. The returned function is jitted with ``eqx.filter_jit``.
     """
     batch_axes = tuple(batch_axes)
     for a in batch_axes:
@@ -524,13 +527,17 @@ def value_and_grad(
     def step(model, *batch, **kwargs):
         validate_mesh(mesh, model.config)
         axes = tuple(a for a in batch_axes if _size(mesh, a) > 1)
+        # Array keyword arguments (positions=, segment_ids=) are split like the batch.
+        arrays = {k: v for k, v in kwargs.items() if any(isinstance(x, jax.Array) for x in jax.tree.leaves(v))}
+        static = {k: v for k, v in kwargs.items() if k not in arrays}
         _check_batch(batch, mesh, axes)
+        _check_batch(arrays, mesh, axes)
         specs = _spec_tree(model, mesh)
         plans, rest = _layer_plans(model, mesh)
         trainable = _trainable_mask(model)
         bspec = PartitionSpec(axes if axes else None)
 
-        def body(params, *local_batch):
+        def body(params, local_arrays, *local_batch):
             ctx = _Step(mesh, plans, set())
             token = _STEP.set(ctx)
             try:
@@ -538,7 +545,7 @@ def value_and_grad(
                 def objective(p):
                     leaves, treedef = jax.tree.flatten(p)
                     p = jax.tree.unflatten(treedef, [_gather(x, d) for x, d in zip(leaves, rest)])
-                    out = loss_fn(p, *local_batch, **kwargs)
+                    out = loss_fn(p, *local_batch, **static, **local_arrays)
                     loss, aux = out if has_aux else (out, None)
                     stray = _varying(loss) - set(axes)
                     if stray:
@@ -559,10 +566,10 @@ def value_and_grad(
             grads = jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
             return (loss, aux) if has_aux else loss, grads
 
-        in_specs = (specs, *(jax.tree.map(lambda _: bspec, b) for b in batch))
+        in_specs = (specs, jax.tree.map(lambda _: bspec, arrays), *(jax.tree.map(lambda _: bspec, b) for b in batch))
         value_spec = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
         fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(value_spec, specs), check_vma=True)
-        return fn(model, *batch)
+        return fn(model, arrays, *batch)
 
     return step
 
