@@ -212,7 +212,7 @@ def test_shard_places_every_array_and_passes_memory_kind():
 # -- one step equals the single-device step -------------------------------------------------
 
 LAYOUTS = [
-    # model, mesh, batch axes, extra loss kwargs
+    # model, mesh, batch axes, extra loss kwargs (expert_impl: the sharded model's expert kernel)
     ("llama", "data=8", parallel.BATCH_AXES, {}),
     ("llama", "fsdp=4,tensor=2", parallel.BATCH_AXES, {"placement": "save_matmuls"}),
     ("llama", "data=2,fsdp=2,tensor=2", parallel.BATCH_AXES, {}),
@@ -220,12 +220,21 @@ LAYOUTS = [
     ("deepseek_v3", "fsdp=4,tensor=2", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "fsdp=2,expert=4", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "data=2,expert=4", ("data", "fsdp", "expert"), {}),  # tokens split over the expert group
+    # TPU's kernel (ragged_dot) against the single-device tiled one: both dropless, equal.
+    ("deepseek_v3", "expert=4,tensor=2", parallel.BATCH_AXES, {"expert_impl": "ragged_dot"}),
 ]
 
 
-@pytest.mark.parametrize("name, spec, batch_axes, kwargs", LAYOUTS, ids=[f"{m}-{s}-{len(b)}" for m, s, b, _ in LAYOUTS])
+@pytest.mark.parametrize(
+    "name, spec, batch_axes, kwargs",
+    LAYOUTS,
+    ids=[f"{m}-{s}-{len(b)}{'-' if k else ''}{'-'.join(map(str, k.values()))}" for m, s, b, k in LAYOUTS],
+)
 def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
     model, loss_fn, has_aux = MODELS[name]()
+    if "expert_impl" in kwargs:
+        kwargs = dict(kwargs)
+        model = model.with_expert_impl(kwargs.pop("expert_impl"))
     layout = LLAMA_LAYOUT if name == "llama" else DEEPSEEK_LAYOUT
     mesh = parallel.make_mesh(spec)
     sharded = parallel.shard(model, mesh)

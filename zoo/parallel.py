@@ -418,11 +418,15 @@ def routed_experts(
     if step is None:
         return impl(x, routing, w_gate, w_up, w_down)
     if "expert" not in _varying(w_gate):
-        return _psum(impl(x, routing, w_gate, w_up, w_down), ("tensor",))
+        x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
+        return _psum(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",))
     spread = "expert" in _varying(x)
     experts, weights = routing.experts, routing.weights
     if spread:
         x, experts, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, experts, weights))
+    # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
+    # ragged_dot otherwise transposes a replicated operand without the psum it needs.
+    x, weights = (varying_like(a, w_gate) for a in (x, weights))
     e_local = w_gate.shape[0]
     local = experts - jax.lax.axis_index("expert").astype(experts.dtype) * e_local
     mine = (local >= 0) & (local < e_local)
