@@ -264,6 +264,16 @@ def test_flops_count_only_activated_experts():
     assert more_experts.flops_per_token(4096) - c.flops_per_token(4096) == pytest.approx(6 * 58 * 7168 * 256)
 
 
+def test_bf16_compute_close_to_float32():
+    ref = reference("deepseek_v3-tiny")
+    model = zoo.from_pretrained(TINY, compute_dtype=jnp.bfloat16)
+    ids = jnp.asarray(ref["input_ids"])
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, ids)
+    np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=2e-2)
+    np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=1e-1)
+    assert grads.moe_layers.moe.w_up.dtype == jnp.float32
+
+
 def test_fresh_model_trains_and_scans():
     config = preset("tiny", mtp=True)
     model = zoo.DeepseekV3(config, key=jr.key(0))

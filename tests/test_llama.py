@@ -9,7 +9,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from conftest import FIXTURES, reference
-from helpers import check_parity
+from helpers import check_parity, global_norm
 
 import zoo
 from zoo.llama import preset
@@ -91,8 +91,11 @@ def test_bf16_compute_close_to_float32():
     err = np.abs(np.asarray(logits) - ref["logits"])
     scale = np.abs(ref["logits"]).max()
     assert err.max() < 0.02 * scale, err.max()  # bf16 has 8 mantissa bits: ~0.4% per op
-    loss = zoo.lm_loss(model, jnp.asarray(ref["input_ids"]))
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, jnp.asarray(ref["input_ids"]))
     np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=1e-2)
+    # Gradients reach the float32 parameters as float32 (under strict dtype promotion).
+    assert grads.layers.attn.wq.dtype == jnp.float32
+    np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=5e-2)
 
 
 def test_tied_head_is_one_parameter():

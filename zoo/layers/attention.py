@@ -1,4 +1,4 @@
-"""Causal self-attention core through ``jax.nn.dot_product_attention``."""
+"""Causal self-attention core: cuDNN's fused kernel on GPU in half precision, else XLA einsums."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def _implementation(dtype, masked: bool) -> str:
-    # cuDNN's fused kernel takes half precision and no arbitrary mask; XLA everywhere else.
-    if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and not masked:
-        return "cudnn"
-    return "xla"
+def _use_cudnn(dtype, masked: bool) -> bool:
+    # cuDNN's fused kernel takes half precision and no arbitrary mask.
+    return jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and not masked
 
 
 def causal_attention(
@@ -26,19 +24,25 @@ def causal_attention(
 
     G key/value heads serve H = G·R query heads (query head h reads key head h // R).
     With ``segment_ids`` (packed sequences) no position attends across a segment boundary.
-    A value head size different from the key's is zero-padded for the kernel and sliced back.
+    Scores and softmax are float32 whatever the input dtype. The XLA path takes a value head
+    size other than the key's as it is (MLA's); cuDNN's needs it padded.
     """
     kv = v.shape[-1]
-    if kv != k.shape[-1]:
-        if kv > k.shape[-1]:
-            raise ValueError(f"value head size {kv} larger than key head size {k.shape[-1]} is unsupported")
-        v = jnp.pad(v, [(0, 0), (0, 0), (0, 0), (0, k.shape[-1] - kv)])
-    mask = None
+    if kv > k.shape[-1]:
+        raise ValueError(f"value head size {kv} larger than key head size {k.shape[-1]} is unsupported")
+    if _use_cudnn(q.dtype, segment_ids is not None):
+        if kv != k.shape[-1]:
+            v = jnp.pad(v, [(0, 0), (0, 0), (0, 0), (0, k.shape[-1] - kv)])
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+        return out[..., :kv]
+    b, s, h, d = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, s, g, h // g, d)
+    scores = jnp.einsum("bsgrd,btgd->bgrst", qg, k, preferred_element_type=jnp.float32) * scale
+    allowed = jnp.tril(jnp.ones((s, s), jnp.bool_))[None, None, None]
     if segment_ids is not None:
-        mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    # JAX's own XLA path promotes bf16 scores to f32 implicitly, which strict promotion rejects.
-    with jax.numpy_dtype_promotion("standard"):
-        out = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=scale, is_causal=True, implementation=_implementation(q.dtype, mask is not None)
-        )
-    return out[..., :kv]
+        allowed = allowed & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bgrst,btgv->bsgrv", probs, v)
+    return out.reshape(b, s, h, kv)
