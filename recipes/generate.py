@@ -153,10 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"the prompt has token ids beyond the model's vocabulary of {vocab}")
     eos = () if args.ignore_eos else (args.eos if args.eos is not None else gen.eos_token_ids(path))
     ids, lengths = gen.pad_prompts(encoded)
-    kw = dict(
-        max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, mla=args.mla,
-    )  # fmt: skip
+    kw = {
+        "max_new_tokens": args.max_new_tokens, "key": jax.random.key(args.seed), "temperature": args.temperature,
+        "top_k": args.top_k, "top_p": args.top_p, "eos_token_id": eos, "mla": args.mla,
+    }  # fmt: skip
 
     print(f"{type(model).__name__} from {path}: {model.config.num_layers} layers, vocab {vocab}, "
           f"{'tokenizer.json' if use_hf else 'byte'} tokens, end of sequence {list(eos) or 'off'}")  # fmt: skip

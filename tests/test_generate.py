@@ -119,26 +119,26 @@ def test_absorbed_decode_equals_the_expanded_computation():
 
 
 def test_mla_cache_holds_only_the_latent_and_the_rope_key():
-    for name in ("deepseek_v3-tiny", "bench"):
-        if name == "bench":
-            config = zoo.deepseek_v3.preset("bench")
-            m = eqx.filter_eval_shape(lambda: zoo.DeepseekV3(config, key=jr.key(0), compute_dtype=jnp.bfloat16))
-        else:
-            m = model(name)
-            config = m.config
-        cache = jax.eval_shape(lambda: gen.init_cache(m, 2, 40))
+    bench = zoo.deepseek_v3.preset("bench")
+    models = {
+        "deepseek_v3-tiny": model("deepseek_v3-tiny"),
+        "bench": eqx.filter_eval_shape(lambda: zoo.DeepseekV3(bench, key=jr.key(0), compute_dtype=jnp.bfloat16)),
+    }
+    for m in models.values():
+        config = m.config
+        cache = eqx.filter_eval_shape(gen.init_cache, m, 2, 40)
         itemsize = jnp.dtype(m.compute_dtype).itemsize
         c, p, L = config.kv_lora_rank, config.qk_rope_head_dim, config.num_layers
         assert isinstance(cache, gen.MLACache) and cache.absorb
         assert cache.latent.shape == (L, 2, 40, c) and cache.k_rope.shape == (L, 2, 40, p)
         assert [x.shape for x in jax.tree.leaves(cache)] == [(L, 2, 40, c), (L, 2, 40, p), (2,)]
         assert cache.bytes_per_token == L * (c + p) * itemsize
-        expanded = jax.eval_shape(lambda: gen.init_cache(m, 2, 40, mla="expanded"))
+        expanded = eqx.filter_eval_shape(gen.init_cache, m, 2, 40, mla="expanded")
         h, k, u = config.num_heads, config.qk_head_dim, config.v_head_dim
         assert expanded.bytes_per_token == L * h * (k + u) * itemsize
     assert cache.bytes_per_token == 4 * (64 + 32) * 2  # the bench shape in bf16: 768 B per token
     llama = model("llama3_1-tiny")
-    kv = jax.eval_shape(lambda: gen.init_cache(llama, 2, 40))
+    kv = eqx.filter_eval_shape(gen.init_cache, llama, 2, 40)
     assert kv.bytes_per_token == 2 * llama.config.num_layers * llama.config.num_kv_heads * llama.config.head_dim * 4
 
 
@@ -196,7 +196,7 @@ def test_greedy_tokens_are_the_argmax_of_the_full_forward_pass(name):
 
 def test_stream_yields_what_generate_returns_when_sampling():
     ids, lengths = gen.pad_prompts(PROMPTS)
-    kw = dict(max_new_tokens=8, key=jr.key(3), temperature=1.5, top_k=50, top_p=0.95, eos_token_id=())
+    kw = {"max_new_tokens": 8, "key": jr.key(3), "temperature": 1.5, "top_k": 50, "top_p": 0.95, "eos_token_id": ()}
     out = gen.generate(model("llama3_1-tiny"), ids, lengths, **kw)
     steps = list(gen.stream(model("llama3_1-tiny"), ids, lengths, **kw))
     np.testing.assert_array_equal(np.stack(steps, axis=1), np.asarray(out.tokens))
@@ -230,6 +230,8 @@ def test_end_of_sequence_ids_come_from_generation_config(tmp_path):
     assert gen.eos_token_ids(None) == () and gen.eos_token_ids([3, 4]) == (3, 4)
     with pytest.raises(ValueError, match=r"non-negative integers, got \[-1\]"):
         gen.eos_token_ids([-1])
+    with pytest.raises(ValueError, match="nowhere: not a checkpoint directory"):
+        gen.eos_token_ids(tmp_path / "nowhere")
 
 
 def test_length_past_the_models_positions_is_refused_naming_the_numbers():

@@ -325,7 +325,9 @@ def prefill(
     full = tuple(
         jax.lax.dynamic_update_slice(getattr(cache, n), e.astype(dtype), (0,) * e.ndim) for n, e in zip(names, stored)
     )
-    cache = eqx.tree_at(lambda c: (*(getattr(c, n) for n in names), c.lengths), cache, (*full, lengths.astype(jnp.int32)))
+    cache = eqx.tree_at(
+        lambda c: (*(getattr(c, n) for n in names), c.lengths), cache, (*full, lengths.astype(jnp.int32))
+    )
     if all_logits:
         return _head(model, x), cache
     last = jnp.take_along_axis(x, (lengths - 1).astype(jnp.int32)[:, None, None], axis=1)
@@ -339,6 +341,8 @@ def decode_step(model: Model, cache: Cache, tokens: Int[Array, " B"]) -> tuple[F
     The caller keeps ``cache.lengths < cache.max_len`` (:func:`generate` and :func:`stream`
     size the cache so); a token past the last slot would not be stored."""
     _check_model(model, "absorbed")
+    if isinstance(model, Llama) and not isinstance(cache, KVCache):
+        raise TypeError(f"a Llama model decodes with a KVCache, got {type(cache).__name__}")
     config, dtype = model.config, model.compute_dtype
     positions = cache.lengths[:, None]
     cos, sin = _rope(model, positions)
@@ -469,6 +473,8 @@ def eos_token_ids(source: str | Path | Model | int | Sequence[int] | None) -> tu
         source = source.config.eos_token_id
     elif isinstance(source, (str, Path)):
         path = Path(source)
+        if not path.is_dir():
+            raise ValueError(f"{path}: not a checkpoint directory (looking for generation_config.json)")
         for name in ("generation_config.json", "config.json"):
             if (path / name).is_file():
                 data = json.loads((path / name).read_text())
@@ -605,7 +611,7 @@ def stream(
     eos_token_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
     mla: MLADecode = "absorbed",
-) -> Iterator[np.ndarray]:
+) -> Iterator[Int[np.ndarray, " B"]]:
     """:func:`generate`, one step at a time: yields each step's ``[B]`` tokens (``pad_id``
     for rows already stopped) as soon as they are sampled, the same tokens ``generate``
     returns. The first step is the prefill; each later one a compiled decode step."""
