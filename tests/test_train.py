@@ -98,7 +98,7 @@ def test_gradient_accumulation_equals_the_big_batch(corpus):
 
 
 def test_deepseek_step_updates_router_bias_from_load(corpus):
-    model = zoo.DeepseekV3(ds_preset("tiny", mtp=True), key=jr.key(0))
+    model = zoo.DeepseekV3(ds_preset("tiny"), key=jr.key(0))
     cfg = _cfg(router_bias_rate=0.01)
     tx = ztrain.optimizer(cfg, model)
     params = eqx.filter(model, eqx.is_inexact_array)
@@ -107,7 +107,6 @@ def test_deepseek_step_updates_router_bias_from_load(corpus):
     load = np.asarray(metrics["expert_load"])
     expected = 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
     np.testing.assert_allclose(new.moe_layers.moe.router_bias, expected, atol=1e-7)
-    assert float(metrics["mtp_loss"]) > 0
 
 
 def test_loss_falls(corpus, tmp_path):
