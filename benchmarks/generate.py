@@ -10,7 +10,7 @@ caches hold the same numbers: the expanded one is the compressed one put through
 ``kv_b_proj``, and the three give the same logits, checked before timing), then runs
 ``--steps`` greedy decode steps in one compiled loop. Prints one markdown table: cache
 bytes per token (all layers), decode tokens/s (batch x steps over the fastest of
-``--repeats`` runs), and the compressed-vs-expanded ratios.
+``--repeats`` runs), and for DeepSeek-V3 both as ratios to the expanded cache's.
 """
 
 from __future__ import annotations
@@ -128,12 +128,15 @@ def main(argv=None) -> None:
 
     print(f"Decode on {jax.devices()[0].device_kind}, {a.dtype}, batch {a.batch}, {a.context} tokens cached per row, "
           f"{a.steps} steps, best of {a.repeats}\n")  # fmt: skip
-    print("| model | cache | decode | cache bytes / token | decode tokens/s |")
-    print("|---|---|---|---:|---:|")
+    absorbed, reexpand, expanded = rows[1:]
+    print("| model | cache | decode | cache bytes / token | decode tokens/s | bytes vs expanded | tokens/s vs expanded |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for r in rows:
         model, cache, decode = LABELS[r["model"], r["mla"]]
-        print(f"| {model} | {cache} | {decode} | {r['bytes']:,} | {r['tps']:,.0f} |")
-    absorbed, reexpand, expanded = rows[1:]
+        ratios = "– | –"
+        if r["model"] == "deepseek":
+            ratios = f"{r['bytes'] / expanded['bytes']:.3f}x | {r['tps'] / expanded['tps']:.2f}x"
+        print(f"| {model} | {cache} | {decode} | {r['bytes']:,} | {r['tps']:,.0f} | {ratios} |")
     print(f"\nMLA compressed vs expanded cache: {expanded['bytes'] / absorbed['bytes']:.1f}x fewer bytes per token; "
           f"absorbed decode {absorbed['tps'] / expanded['tps']:.2f}x the tokens/s of the expanded cache and "
           f"{absorbed['tps'] / reexpand['tps']:.2f}x those of re-expanding the compressed one.")  # fmt: skip
