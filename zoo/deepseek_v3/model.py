@@ -167,10 +167,12 @@ def mla_project(
     if p.wq is not None:
         q = jnp.einsum("bsd,dhk->bshk", h, p.wq)
     else:
-        q_latent = checkpoint_name(rms_norm(jnp.einsum("bsd,dq->bsq", h, p.wq_a), p.q_norm, eps), "q_latent")
+        # RMSNorm's backward needs its input: naming it spares recomputing the projection.
+        q_a = checkpoint_name(jnp.einsum("bsd,dq->bsq", h, p.wq_a), "q_a")
+        q_latent = checkpoint_name(rms_norm(q_a, p.q_norm, eps), "q_latent")
         q = jnp.einsum("bsq,qhk->bshk", q_latent, p.wq_b)
     kv = jnp.einsum("bsd,da->bsa", h, p.wkv_a)
-    kv_latent = checkpoint_name(rms_norm(kv[..., :c], p.kv_norm, eps), "kv_latent")
+    kv_latent = checkpoint_name(rms_norm(checkpoint_name(kv[..., :c], "kv_a"), p.kv_norm, eps), "kv_latent")
     k_rope = apply_rope(kv[..., None, c:], cos, sin, interleaved=config.rope_interleave)[..., 0, :]
     q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
     q = checkpoint_name(jnp.concatenate([q[..., :n], q_rope], axis=-1), "query")
@@ -212,8 +214,10 @@ def moe_ffn(
 
 def dense_layer(config, layer: DenseLayer, x, cos, sin, segment_ids):
     """Pre-norm MLA then pre-norm SwiGLU, each added to the residual stream."""
+    x = checkpoint_name(x, "layer_input")
     h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
-    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
+    # The projection only feeds the residual add, but the add's result feeds the MLP norm.
+    x = x + checkpoint_name(mla(config, layer.attn, h, cos, sin, segment_ids), "attn_out")
     return dense_layer_ffn(config, layer, x)
 
 
@@ -225,8 +229,9 @@ def dense_layer_ffn(config: DeepseekV3Config, layer: DenseLayer, x: Float[Array,
 
 def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
     """Pre-norm MLA then pre-norm MoE; also the layer's expert load and balance loss."""
+    x = checkpoint_name(x, "layer_input")
     h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
-    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
+    x = x + checkpoint_name(mla(config, layer.attn, h, cos, sin, segment_ids), "attn_out")
     return moe_layer_ffn(config, layer, x, impl)
 
 
@@ -379,7 +384,7 @@ class DeepseekV3(eqx.Module):
         logits = unembed(x, head)
         mtp_logits = None
         if self.mtp is not None:
-            mtp_logits = self._mtp(last, input_ids, head, cos, sin, segment_ids, dtype)
+            mtp_logits = self._mtp(last, input_ids, head, cos, sin, segment_ids, dtype, policy)
         hidden = None
         if return_hidden:
             per_layer = jnp.concatenate([o for o in outputs[1:] if o is not None], axis=0)
@@ -393,11 +398,14 @@ class DeepseekV3(eqx.Module):
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
         return eqx.tree_at(lambda l: (l.moe.router, l.moe.router_bias), layer, router)
 
-    def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype) -> Float[Array, "B S V"]:
+    def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype, policy=None) -> Float[Array, "B S V"]:
         m, eps = self.mtp, self.config.rms_norm_eps
         next_ids = jnp.concatenate([input_ids[:, 1:], input_ids[:, -1:]], axis=1)
         e = rms_norm(embed(self.embed, next_ids, dtype), m.enorm, eps)
         h = rms_norm(last, m.hnorm, eps)
         x = jnp.einsum("bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
-        x, _, _ = moe_layer(self.config, self._cast_moe(m.block, dtype), x, cos, sin, segment_ids, self.expert_impl)
+        block = lambda x, layer: moe_layer(self.config, layer, x, cos, sin, segment_ids, self.expert_impl)[0]  # noqa: E731
+        if policy is not None:  # the placement map places the MTP block's tensors as a layer's
+            block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+        x = block(x, self._cast_moe(m.block, dtype))
         return unembed(rms_norm(x, m.final_norm, eps), head)

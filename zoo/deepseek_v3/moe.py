@@ -102,7 +102,7 @@ def routed_experts_ragged(
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
     out = jax.lax.ragged_dot(hidden, w_down, group_sizes)
     # Undo the sort (a gather, not a scatter-add) and combine each token's K expert outputs.
-    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, -1)
+    out = checkpoint_name(jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, -1), "moe_out")
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
 
 
@@ -150,7 +150,8 @@ def routed_experts_tiled(
     expert = flat
     within = rank - row_start[expert]
     slot = (tile_start[expert] + within // tile) * tile + within % tile
-    out = jnp.take(out, slot, axis=0).reshape(t, k, -1)
+    # The combine weights' gradient needs each expert's output: naming it spares the down projection.
+    out = checkpoint_name(jnp.take(out, slot, axis=0).reshape(t, k, -1), "moe_out")
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
 
 
