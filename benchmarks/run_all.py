@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> Path:
         argv_p = ["placement.py", "--platform", args.platform]
         argv_p += ["--presets", "none,save_matmuls,offload_attn", "--steps", "2", "--max-batch", "32"] if args.quick else []
         if gpu:
-            argv_p += ["--budget-gib", "16", "--max-batch", "512"]
+            argv_p += ["--budget-gib", "16"] + ([] if args.quick else ["--max-batch", "512"])
         text, err = run_script(argv_p, args.timeout)
         sections.append("## Placement (`benchmarks/placement.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
     if "moe" in only:
@@ -202,9 +202,10 @@ def main(argv: list[str] | None = None) -> Path:
         sections.append("## MoE layer (`benchmarks/moe.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
     generate = HERE / "generate.py"
     if "generate" in only and generate.exists():
+        source = generate.read_text()
         argv_g = ["generate.py"]
-        if gpu and "--platform" in generate.read_text():
-            argv_g += ["--platform", "gpu"]
+        argv_g += ["--dtype", "bfloat16"] if gpu and "--dtype" in source else []
+        argv_g += ["--repeats", "2"] if args.quick and "--repeats" in source else []
         text, err = run_script(argv_g, args.timeout)
         sections.append("## Generation (`benchmarks/generate.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
 

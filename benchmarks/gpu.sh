@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU run of every benchmark, prepared to finish in under 5 minutes on one H200:
+#
+#   bash benchmarks/gpu.sh            # writes benchmarks/results/gpu-<device>-<date>-quick.{md,png}
+#
+# bf16 compute over float32 parameters, the placement benchmark's XLA flags
+# (latency-hiding scheduler, host-memory offloading), MFU against the GPU's bf16 matmul peak
+# measured in the same run. Peers: transformers needs a CUDA build of torch (--torch-python),
+# MaxText a venv made with `MAXTEXT_PLATFORM=gpu bash benchmarks/maxtext_setup.sh`; either is
+# reported as missing otherwise. Needs jax with CUDA (`pip install -e . "jax[cuda12]"`).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import jax, sys; sys.exit(0 if jax.default_backend() == 'gpu' else 1)" 2>/dev/null; then
+  echo "gpu.sh: jax sees no GPU; trying to install jax[cuda12] at the installed jax version" >&2
+  JAXV="$("$PY" -c 'import jax; print(jax.__version__)' 2>/dev/null || echo '')"
+  "$PY" -m pip install -q -e . "jax[cuda12]${JAXV:+==$JAXV}" >&2 \
+    || { echo "gpu.sh: no CUDA jax here (no index reachable?); nothing to measure" >&2; exit 1; }
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >&2 || true
+# 290 s in all: train step (2 models, peers, compile at 2/8/32 layers), placement (3 presets,
+# max batch under 16 GiB up to 64), MoE (bench shape), each capped at 150 s.
+timeout 290 "$PY" benchmarks/run_all.py --platform gpu --quick --timeout 150 "$@"
