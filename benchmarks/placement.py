@@ -1,15 +1,17 @@
 """Memory and speed of every activation-placement preset, as one markdown table.
 
-    python benchmarks/placement.py [--model llama] [--platform cpu|gpu] [--budget-gib 1.0]
+    python benchmarks/placement.py [--model llama|deepseek_v3] [--platform cpu|gpu] [--budget-gib 1.0]
                                    [--host-budget-gib G] [--steps 3] [--max-batch 256]
 
 For each preset of the model's placement map (and ``none``: no ``jax.checkpoint``), on the
-model's bench shape (Llama: ``zoo.llama.preset("bench")``, batch 4 x seq 256), one training
-step (loss and gradients) is compiled ahead of time and reported:
+model's bench shape (Llama: ``zoo.llama.preset("bench")``, DeepSeek-V3:
+``zoo.deepseek_v3.preset("bench")``, both batch 4 x seq 256), one training step (loss and
+gradients) is compiled ahead of time and reported:
 
 - device temp / host temp: ``memory_analysis()`` temp bytes in device and host memory;
-- offloaded (map): bytes of the residuals the map sends to pinned host memory (L x the named
-  tensors placed ``pinned_host``), computed from the traced shapes, whatever the platform;
+- offloaded (map): bytes of the residuals the map sends to pinned host memory (each named
+  tensor placed ``pinned_host`` times the layers of every scan holding it), computed from the
+  traced shapes, whatever the platform;
 - step: median wall time of ``--steps`` steps after one warm-up;
 - max batch: the largest batch (same sequence length) whose compiled step fits the device
   budget (arguments + outputs + temps - aliased), by AOT compiles and binary search; with
@@ -58,8 +60,17 @@ def _llama() -> tuple[Callable[[Any], Any], type]:
     return (lambda key: zoo.Llama(preset("bench"), key=key)), zoo.LlamaPlacement
 
 
-# Register a model here (deepseek_v3: its bench preset and DeepseekV3Placement).
-MODELS: dict[str, Bench] = {"llama": Bench(_llama, batch=4, seq=256)}
+def _deepseek_v3() -> tuple[Callable[[Any], Any], type]:
+    import zoo
+    from zoo.deepseek_v3 import preset
+
+    return (lambda key: zoo.DeepseekV3(preset("bench"), key=key)), zoo.DeepseekV3Placement
+
+
+MODELS: dict[str, Bench] = {
+    "llama": Bench(_llama, batch=4, seq=256),
+    "deepseek_v3": Bench(_deepseek_v3, batch=4, seq=256),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     import zoo
-    from zoo.placement import named_tensors
+    from zoo.placement import _subjaxprs
 
     bench = MODELS[args.model]
     make_model, map_cls = bench.build()
@@ -122,7 +133,27 @@ def main(argv: list[str] | None = None) -> None:
     abstract = jax.eval_shape(lambda: model)
     num_layers = model.config.num_layers
     ids_of = lambda b: jax.ShapeDtypeStruct((b, bench.seq), jnp.int32)  # noqa: E731
-    shapes = dict(named_tensors(lambda m: zoo.lm_loss(m, jnp.zeros((bench.batch, bench.seq), jnp.int32)), model))
+
+    def named_bytes(fn, *args) -> dict[str, int]:
+        """Bytes each checkpoint_name stands for in the backward pass: its size times the
+        layers of the scan holding it (once outside a scan), summed over its occurrences."""
+        out: dict[str, int] = {}
+
+        def walk(jaxpr, layers: int) -> None:
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "name":
+                    aval = eqn.outvars[0].aval
+                    size = int(np.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
+                    out[eqn.params["name"]] = out.get(eqn.params["name"], 0) + layers * size
+                inner = layers * eqn.params["length"] if eqn.primitive.name == "scan" else layers
+                for sub in _subjaxprs(eqn):
+                    walk(sub, inner)
+
+        walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+        return out
+
+    ids0 = jnp.zeros((bench.batch, bench.seq), jnp.int32)
+    sizes = named_bytes(lambda m: zoo.lm_loss(m, ids0, placement="device"), model)
 
     def step_fn(placement):
         return jax.jit(lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement))
@@ -162,10 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         step = step_fn(placement)
         compiled = step.lower(model, ids).compile()
         stats = compiled.memory_analysis()
-        offloaded = 0 if placement is None else sum(
-            num_layers * int(np.prod(shapes[n].shape)) * jnp.dtype(shapes[n].dtype).itemsize
-            for n in placement.placed("pinned_host")
-        )
+        offloaded = 0 if placement is None else sum(sizes[n] for n in placement.placed("pinned_host"))
         jax.block_until_ready(compiled(model, ids))
         times = []
         for _ in range(args.steps):
