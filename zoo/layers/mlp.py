@@ -30,7 +30,11 @@ def swiglu(
     The down projection's output is not named: it only feeds the residual add, so the
     backward pass never needs it.
     """
-    gate = checkpoint_name(jnp.einsum("bsd,df->bsf", x, w_gate), f"{prefix}_gate")
-    up = checkpoint_name(jnp.einsum("bsd,df->bsf", x, w_up), f"{prefix}_up")
+    # The matmuls run on (B*S, D) rows: with B and S both contracted in the weight gradients,
+    # XLA:CPU would transpose the [B S F] gradient inside the silu-backward fusion, slowly.
+    bs, f = x.shape[:-1], w_gate.shape[-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    gate = checkpoint_name(jnp.einsum("td,df->tf", x2, w_gate).reshape(*bs, f), f"{prefix}_gate")
+    up = checkpoint_name(jnp.einsum("td,df->tf", x2, w_up).reshape(*bs, f), f"{prefix}_up")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, f"{prefix}_hidden")
-    return tensor_psum(jnp.einsum("bsf,fd->bsd", hidden, w_down))
+    return tensor_psum(jnp.einsum("tf,fd->td", hidden.reshape(-1, f), w_down).reshape(x.shape))
