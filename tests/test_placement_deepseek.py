@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import itertools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -153,7 +154,7 @@ def test_the_mtp_block_is_placed_like_a_layer():
     """The MTP block (an MoE layer outside the scans) carries the MoE layer's names and, as
     soon as a map is given, runs under the same jax.checkpoint policy."""
     for placement in (None, "device"):
-        dense, moe, block = bodies_of("mtp", placement)
+        _, moe, block = bodies_of("mtp", placement)
         assert block.length is None and block.names == moe.names == collections.Counter(BOTH + MOE_ONLY)
         assert block.checkpointed == moe.checkpointed == (placement is not None)
 
@@ -260,7 +261,10 @@ def test_the_swiglu_down_projections_would_be_dead_names(monkeypatch):
     the combine's gradient needs, are ``moe_out``; test_every_name_... shows it matters.)"""
     model, ids = tiny(), tiny_ids()
     real = zoo.layers.mlp.swiglu
-    named = lambda *a, **k: jax.ad_checkpoint.checkpoint_name(real(*a, **k), "down")  # noqa: E731
+
+    def named(*a, **k):
+        return jax.ad_checkpoint.checkpoint_name(real(*a, **k), "down")
+
     monkeypatch.setattr(zoo.deepseek_v3.model, "swiglu", named)
     monkeypatch.setattr(zoo.placement, "layer_policy", lambda policy, model: policy)
     assert sum(b.names["down"] for b in layer_bodies(lm, model, ids, None)) == 2  # dense MLP, shared experts
@@ -277,9 +281,7 @@ def grads(kind: str, placements: tuple) -> list:
     """``(loss, gradients)`` for each placement, all from one compiled program (one compile
     instead of one per map: the suite is dominated by XLA's compile time)."""
     loss = loss_of(kind)
-    f = jax.jit(
-        lambda m, ids: [eqx.filter_value_and_grad(loss)(m, ids, p) for p in placements], compiler_options=FAST
-    )
+    f = jax.jit(lambda m, ids: [eqx.filter_value_and_grad(loss)(m, ids, p) for p in placements], compiler_options=FAST)
     return f(model_of(kind), tiny_ids())
 
 
@@ -423,7 +425,7 @@ def test_device_memory_falls_as_names_move_to_remat():
         chain.append(dataclasses.replace(chain[-1], **{n: "remat" for n in group}))
     assert chain[-1] == P.preset("remat")
     sizes = [temp(placement) for placement in chain]
-    assert all(a > b for a, b in zip(sizes, sizes[1:])), sizes
+    assert all(a > b for a, b in itertools.pairwise(sizes)), sizes
     assert sizes[-1] * 3 < sizes[0], sizes
 
 

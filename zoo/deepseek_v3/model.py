@@ -404,7 +404,10 @@ class DeepseekV3(eqx.Module):
         e = rms_norm(embed(self.embed, next_ids, dtype), m.enorm, eps)
         h = rms_norm(last, m.hnorm, eps)
         x = jnp.einsum("bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
-        block = lambda x, layer: moe_layer(self.config, layer, x, cos, sin, segment_ids, self.expert_impl)[0]  # noqa: E731
+
+        def block(x, layer):
+            return moe_layer(self.config, layer, x, cos, sin, segment_ids, self.expert_impl)[0]
+
         if policy is not None:  # the placement map places the MTP block's tensors as a layer's
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
         x = block(x, self._cast_moe(m.block, dtype))
