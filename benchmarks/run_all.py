@@ -14,7 +14,8 @@ and writes ``benchmarks/results/<machine>-<date>.md`` (e.g. ``cpu-2core-2026-11-
 the same name ``.png``: the tables, the targets met or missed, the versions of jax, MaxText,
 torch and transformers (or "missing"). ``--platform gpu`` computes in bf16, sets the XLA flags
 the placement benchmark documents and reports MFU against the GPU's bf16 matmul peak.
-``--quick`` runs fewer steps and smaller searches (a smoke run, minutes on a GPU).
+``--quick`` runs fewer steps, compiles at 2 and 32 layers only and searches batches up to 8 (a
+smoke run); ``--total S`` shares S seconds out among the benchmarks (``benchmarks/gpu.sh``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(HERE / "results"), help="directory for the report and chart")
     p.add_argument("--only", default="train_step,placement,moe,generate", help="comma-separated subset to run")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per benchmark before it counts as failed")
+    p.add_argument("--total", type=int, default=None,
+                   help="seconds for everything, shared out (train step 55%%, placement 20%%, MoE 10%%, generate 15%%)")
     return p.parse_args(argv)
 
 
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     only = set(args.only.split(","))
     gpu = args.platform == "gpu"
+    share = {"train_step": 0.55, "placement": 0.20, "moe": 0.10, "generate": 0.15}
+    timeout = {k: int(v * args.total) if args.total else args.timeout for k, v in share.items()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     sections: list[str] = []
@@ -174,31 +179,33 @@ def main(argv: list[str] | None = None) -> Path:
         with tempfile.TemporaryDirectory() as tmp:
             js = Path(tmp) / "train_step.json"
             argv_ts = ["train_step.py", "--platform", args.platform, "--json", str(js)]
-            argv_ts += ["--steps", "2", "--warmup", "1"] if args.quick else ["--steps", "5", "--warmup", "2"]
+            argv_ts += ["--steps", "2", "--warmup", "1", "--depths", "2,32"] if args.quick else ["--steps", "5", "--warmup", "2"]
             if args.torch_python:
                 argv_ts += ["--torch-python", args.torch_python]
             if args.maxtext_python:
                 argv_ts += ["--maxtext-python", args.maxtext_python]
-            _, err = run_script(argv_ts, args.timeout)
-            if err is None and js.exists():
+            _, err = run_script(argv_ts, timeout["train_step"])
+            if js.exists():  # written after each model: a run cut short keeps what it has
                 results = json.loads(js.read_text())
-            else:
+            if results is None or not results["models"]:
+                results = None
                 sections.append(f"## Train step\n\nfailed: {err}\n")
     if results is not None:
-        sections.append("## Train step, MFU, compile time\n\n" + train_step.tables(results) + "\n")
+        cut = "" if err is None else f"\n(cut short: {err}; the figures measured before are kept)\n"
+        sections.append("## Train step, MFU, compile time\n\n" + train_step.tables(results) + "\n" + cut)
         sections.append("## Targets\n\n" + targets_table(targets(results)) + "\n")
 
     if "placement" in only:
         argv_p = ["placement.py", "--platform", args.platform]
-        argv_p += ["--presets", "none,save_matmuls,offload_attn", "--steps", "2", "--max-batch", "32"] if args.quick else []
+        argv_p += ["--presets", "none,save_matmuls,offload_attn", "--steps", "2", "--max-batch", "8"] if args.quick else []
         if gpu:
             argv_p += ["--budget-gib", "16"] + ([] if args.quick else ["--max-batch", "512"])
-        text, err = run_script(argv_p, args.timeout)
+        text, err = run_script(argv_p, timeout["placement"])
         sections.append("## Placement (`benchmarks/placement.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
     if "moe" in only:
         argv_m = ["moe.py", "--dtype", "bfloat16" if gpu else "float32"]
         argv_m += ["--experts", "16", "--top-k", "2", "--repeats", "2"] if args.quick else ["--bench-shape", "--repeats", "3"]
-        text, err = run_script(argv_m, args.timeout)
+        text, err = run_script(argv_m, timeout["moe"])
         sections.append("## MoE layer (`benchmarks/moe.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
     generate = HERE / "generate.py"
     if "generate" in only and generate.exists():
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> Path:
         argv_g = ["generate.py"]
         argv_g += ["--dtype", "bfloat16"] if gpu and "--dtype" in source else []
         argv_g += ["--repeats", "2"] if args.quick and "--repeats" in source else []
-        text, err = run_script(argv_g, args.timeout)
+        text, err = run_script(argv_g, timeout["generate"])
         sections.append("## Generation (`benchmarks/generate.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
 
     device = results["device"] if results else args.platform

@@ -296,8 +296,9 @@ def tables(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Every figure of the benchmark, as a dict (also what run_all.py consumes)."""
+def run(args: argparse.Namespace, save=lambda results: None) -> dict:
+    """Every figure of the benchmark, as a dict (also what run_all.py consumes); ``save`` gets
+    the results so far after each model and at the end (a run cut short keeps what it has)."""
     import jax
 
     peers = [p for p in args.peers.split(",") if p]
@@ -319,6 +320,8 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 r[peer] = {"missing": "not run (--peers)"}
         results["models"][name] = r
+        results["versions"] = versions(results)
+        save(results)
     # The peak once more after the models: contention changes over a run; keep the best.
     again = peak_flops(args.platform)
     results["peak_flops"] = {k: max(v, again[k]) for k, v in results["peak_flops"].items()}
@@ -327,17 +330,17 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  compile time at {depths} layers ...", file=sys.stderr, flush=True)
         results["compile"] = compile_vs_depth(depths, args.platform)
     results["versions"] = versions(results)
+    save(results)
     return results
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     setup_platform(args.platform)
-    results = run(args)
+    save = (lambda r: Path(args.json).write_text(json.dumps(r, indent=1))) if args.json else (lambda r: None)
+    results = run(args, save)
     print(tables(results))
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
     return results
 
 
