@@ -113,7 +113,8 @@ def test_loss_falls(corpus, tmp_path):
     model = zoo.Llama(preset("tiny"), key=jr.key(0))
     _, history = ztrain.train(model, corpus, _cfg(steps=30, lr=1e-2, warmup=3, eval_every=30, checkpoint_every=100),
                               run_dir=tmp_path)  # fmt: skip
-    assert history[-1]["val_loss"] < 4.0 < history[0]["loss"]
+    assert history[0]["step"] == 0 and history[0]["val_loss"] > 5.0  # a fresh model: about ln 256
+    assert history[-1]["val_loss"] < 4.0 < history[1]["loss"]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 30 and {"loss", "val_loss", "tokens_per_s", "grad_norm", "lr"} <= set(lines[-1])
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
@@ -122,6 +123,7 @@ def test_loss_falls(corpus, tmp_path):
 def test_resume_equals_uninterrupted(corpus, tmp_path):
     model = zoo.Llama(preset("tiny"), key=jr.key(0))
     _, full = ztrain.train(model, corpus, _cfg(), run_dir=tmp_path / "full")
+    full = [r for r in full if "loss" in r]
     ztrain.train(model, corpus, _cfg(), run_dir=tmp_path / "cut", stop_after=3)
     _, rest = ztrain.train(model, corpus, _cfg(), run_dir=tmp_path / "cut", resume=True)
     assert [r["step"] for r in rest] == [4, 5, 6]
@@ -152,7 +154,7 @@ def _recipe(run_dir, *extra):
 def test_sigkill_mid_training_then_resume_matches(tmp_path):
     args, env = _recipe(tmp_path / "full")
     subprocess.run(args, env=env, check=True, capture_output=True, timeout=600)
-    full = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    full = [r["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines() if "loss" in (r := json.loads(x))]
 
     args, env = _recipe(tmp_path / "killed")
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -166,7 +168,7 @@ def test_sigkill_mid_training_then_resume_matches(tmp_path):
     out = subprocess.run(args, env=env, check=True, capture_output=True, text=True, timeout=600).stdout
     assert "resumed from" in out
     records = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    resumed = {r["step"]: r["loss"] for r in records}  # later lines (the resumed run) win
+    resumed = {r["step"]: r["loss"] for r in records if "loss" in r}  # later lines (the resumed run) win
     assert sorted(resumed) == list(range(1, 9))
     np.testing.assert_array_equal([resumed[s] for s in range(1, 9)], full)
 

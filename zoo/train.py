@@ -348,6 +348,14 @@ def train(
         if manager is not None:
             manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
 
+    def validation_loss(params) -> float:
+        p = tree_placement(params, "device") if param_memory != "device" else params
+        batches_ = (jnp.asarray(data.batch(cfg.seed, i, cfg.batch_size, seq, split="valid")) for i in range(cfg.eval_batches))
+        return float(np.mean([float(evaluate(p, b)) for b in batches_]))
+
+    if start == 0:  # where training starts from (about ln V for a fresh model)
+        log.write({"step": 0, "val_loss": validation_loss(params)})
+        last_time = time.perf_counter()
     for step, batch in batches(data, cfg, start):
         params, opt_state, metrics = step_fn(params, opt_state, jnp.asarray(batch), jnp.int32(step))
         done = step + 1
@@ -375,10 +383,7 @@ def train(
             if "expert_load" in metrics and metrics["expert_load"] is not None:
                 record["expert_load"] = np.asarray(metrics["expert_load"]).tolist()
             if is_eval:
-                p = tree_placement(params, "device") if param_memory != "device" else params
-                vals = [float(evaluate(p, jnp.asarray(data.batch(cfg.seed, i, cfg.batch_size, seq, split="valid"))))
-                        for i in range(cfg.eval_batches)]  # fmt: skip
-                record["val_loss"] = float(np.mean(vals))
+                record["val_loss"] = validation_loss(params)
                 last_time = time.perf_counter()  # evaluation is not training throughput
             log.write(record)
         if done % cfg.checkpoint_every == 0 and done != cfg.steps:
