@@ -129,7 +129,8 @@ def test_dropless_model_equals_dense_model():
     grad = eqx.filter_jit(eqx.filter_grad(zoo.lm_loss))
     g_r, g_d = grad(ragged, ids), grad(dense, ids)
     for (path, a), b in zip(flatten(g_r).items(), flatten(g_d).values()):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4, err_msg=path)
+        # Same float32 arithmetic in another order (sorted tiles vs all experts): measured max 1.5e-7.
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5, err_msg=path)
 
 
 def test_expert_load_counts_every_routed_token():
@@ -269,8 +270,9 @@ def test_bf16_compute_close_to_float32():
     model = zoo.from_pretrained(TINY, compute_dtype=jnp.bfloat16)
     ids = jnp.asarray(ref["input_ids"])
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, ids)
-    np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=2e-2)
-    np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=1e-1)
+    # bf16-sized: bf16 keeps 8 mantissa bits (relative step 2^-8 = 3.9e-3); measured 6e-5 and 6e-3.
+    np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=4e-3)
+    np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=2e-2)
     assert grads.moe_layers.moe.w_up.dtype == jnp.float32
 
 

@@ -92,10 +92,11 @@ def test_bf16_compute_close_to_float32():
     scale = np.abs(ref["logits"]).max()
     assert err.max() < 0.02 * scale, err.max()  # bf16 has 8 mantissa bits: ~0.4% per op
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, jnp.asarray(ref["input_ids"]))
-    np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=1e-2)
+    # bf16-sized (2^-8 = 3.9e-3 relative per op); measured 1.8e-4 on the loss and 4e-4 on the norm.
+    np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=4e-3)
     # Gradients reach the float32 parameters as float32 (under strict dtype promotion).
     assert grads.layers.attn.wq.dtype == jnp.float32
-    np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=5e-2)
+    np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=1e-2)
 
 
 def test_tied_head_is_one_parameter():
