@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def setup_platform(platform: str) -> None:
-    """Environment for JAX, which must not be imported yet."""
+    """Environment for JAX, which must not be imported yet, and the host allocator settings."""
     if "jax" in sys.modules:
         raise RuntimeError("setup_platform must run before jax is imported")
     if platform == "gpu":
@@ -95,6 +95,9 @@ def setup_platform(platform: str) -> None:
         os.environ["XLA_FLAGS"] = " ".join([flags, *GPU_XLA_FLAGS]).strip()
     else:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    from zoo.runtime import retain_host_memory
+
+    retain_host_memory()  # no page faults on every step's temporaries (see zoo/runtime.py)
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -108,8 +111,8 @@ def fmt_bytes(n: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup_platform(args.platform)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    setup_platform(args.platform)
 
     import equinox as eqx
     import jax

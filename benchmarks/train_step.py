@@ -170,8 +170,13 @@ def run_peer(python: str | None, script: str, spec: dict, timeout: int, what: st
     if not (Path(python).exists() or shutil.which(python)):
         return {"missing": f"{python} not found"}
     try:
+        from zoo.runtime import RETAIN_HOST_MEMORY_ENV
+
+        # The peers get the allocator settings zoo's process runs under, so the comparison
+        # measures the frameworks, not glibc's defaults.
+        env = {**os.environ, **RETAIN_HOST_MEMORY_ENV}
         proc = subprocess.run(
-            [python, str(HERE / script), json.dumps(spec)], capture_output=True, text=True, timeout=timeout
+            [python, str(HERE / script), json.dumps(spec)], capture_output=True, text=True, timeout=timeout, env=env
         )
     except subprocess.TimeoutExpired:
         return {"missing": f"{what} timed out after {timeout} s"}

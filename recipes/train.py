@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    from zoo.runtime import retain_host_memory
+
+    retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
     if args.cpu_devices:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
