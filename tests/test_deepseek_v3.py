@@ -26,6 +26,7 @@ from zoo.deepseek_v3 import (
     update_router_bias,
 )
 from zoo.deepseek_v3.moe import EXPERT_IMPLS
+from zoo.layers.grouped_matmul import grouped_matmul
 from zoo.hf.safetensors import SafetensorsFile, write_safetensors
 from zoo.params import flatten
 
@@ -100,10 +101,10 @@ def _expert_args(seed=0, t=48, d=16, e=8, m=12, k=2):
     return x, routing, ws
 
 
-@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["grouped", "tiled", "ragged_dot"])
 @pytest.mark.parametrize("shape", [dict(), dict(t=37, e=16, m=4, k=4), dict(t=3, e=16, k=3)])
 def test_dropless_paths_equal_dense_values_and_gradients(impl, shape):
-    """Both dropless paths match every-expert-on-every-token, including few tokens (most
+    """Every dropless path match every-expert-on-every-token, including few tokens (most
     experts empty) and token counts that are not a multiple of anything."""
     x, routing, ws = _expert_args(**shape)
     fast, dense = EXPERT_IMPLS[impl], EXPERT_IMPLS["dense"]
@@ -118,6 +119,33 @@ def test_dropless_paths_equal_dense_values_and_gradients(impl, shape):
         g_d = jax.grad(loss, argnums=argnum)(dense, x, routing.weights, ws)
         for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_d)):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [4, 16, 128])
+def test_grouped_matmul_skips_padding_rows_and_empty_groups(tile):
+    """Rows past sum(group_sizes) give zeros and no gradient; empty groups get zero weight
+    gradients; values and both gradients equal a per-row einsum."""
+    rng = np.random.default_rng(0)
+    sizes = np.array([10, 0, 37, 3, 30])  # 80 real rows of 100
+    lhs = jnp.asarray(rng.standard_normal((100, 16)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((5, 16, 24)), jnp.float32)
+    group = np.repeat(np.arange(5), sizes)
+
+    def reference_matmul(lhs, rhs):
+        return jnp.concatenate([jnp.einsum("ri,rio->ro", lhs[:80], rhs[group]), jnp.zeros((20, 24))])
+
+    def grouped(lhs, rhs):
+        return grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), tile)
+
+    out = grouped(lhs, rhs)
+    np.testing.assert_allclose(out, reference_matmul(lhs, rhs), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(out[80:]))
+    loss = lambda f: lambda lhs, rhs: jnp.sum(jnp.sin(f(lhs, rhs)))  # noqa: E731
+    got = jax.jit(jax.grad(loss(grouped), argnums=(0, 1)))(lhs, rhs)
+    want = jax.grad(loss(reference_matmul), argnums=(0, 1))(lhs, rhs)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[0][80:])) and not np.any(np.asarray(got[1][1]))
 
 
 def test_dropless_model_equals_dense_model():

@@ -41,13 +41,13 @@ BOTH = tuple(n for n in NAMES if n not in DENSE_ONLY + MOE_ONLY)
 
 
 @functools.cache
-def tiny(impl: str = "tiled") -> zoo.DeepseekV3:
+def tiny(impl: str = "grouped") -> zoo.DeepseekV3:
     return zoo.from_pretrained(FIXTURES / "deepseek_v3-tiny").with_expert_impl(impl)
 
 
 @functools.cache
 def model_of(kind: str) -> zoo.DeepseekV3:
-    """``tiled``, ``ragged_dot``, ``dense``: the fixture with that expert path; ``mtp``: a
+    """``grouped``, ``tiled``, ``ragged_dot``, ``dense``: the fixture with that expert path; ``mtp``: a
     fresh tiny model with its MTP block."""
     return tiny_mtp() if kind == "mtp" else tiny(kind)
 
@@ -59,7 +59,7 @@ def tiny_ids() -> jax.Array:
 
 @functools.cache
 def tiny_mtp() -> zoo.DeepseekV3:
-    return zoo.DeepseekV3(preset("tiny", mtp=True), key=jr.key(0), expert_impl="tiled")
+    return zoo.DeepseekV3(preset("tiny", mtp=True), key=jr.key(0), expert_impl="grouped")
 
 
 def lm(m, ids, placement):
@@ -132,7 +132,7 @@ def test_fields_are_exactly_the_names_in_each_layer_body(placement):
     """Every field names a tensor of the traced program (no dead field), every
     checkpoint_name is a field, once per body: the dense scan has the attention names and the
     dense SwiGLU's, the MoE scan the attention names and the router's and experts'."""
-    dense, moe = bodies_of("tiled", placement)
+    dense, moe = bodies_of("grouped", placement)
     assert (dense.length, moe.length) == (1, 2)
     assert dense.names == collections.Counter(BOTH + DENSE_ONLY)
     assert moe.names == collections.Counter(BOTH + MOE_ONLY)
@@ -218,13 +218,13 @@ def check_flip(kind: str, base: DeepseekV3Placement, name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_name_changes_what_the_backward_pass_keeps(name):
-    check_flip("tiled", P.preset("device"), name)
+    check_flip("grouped", P.preset("device"), name)
 
 
 @settings(max_examples=2, deadline=None)
 @given(base=maps(), name=st.sampled_from(NAMES))
 def test_every_name_matters_whatever_the_rest(base, name):
-    check_flip("tiled", base, name)
+    check_flip("grouped", base, name)
 
 
 @pytest.mark.parametrize(("impl", "name"), [("ragged_dot", "moe_out"), ("ragged_dot", "moe_gate"), ("dense", "moe_up")])
@@ -287,7 +287,8 @@ def grads(kind: str, placements: tuple) -> list:
 
 # The programs holding each kind's no-map reference (with the maps they test).
 REFERENCE = {
-    "tiled": (None, *(P.preset(name) for name in PRESETS)),
+    "grouped": (None, *(P.preset(name) for name in PRESETS)),
+    "tiled": (None, P.parse("nvidia_offload+moe_up=device")),
     "ragged_dot": (None, P.parse("nvidia_offload+moe_out=pinned_host,router_logits=device")),
     "dense": (None, P.parse("nvidia_offload+router_logits=device")),
     "mtp": (None, P.preset("nvidia_offload")),
@@ -312,22 +313,22 @@ def check_same_gradients(kind: str, placements: tuple) -> None:
 
 
 def test_presets_give_the_same_gradients():
-    check_same_gradients("tiled", REFERENCE["tiled"][1:])
+    check_same_gradients("grouped", REFERENCE["grouped"][1:])
 
 
 @settings(max_examples=1, deadline=None)
 @given(placements=st.lists(maps(), min_size=2, max_size=2, unique=True))
 def test_random_maps_give_the_same_gradients(placements):
-    check_same_gradients("tiled", tuple(placements))
+    check_same_gradients("grouped", tuple(placements))
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "dense"])
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "dense"])
 def test_other_expert_paths_give_the_same_gradients(impl):
     check_same_gradients(impl, REFERENCE[impl][1:])
 
 
 def test_no_map_matches_transformers():
-    _, g = grads("tiled", REFERENCE["tiled"])[0]
+    _, g = grads("grouped", REFERENCE["grouped"])[0]
     np.testing.assert_allclose(global_norm(g), float(reference("deepseek_v3-tiny")["grad_norm"]), rtol=1e-5)
 
 
@@ -348,7 +349,7 @@ def cuda_training_step(kind: str, placement) -> str:
     return jax.export.export(step, platforms=["cuda"])(model_of(kind), tiny_ids()).mlir_module()
 
 
-def check_round_trips(placement: DeepseekV3Placement, kind: str = "tiled") -> None:
+def check_round_trips(placement: DeepseekV3Placement, kind: str = "grouped") -> None:
     """Each scanned body's forward loop: one copy to pinned host per offloaded name it holds;
     its backward loop: one copy back per such name; the MTP block's outside the loops;
     nothing else anywhere."""
@@ -384,7 +385,7 @@ def test_cuda_program_offloads_everything():
     loops the attention, router and expert names (same-shaped names add up per type)."""
     everything = P(**{n: "pinned_host" for n in NAMES})
     check_round_trips(everything)
-    loops, _ = placement_annotations(cuda_training_step("tiled", everything))
+    loops, _ = placement_annotations(cuda_training_step("grouped", everything))
     assert [sum(c.values()) for c in loops if c] == [15, 20, 20, 15]  # dense fwd, MoE fwd, MoE bwd, dense bwd
     assert len(BOTH + DENSE_ONLY) == 15 and len(BOTH + MOE_ONLY) == 20
 
@@ -394,7 +395,7 @@ def test_cuda_program_offloads_the_mtp_block_outside_the_loops():
 
 
 def test_no_map_means_no_checkpoint_and_no_transfers():
-    mlir = cuda_training_step("tiled", None)
+    mlir = cuda_training_step("grouped", None)
     assert "annotate_device_placement" not in mlir
     _, total = placement_annotations(mlir)
     assert total == collections.Counter()
@@ -412,7 +413,7 @@ def test_device_memory_falls_as_names_move_to_remat():
     """Compiled temp bytes of the training step on a deeper, longer model: each group of names
     moved from device to remat lowers them, and full remat is far below everything on device."""
     config = preset("tiny", num_layers=16, first_k_dense_replace=4, num_nextn_predict_layers=0)
-    model = jax.eval_shape(lambda: zoo.DeepseekV3(config, key=jr.key(0), expert_impl="tiled"))
+    model = jax.eval_shape(lambda: zoo.DeepseekV3(config, key=jr.key(0), expert_impl="grouped"))
     ids = jax.ShapeDtypeStruct((4, 128), jnp.int32)
 
     def temp(placement) -> int:

@@ -390,6 +390,16 @@ def varying_like(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
+def sum_to_varying_of(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
+    """``x`` summed over the mesh axes it varies over and ``like`` does not: the transpose of
+    :func:`varying_like`, for a hand-written gradient of an operand that was used varying
+    (``jax.custom_vjp`` must return each cotangent with its primal's type)."""
+    if _STEP.get() is None:
+        return x
+    axes = tuple(sorted(_varying(x) - _varying(like)))
+    return jax.lax.psum(x, axes) if axes else x
+
+
 def routed_experts(
     impl: Callable[..., Float[Array, "T D"]],
     x: Float[Array, "T D"],
@@ -636,6 +646,6 @@ def initialize_distributed(
 
 __all__ = [
     "AXES", "BATCH_AXES", "GATHERED", "LOGICAL_AXES", "MeshError", "gather_layer", "in_step", "initialize_distributed",
-    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "routed_experts",
+    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "routed_experts", "sum_to_varying_of",
     "shard", "tensor_psum", "validate_mesh", "value_and_grad", "varying_like",
 ]  # fmt: skip

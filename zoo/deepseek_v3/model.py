@@ -260,10 +260,12 @@ class DeepseekV3(eqx.Module):
 
     Build fresh with ``DeepseekV3(config, key=key)``, or from arrays (``{path: array}``, as
     :func:`zoo.from_pretrained` does) with ``DeepseekV3(config, arrays=arrays)``.
-    ``expert_impl``: dropless ``"ragged_dot"`` (``jax.lax.ragged_dot``) or ``"tiled"`` (grouped
-    matmuls from gathers; see :func:`zoo.deepseek_v3.moe.routed_experts_tiled`), ``"auto"``
-    (the default: ``ragged_dot`` on TPU, ``tiled`` elsewhere), or ``"dense"`` (every expert on
-    every token; the reference the tests compare against).
+    ``expert_impl``: dropless ``"ragged_dot"`` (``jax.lax.ragged_dot``), ``"grouped"``
+    (:func:`zoo.layers.grouped_matmul`, a loop over row tiles whose work follows the routing) or
+    ``"tiled"`` (grouped matmuls from gathers; see
+    :func:`zoo.deepseek_v3.moe.routed_experts_tiled`), ``"auto"`` (the default: ``ragged_dot``
+    on TPU, ``grouped`` elsewhere), or ``"dense"`` (every expert on every token; the reference
+    the tests compare against).
     """
 
     embed: Float[Array, "V D"]
@@ -301,7 +303,7 @@ class DeepseekV3(eqx.Module):
         self.mtp = build(MTP, arrays, "mtp.") if config.mtp else None
 
     def with_expert_impl(self, expert_impl: str) -> DeepseekV3:
-        """The same weights with another expert path (``"auto"``, ``"ragged_dot"``, ``"tiled"``, ``"dense"``)."""
+        """The same weights with another expert path (``"auto"``, ``"ragged_dot"``, ``"grouped"``, ``"tiled"``, ``"dense"``)."""
         return DeepseekV3(
             self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl
         )
