@@ -267,6 +267,43 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
         assert not np.any(np.asarray(g["moe_layers.moe.router_bias"]))  # trainable=False: no update
 
 
+def primitives(jaxpr) -> list[tuple[str, dict]]:
+    """Every equation's primitive name and parameters, sub-programs included."""
+    from zoo.placement import _subjaxprs
+
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append((eqn.primitive.name, eqn.params))
+        for sub in _subjaxprs(eqn):
+            out += primitives(sub)
+    return out
+
+
+@pytest.mark.parametrize("spec, batch_axes, dispatch", [
+    ("data=2,expert=4", ("data", "fsdp", "expert"), "all_to_all"),  # tokens split over the group
+    ("fsdp=2,expert=4", parallel.BATCH_AXES, "psum"),  # tokens shared by the group: no move
+])  # fmt: skip
+def test_expert_parallelism_moves_tokens_by_all_to_all(spec, batch_axes, dispatch):
+    """Tokens split over the expert group reach their experts by all-to-all, never by an
+    all-gather over ``expert``; tokens the group shares are not moved at all."""
+    model = deepseek()
+    mesh = parallel.make_mesh(spec)
+    step = parallel.value_and_grad(deepseek_v3_loss, mesh, has_aux=True, batch_axes=batch_axes)
+    prims = primitives(jax.make_jaxpr(step)(parallel.shard(model, mesh), batch(model)).jaxpr)
+
+    def over_expert(name):
+        axes = [p.get("axis_name", p.get("axes", ())) for n, p in prims if n == name]
+        return [a for a in axes if "expert" in ((a,) if isinstance(a, str) else tuple(a))]
+
+    assert not over_expert("all_gather")
+    if dispatch == "all_to_all":
+        # Two traced MoE bodies (the scanned MoE layers, the MTP block), each with 3 forward
+        # (tokens, their expert ids, the outputs back) and 2 backward (the float ones' transposes).
+        assert len(over_expert("all_to_all")) == 2 * (3 + 2)
+    else:
+        assert not over_expert("all_to_all")
+
+
 def test_array_keyword_arguments_are_split_like_the_batch():
     """``segment_ids=`` / ``positions=`` (keyword-only in the losses) reach every device's own
     rows. Every row packs two segments at the same boundary, so each shard's masked mean

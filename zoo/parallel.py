@@ -407,22 +407,28 @@ def routed_experts(
     w_gate: Float[Array, "E D M"],
     w_up: Float[Array, "E D M"],
     w_down: Float[Array, "E M D"],
+    *,
+    sorted_mlp: Callable[..., Float[Array, "R D"]],
 ) -> Float[Array, "T D"]:
     """The routed experts' combined output; expert-parallel inside the step.
 
-    Each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
-    units). **Dispatch**: tokens already shared by the expert group (the batch is split over
-    ``data``/``fsdp`` only) need no move; tokens split over ``"expert"`` (a batch split over it)
-    are all-gathered within the group. Each device then runs the unchanged dropless expert
-    kernel (``impl``) on *every* (token, expert) pair of the group, the pairs routed to other
-    devices' experts going to one zero-weight padding expert with combine weight 0: no
-    capacity factor, no token dropped, whatever the routing. **Combine**: a psum over
-    ``"expert"`` (or its reduce-scatter, back to each device's own tokens), then over
-    ``"tensor"``. Why not all-to-all: a dropless all-to-all needs either the worst-case buffer
-    (all pairs to one device) or data-dependent shapes, and the static-shape kernels already
-    pay for the worst case; the all-gather/reduce-scatter pair is also its own autodiff
-    transpose. The gain is memory: expert weights, their gradients and optimizer state
-    shrink by the ``expert`` size.
+    Outside the step (or with experts not split over ``"expert"``) this is ``impl``. Split,
+    each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
+    units) and computes only the (token, expert) pairs routed to them: ``sorted_mlp(rows,
+    group_sizes, w_gate, w_up, w_down)`` runs its experts on rows sorted by local expert, the
+    rows past ``sum(group_sizes)`` being padding it skips (:func:`zoo.layers.grouped_matmul`).
+
+    - Tokens split over ``"expert"`` (a batch split over it): **all-to-all dispatch** — each
+      device sorts its pairs by destination and sends each device its pairs in one
+      ``jax.lax.all_to_all``; the outputs come back by the reverse all-to-all and are combined
+      where the tokens live.
+    - Tokens shared by the expert group (the batch split over ``data``/``fsdp`` only): no move;
+      each device picks its own pairs, and a ``psum`` over ``"expert"`` combines.
+
+    Dropless with static shapes: each destination's slot holds a device's T·K pairs, the worst
+    case (every pair to one device), so no token is ever dropped whatever the routing; padding
+    costs buffer memory, not FLOPs. ``ragged_all_to_all`` would send only the real rows but
+    XLA:CPU does not implement it (jaxlib 0.10), and the tests run there.
     """
     step = _STEP.get()
     if step is None:
@@ -430,31 +436,59 @@ def routed_experts(
     if "expert" not in _varying(w_gate):
         x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
         return _psum(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",))
-    spread = "expert" in _varying(x)
-    experts, weights = routing.experts, routing.weights
-    if spread:
-        x, experts, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, experts, weights))
-    # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
-    # ragged_dot otherwise transposes a replicated operand without the psum it needs.
-    x, weights = (varying_like(a, w_gate) for a in (x, weights))
+    t, k = routing.experts.shape
     e_local = w_gate.shape[0]
-    local = experts - jax.lax.axis_index("expert").astype(experts.dtype) * e_local
-    mine = (local >= 0) & (local < e_local)
-    local_routing = routing._replace(
-        experts=jnp.where(mine, local, e_local).astype(experts.dtype),
-        weights=jnp.where(mine, weights, jnp.zeros((), weights.dtype)),
-        scores=jnp.zeros((x.shape[0], e_local + 1), routing.scores.dtype),
-    )
-
-    def pad(w):
-        return jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)], axis=0)
-
-    out = impl(x, local_routing, pad(w_gate), pad(w_up), pad(w_down))
+    flat = routing.experts.reshape(-1)
+    spread = "expert" in _varying(x)
     if spread:
-        out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+        out = _all_to_all_experts(sorted_mlp, x, flat, k, (w_gate, w_up, w_down))
+        combine = routing.weights
     else:
-        out = jax.lax.psum(out, "expert")
-    return _psum(out, ("tensor",))
+        # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
+        # ragged_dot otherwise transposes a replicated operand without the psum it needs.
+        x = varying_like(x, w_gate)
+        local = flat - jax.lax.axis_index("expert").astype(flat.dtype) * e_local
+        mine = (local >= 0) & (local < e_local)
+        out = _local_experts(sorted_mlp, x, jnp.where(mine, local, e_local), k, (w_gate, w_up, w_down))
+        combine = varying_like(routing.weights, w_gate)
+    out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
+    out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))
+    return _psum(out if spread else jax.lax.psum(out, "expert"), ("tensor",))
+
+
+def _local_experts(sorted_mlp, x, local, k: int, weights) -> Array:
+    """Outputs of the pairs ``(row // k, local[row])`` whose local expert id is below
+    ``e_local`` (the others are zero), in pair order."""
+    e_local = weights[0].shape[0]
+    order = jnp.argsort(local, stable=True)
+    sizes = jnp.zeros(e_local + 1, jnp.int32).at[local].add(1)[:e_local]
+    out = sorted_mlp(jnp.take(x, order // k, axis=0), sizes, *weights)
+    return jnp.take(out, jnp.argsort(order), axis=0)
+
+
+def _all_to_all_experts(sorted_mlp, x, flat, k: int, weights) -> Array:
+    """Each local pair's expert output, its experts living on other devices of the group."""
+    n, e_local = _size(_STEP.get().mesh, "expert"), weights[0].shape[0]
+    pairs = flat.shape[0]
+    dest = flat // e_local
+    order = jnp.argsort(flat, stable=True)  # by expert, hence by destination
+    count = jnp.zeros(n, jnp.int32).at[dest].add(1)
+    start = jnp.cumsum(count) - count
+    # Slot c of destination d holds sorted pair start[d] + c, if d has that many.
+    c = jnp.arange(pairs, dtype=jnp.int32)
+    valid = c[None, :] < count[:, None]
+    pos = jnp.where(valid, start[:, None] + c[None, :], 0)
+    pair = jnp.take(order, pos)
+    send_x = jnp.where(valid[..., None], jnp.take(x, pair // k, axis=0), jnp.zeros((), x.dtype))
+    send_e = jnp.where(valid, jnp.take(flat, pair) - jnp.arange(n, dtype=flat.dtype)[:, None] * e_local, e_local)
+    recv_x, recv_e = (
+        jax.lax.all_to_all(a.reshape(n * pairs, *a.shape[2:]), "expert", 0, 0, tiled=True) for a in (send_x, send_e)
+    )
+    out = _local_experts(sorted_mlp, recv_x, recv_e.astype(jnp.int32), 1, weights)
+    back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
+    # Sorted pair j went to slot j - start[dest] of its destination.
+    rank = jnp.argsort(order)
+    return jnp.take(back, dest * pairs + rank - start[dest], axis=0)
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,7 +25,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.deepseek_v3.config import DeepseekV3Config
-from zoo.deepseek_v3.moe import EXPERT_IMPLS, MoE, expert_load, resolve_expert_impl, route, sequence_balance_loss
+from zoo.deepseek_v3.moe import (
+    EXPERT_IMPLS,
+    MoE,
+    expert_load,
+    resolve_expert_impl,
+    route,
+    sequence_balance_loss,
+    sorted_mlp_for,
+)
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
@@ -204,7 +212,8 @@ def moe_ffn(
         topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
     )  # fmt: skip
     experts = EXPERT_IMPLS[resolve_expert_impl(impl)]
-    out = routed_experts(experts, x, routing, p.w_gate, p.w_up, p.w_down).reshape(b, s, d)
+    out = routed_experts(experts, x, routing, p.w_gate, p.w_up, p.w_down, sorted_mlp=sorted_mlp_for(impl))
+    out = out.reshape(b, s, d)
     if p.shared is not None:
         out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")
     k = config.num_experts_per_tok

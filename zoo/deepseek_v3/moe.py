@@ -7,6 +7,7 @@ K experts per token (top-k) · G expert groups · X shared experts' hidden · Lm
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -207,6 +208,14 @@ EXPERT_IMPLS = {
     "tiled": routed_experts_tiled,
     "dense": routed_experts_dense,
 }
+
+
+def sorted_mlp_for(impl: str) -> Callable[..., Float[Array, "R D"]]:
+    """:func:`sorted_expert_mlp` with the grouped matmul of expert path ``impl``: XLA's
+    ``ragged_dot`` for ``"ragged_dot"``, zoo's :func:`grouped_matmul` for the others (expert
+    parallelism runs every path's experts on sorted rows)."""
+    matmul = jax.lax.ragged_dot if resolve_expert_impl(impl) == "ragged_dot" else grouped_matmul
+    return functools.partial(sorted_expert_mlp, matmul=matmul)
 
 
 def resolve_expert_impl(impl: str) -> str:
