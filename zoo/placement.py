@@ -301,8 +301,8 @@ class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"
     - ``mlp_gate``, ``mlp_up``, ``mlp_hidden`` [B S F]: the dense layers' SwiGLU.
     - ``router_logits`` [T E] (float32): router scores before the sigmoid.
     - ``moe_gate``, ``moe_up``, ``moe_hidden``: the routed experts' SwiGLU, on the sorted
-      (token, expert) rows: [N' tile M] for ``tiled``, [T·K' M] for ``ragged_dot``, [T E M]
-      for ``dense``.
+      (token, expert) rows: [T·K' M] for ``grouped`` and ``ragged_dot`` (under expert
+      parallelism, the received buffer), [N' tile M] for ``tiled``, [T E M] for ``dense``.
     - ``moe_out`` [T K' D]: each routed expert's output before the weighted combine, whose
       gradient (for the routing weights) needs it. The ``dense`` reference path folds the
       weights in before its down projection and has no such tensor.
