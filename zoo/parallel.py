@@ -246,6 +246,22 @@ def shard(model_or_tree: PyTree, mesh: Mesh, *, memory_kind: str | None = None) 
     return jax.tree.map(put, model_or_tree, specs)
 
 
+def replicate_unplaced(tree: PyTree, mesh: Mesh) -> PyTree:
+    """Every array leaf not yet laid out on ``mesh`` replicated over it; the others unchanged.
+
+    ``optimizer.init`` of sharded parameters gives moments sharded like them but step counts
+    on one default device; committed to that device (a move to pinned host memory commits),
+    they could not enter a step whose other arguments span the mesh.
+    """
+
+    def put(x):
+        if isinstance(x, jax.Array) and not (isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh):
+            return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+        return x
+
+    return jax.tree.map(put, tree)
+
+
 def validate_mesh(mesh: Mesh, config: Any) -> None:
     """Every dimension a mesh axis splits must divide evenly, and every axis must split something.
 
@@ -680,6 +696,6 @@ def initialize_distributed(
 
 __all__ = [
     "AXES", "BATCH_AXES", "GATHERED", "LOGICAL_AXES", "MeshError", "gather_layer", "in_step", "initialize_distributed",
-    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "routed_experts", "sum_to_varying_of",
+    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "replicate_unplaced", "routed_experts", "sum_to_varying_of",
     "shard", "tensor_psum", "validate_mesh", "value_and_grad", "varying_like",
 ]  # fmt: skip

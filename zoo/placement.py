@@ -24,9 +24,9 @@ A second model adds its map by declaring one dataclass::
         ...
 
 Parameters and optimizer state. :func:`tree_placement` moves whole trees between device and
-pinned host memory (sharding kept); :func:`make_train_step` builds a step whose parameters
-and/or optimizer state live in pinned host memory between steps and are brought to device
-inside it.
+pinned host memory (sharding kept); :func:`zoo.train.make_train_step` (``param_memory``,
+``opt_memory``) builds a step whose parameters and/or optimizer state live in pinned host
+memory between steps and are brought to device inside it.
 """
 
 from __future__ import annotations
@@ -38,10 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar, get_args
 
-import equinox as eqx
 import jax
-import optax
-from jaxtyping import Array, Float
 
 Placement = Literal["device", "remat", "pinned_host"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
@@ -456,47 +453,3 @@ def tree_placement(tree: T, placement: Placement, *, what: str = "a tree") -> T:
 def memory_kinds(tree: Any) -> set[str]:
     """The memory kinds holding the array leaves of ``tree`` (``{"pinned_host"}``, ...)."""
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}
-
-
-def make_train_step(
-    loss_fn: Callable[..., Float[Array, ""]],
-    optimizer: optax.GradientTransformation,
-    *,
-    params: Placement = "device",
-    opt_state: Placement = "device",
-    donate: bool = True,
-    compiler_options: Mapping[str, Any] | None = None,
-) -> Callable[..., tuple[Any, Any, Float[Array, ""]]]:
-    """A jitted ``step(model, opt_state, *batch) -> (model, opt_state, loss)``.
-
-    ``params`` / ``opt_state``: where the model's arrays and the optimizer state live
-    between steps. A ``pinned_host`` tree is brought to device inside the step, updated there
-    and written back to pinned host memory; pass it in already there (``tree_placement``),
-    or the first call transfers it. ``loss_fn(model, *batch)`` gives the scalar loss (to
-    place activations too: ``functools.partial(zoo.lm_loss, placement="save_matmuls")``).
-    ``donate``: reuse the input model and state buffers for the outputs;
-    ``compiler_options``: XLA options for this step's compilation.
-    """
-    _space(params, "parameters")
-    _space(opt_state, "optimizer state")
-
-    def fetch(tree: Any, where: str) -> Any:
-        return tree if where == "device" else tree_placement(tree, "device")
-
-    def store(tree: Any, where: str) -> Any:
-        return tree if where == "device" else tree_placement(tree, where)
-
-    def step(model: Any, state: Any, *batch: Any) -> tuple[Any, Any, Float[Array, ""]]:
-        model, state = fetch(model, params), fetch(state, opt_state)
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, *batch)
-        # optax raises Python floats to int32 step counts, which strict promotion rejects.
-        with jax.numpy_dtype_promotion("standard"):
-            updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
-        model = eqx.apply_updates(model, updates)
-        return store(model, params), store(state, opt_state), loss
-
-    return jax.jit(
-        step,
-        donate_argnums=(0, 1) if donate else (),
-        compiler_options=None if compiler_options is None else dict(compiler_options),
-    )

@@ -130,8 +130,10 @@ def make_train_step(
     step's expert load.
     """
     from zoo.deepseek_v3 import DeepseekV3, update_router_bias
-    from zoo.placement import tree_placement
+    from zoo.placement import _space, tree_placement
 
+    _space(param_memory, "parameters")  # a clear error now, not at the first step's trace
+    _space(opt_memory, "optimizer state")
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     schedule = learning_rate(cfg)
 
@@ -312,11 +314,14 @@ def train(
     if not consume:  # the steps donate their inputs
         params = jax.tree.map(jnp.copy, params)
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+    opt_state = None
     if mesh is not None and mesh.size > 1:
         from zoo import parallel
 
         params = parallel.shard(params, mesh)
-    opt_state = tx.init(params)
+        opt_state = parallel.replicate_unplaced(tx.init(params), mesh)
+    if opt_state is None:
+        opt_state = tx.init(params)
     start = 0
     manager = None
     if run_dir is not None:
