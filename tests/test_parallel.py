@@ -218,8 +218,8 @@ LAYOUTS = [
     ("llama", "data=2,fsdp=2,tensor=2", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "data=8", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "fsdp=4,tensor=2", parallel.BATCH_AXES, {}),
-    ("deepseek_v3", "fsdp=2,expert=4", parallel.BATCH_AXES, {}),
-    ("deepseek_v3", "data=2,expert=4", ("data", "fsdp", "expert"), {}),  # tokens split over the expert group
+    ("deepseek_v3", "fsdp=2,expert=4", parallel.BATCH_AXES, {}),  # tokens split over the expert group
+    ("deepseek_v3", "data=2,expert=4", ("data", "fsdp"), {}),  # tokens shared by the expert group
     # TPU's kernel (ragged_dot) against the single-device tiled one: both dropless, equal.
     ("deepseek_v3", "expert=4,tensor=2", parallel.BATCH_AXES, {"expert_impl": "ragged_dot"}),
 ]
@@ -280,8 +280,8 @@ def primitives(jaxpr) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.parametrize("spec, batch_axes, dispatch", [
-    ("data=2,expert=4", ("data", "fsdp", "expert"), "all_to_all"),  # tokens split over the group
-    ("fsdp=2,expert=4", parallel.BATCH_AXES, "psum"),  # tokens shared by the group: no move
+    ("fsdp=2,expert=4", parallel.BATCH_AXES, "all_to_all"),  # tokens split over the group (default)
+    ("data=2,expert=4", ("data", "fsdp"), "psum"),  # tokens shared by the group: no move
 ])  # fmt: skip
 def test_expert_parallelism_moves_tokens_by_all_to_all(spec, batch_axes, dispatch):
     """Tokens split over the expert group reach their experts by all-to-all, never by an

@@ -35,7 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PyTree
 
 AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+# The expert group splits the batch too: its devices would otherwise repeat the same attention
+# and dense work on the same tokens; the MoE layers then move tokens by all-to-all.
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 # Dimension letter -> mesh axis. The first letter of a parameter's axes that maps to a mesh
 # axis gets it; each mesh axis shards at most one dimension of a parameter. "tensor" and
@@ -569,9 +571,10 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """``f(model, *batch, **static) -> (loss[, aux]), grads`` computed under ``jax.shard_map``.
 
-    Each batch argument is split on its leading axis over ``batch_axes`` (default ``data`` and
-    ``fsdp``; adding ``"expert"`` also splits the non-expert work over the expert group, whose
-    MoE layers then all-gather tokens and reduce-scatter outputs). Parameters arrive with
+    Each batch argument is split on its leading axis over ``batch_axes`` (default ``data``,
+    ``fsdp`` and ``expert``: the MoE layers move tokens to their experts by all-to-all; without
+    ``"expert"`` the expert group shares its tokens and repeats the non-expert work on them,
+    and the MoE layers combine by ``psum``). Parameters arrive with
     their :func:`partition_specs` layout and the gradients leave with it. ``loss`` is the mean
     of the per-device losses over the batch axes: the global mean whenever every device's
     loss averages the same number of terms (always without ``segment_ids`` masks). ``aux``
