@@ -6,7 +6,8 @@ Runs, each in its own process (JAX's platform and XLA flags are set before it st
 
 - ``benchmarks/train_step.py``: zoo's train step against transformers and MaxText, MFU against
   the matmul peak measured in the same run, compile time at 2, 8 and 32 layers;
-- ``benchmarks/placement.py``: memory and speed of every activation-placement preset;
+- ``benchmarks/placement.py``: memory and speed of every activation-placement preset, for
+  Llama and DeepSeek-V3;
 - ``benchmarks/moe.py``: the dropless expert paths against every expert on every token;
 - ``benchmarks/generate.py``, when it exists.
 
@@ -196,12 +197,15 @@ def main(argv: list[str] | None = None) -> Path:
         sections.append("## Targets\n\n" + targets_table(targets(results)) + "\n")
 
     if "placement" in only:
-        argv_p = ["placement.py", "--platform", args.platform]
-        argv_p += ["--presets", "none,save_matmuls,offload_attn", "--steps", "2", "--max-batch", "8"] if args.quick else []
-        if gpu:
-            argv_p += ["--budget-gib", "16"] + ([] if args.quick else ["--max-batch", "512"])
-        text, err = run_script(argv_p, timeout["placement"])
-        sections.append("## Placement (`benchmarks/placement.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
+        quick = {"llama": "none,save_matmuls,offload_attn", "deepseek_v3": "none,save_matmuls,nvidia_offload"}
+        for model in ("llama", "deepseek_v3"):  # the time share split between the two
+            argv_p = ["placement.py", "--model", model, "--platform", args.platform]
+            argv_p += ["--presets", quick[model], "--steps", "2", "--max-batch", "8"] if args.quick else []
+            if gpu:
+                argv_p += ["--budget-gib", "16"] + ([] if args.quick else ["--max-batch", "512"])
+            text, err = run_script(argv_p, timeout["placement"] // 2)
+            title = f"## Placement, {model} (`benchmarks/placement.py --model {model}`)\n\n"
+            sections.append(title + (text.strip() if err is None else f"failed: {err}") + "\n")
     if "moe" in only:
         argv_m = ["moe.py", "--dtype", "bfloat16" if gpu else "float32"]
         argv_m += ["--experts", "16", "--top-k", "2", "--repeats", "2"] if args.quick else ["--bench-shape", "--repeats", "3"]
