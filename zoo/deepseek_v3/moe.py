@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from zoo.layers.grouped_matmul import grouped_matmul
+from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
 from zoo.layers.mlp import SwiGLU
 
 ExpertImpl = Literal["auto", "ragged_dot", "grouped", "tiled", "dense"]
@@ -156,19 +156,13 @@ def routed_experts_tiled(
     e = w_gate.shape[0]
     rows = t * k
     tile = max(8, -(-rows // e))
-    n_tiles = -(-rows // tile) + e
     flat = routing.experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    sizes = expert_load(routing.experts, e)
-    tiles_per = -(-sizes // tile)
-    tile_end = jnp.cumsum(tiles_per)
-    tile_start = tile_end - tiles_per
-    row_start = jnp.cumsum(sizes) - sizes
-    tile_ids = jnp.arange(n_tiles, dtype=jnp.int32)
-    owner = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), e - 1).astype(jnp.int32)
-    offset = (tile_ids - tile_start[owner])[:, None] * tile + jnp.arange(tile, dtype=jnp.int32)[None, :]
-    valid = (offset < sizes[owner][:, None]) & (tile_ids < tile_end[-1])[:, None]
-    sorted_pos = jnp.where(valid, row_start[owner][:, None] + offset, 0)
+    tiles = tile_layout(expert_load(routing.experts, e), rows, tile)
+    n_tiles, owner = tiles.owner.shape[0], tiles.owner
+    offset = jnp.arange(tile, dtype=jnp.int32)[None, :]
+    valid = offset < tiles.valid[:, None]
+    sorted_pos = jnp.where(valid, tiles.first_row[:, None] + offset, 0)
     tokens = jnp.take(order // k, sorted_pos)
     xt = jnp.where(valid[..., None], jnp.take(x, tokens, axis=0), jnp.zeros((), x.dtype))
     gate = checkpoint_name(jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_gate, owner, axis=0)), "moe_gate")
@@ -176,10 +170,8 @@ def routed_experts_tiled(
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
     out = jnp.einsum("ntm,nmd->ntd", hidden, jnp.take(w_down, owner, axis=0)).reshape(n_tiles * tile, -1)
     # Where each (token, k) pair landed: its rank in the sort gives its expert's tile and slot.
-    rank = jnp.argsort(order)
-    expert = flat
-    within = rank - row_start[expert]
-    slot = (tile_start[expert] + within // tile) * tile + within % tile
+    within = jnp.argsort(order) - tiles.group_first_row[flat]
+    slot = (tiles.group_first_tile[flat] + within // tile) * tile + within % tile
     # The combine weights' gradient needs each expert's output: naming it spares the down projection.
     out = checkpoint_name(jnp.take(out, slot, axis=0).reshape(t, k, -1), "moe_out")
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))

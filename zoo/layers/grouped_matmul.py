@@ -18,6 +18,7 @@ gradient is written out (``jax.custom_vjp``): ``d lhs`` is the same loop against
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,21 +27,35 @@ from jaxtyping import Array, Float, Int
 from zoo.parallel import sum_to_varying_of, varying_like
 
 
-def _tiles(group_sizes: Int[Array, " G"], rows: int, tile: int):
-    """Per tile: owning group, first row, valid rows; and the number of tiles in use."""
+class Tiles(NamedTuple):
+    """Rows sorted by group cut into tiles of ``tile`` rows, each owned by one group (a group's
+    last tile is partial). Per tile: ``owner``, ``first_row`` (in the sorted rows) and
+    ``valid`` rows; ``used``, the tiles in use (the rest own nothing: ``valid`` 0). Per group:
+    ``group_first_tile`` and ``group_first_row``."""
+
+    owner: Int[Array, " N"]
+    first_row: Int[Array, " N"]
+    valid: Int[Array, " N"]
+    used: Int[Array, ""]
+    group_first_tile: Int[Array, " G"]
+    group_first_row: Int[Array, " G"]
+
+
+def tile_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Tiles:
+    """The tiles of ``rows`` sorted rows in groups of ``group_sizes``: at most
+    ``ceil(rows / tile) + G`` of them, whatever the sizes."""
     g = group_sizes.shape[0]
     n_max = -(-rows // tile) + g
     sizes = group_sizes.astype(jnp.int32)
     per = -(-sizes // tile)
     end = jnp.cumsum(per)
     start = end - per
-    first_row = jnp.cumsum(sizes) - sizes
+    group_first_row = jnp.cumsum(sizes) - sizes
     ids = jnp.arange(n_max, dtype=jnp.int32)
     owner = jnp.minimum(jnp.searchsorted(end, ids, side="right"), g - 1).astype(jnp.int32)
     j = ids - start[owner]
-    row0 = first_row[owner] + j * tile
     valid = jnp.clip(sizes[owner] - j * tile, 0, tile)
-    return owner, row0, valid, end[-1]
+    return Tiles(owner, group_first_row[owner] + j * tile, valid, end[-1], start, group_first_row)
 
 
 def _zeros_like_vma(shape, dtype, *likes) -> Array:
@@ -56,7 +71,7 @@ def _loop_matmul(lhs, rhs, group_sizes, tile: int, transpose_rhs: bool):
     """``out[r] = lhs[r] @ rhs[g]`` (or ``@ rhs[g]ᵀ``) over the tiles in use."""
     rows, width = lhs.shape
     out_width = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    owner, row0, valid, n = _tiles(group_sizes, rows, tile)
+    owner, row0, valid, n = tile_layout(group_sizes, rows, tile)[:4]
     # Padded by one tile so a tile starting near the end is never clamped back by dynamic_slice.
     lhs = jnp.pad(lhs, ((0, tile), (0, 0)))
     contract = 1 if transpose_rhs else 0
@@ -76,7 +91,7 @@ def _loop_matmul(lhs, rhs, group_sizes, tile: int, transpose_rhs: bool):
 def _loop_weight_grad(lhs, dout, group_sizes, groups: int, tile: int):
     """``d rhs[g] = Σ lhs[r]ᵀ dout[r]`` over the rows of group ``g``."""
     rows = lhs.shape[0]
-    owner, row0, valid, n = _tiles(group_sizes, rows, tile)
+    owner, row0, valid, n = tile_layout(group_sizes, rows, tile)[:4]
     lhs = jnp.pad(lhs, ((0, tile), (0, 0)))
     dout = jnp.pad(dout, ((0, tile), (0, 0)))
     grad = _zeros_like_vma((groups, lhs.shape[1], dout.shape[1]), jnp.float32, lhs, dout, group_sizes)
