@@ -460,10 +460,11 @@ def test_tree_placement_moves_whole_trees():
 CFG = ztrain.TrainConfig(steps=10, batch_size=2, seq_len=16, warmup=1, lr=1e-2)
 
 
-def _steps(params: str, opt_state: str, n: int = 3, mesh=None):
+def _steps(params: str, opt_state: str, n: int = 3, mesh=None, model=None):
     """``n`` steps of zoo.train's step with parameters and optimizer state kept in
-    ``params`` / ``opt_state`` memory between steps (sharded over ``mesh`` when given)."""
-    model = tiny()
+    ``params`` / ``opt_state`` memory between steps (sharded over ``mesh`` when given) for
+    ``model`` (default: the tiny Llama fixture)."""
+    model = tiny() if model is None else model
     optimizer = ztrain.optimizer(CFG, model)
     weights = jax.tree.map(jnp.copy, eqx.filter(model, eqx.is_inexact_array))  # the step donates them
     state = optimizer.init(weights)
@@ -496,27 +497,32 @@ import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 import test_placement as t
+import zoo
 from zoo import parallel
+from zoo.deepseek_v3 import preset
 from zoo.placement import memory_kinds
-mesh = parallel.make_mesh("fsdp=4,tensor=2")
-ref_weights, ref_state, ref_losses = t._steps("device", "device", mesh=mesh)
-weights, state, losses = t._steps("pinned_host", "pinned_host", mesh=mesh)
-assert memory_kinds(weights) == {"pinned_host"} and memory_kinds(state) == {"pinned_host"}
-assert losses == ref_losses and losses[-1] < losses[0], (losses, ref_losses)
-for a, b in zip(jax.tree.leaves((weights, state)), jax.tree.leaves((ref_weights, ref_state))):
-    assert a.sharding.is_equivalent_to(b.sharding.with_memory_kind("pinned_host"), a.ndim), (a.sharding, b.sharding)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-wq = weights.layers.attn.wq
-assert wq.sharding.is_equivalent_to(
-    jax.NamedSharding(mesh, jax.P(None, "fsdp", "tensor", None), memory_kind="pinned_host"), 4)
-assert wq.addressable_shards[0].data.shape == (wq.shape[0], wq.shape[1] // 4, wq.shape[2] // 2, wq.shape[3])
-print("ok", losses)
+deepseek = zoo.DeepseekV3(preset("tiny"), key=jax.random.key(0))
+for model, spec in [(None, "fsdp=4,tensor=2"), (deepseek, "fsdp=2,expert=4")]:
+    mesh = parallel.make_mesh(spec)
+    ref_weights, ref_state, ref_losses = t._steps("device", "device", mesh=mesh, model=model)
+    weights, state, losses = t._steps("pinned_host", "pinned_host", mesh=mesh, model=model)
+    assert memory_kinds(weights) == {"pinned_host"} and memory_kinds(state) == {"pinned_host"}
+    assert losses == ref_losses and losses[-1] < losses[0], (spec, losses, ref_losses)
+    for a, b in zip(jax.tree.leaves((weights, state)), jax.tree.leaves((ref_weights, ref_state))):
+        assert a.sharding.is_equivalent_to(b.sharding.with_memory_kind("pinned_host"), a.ndim), (a.sharding, b.sharding)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    w = weights.layers.attn.wq if model is None else weights.moe_layers.moe.w_gate
+    want = (None, "fsdp", "tensor", None) if model is None else (None, "expert", "fsdp", None)
+    assert w.sharding.is_equivalent_to(jax.NamedSharding(mesh, jax.P(*want), memory_kind="pinned_host"), 4), w.sharding
+    print(spec, losses)
+print("ok")
 """
 
 
 def test_params_and_optimizer_state_on_host_under_a_mesh():
-    """Sharded over fsdp x tensor and kept in pinned host memory between steps: the shardings
-    survive the round trip and the steps equal the all-device sharded steps.
+    """Sharded (Llama over fsdp x tensor, DeepSeek-V3 over fsdp x expert) and kept in pinned
+    host memory between steps: the shardings survive the round trip and the steps equal the
+    all-device sharded steps.
 
     In a fresh process: after any single-device pinned-host program has run in a process,
     jaxlib 0.10's XLA:CPU crashes or deadlocks in the first collective of a multi-device one
@@ -527,7 +533,7 @@ def test_params_and_optimizer_state_on_host_under_a_mesh():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
            "JAX_ENABLE_COMPILATION_CACHE": "false"}  # fmt: skip
     out = subprocess.run([sys.executable, "-c", HOST_UNDER_A_MESH], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_cuda_train_step_streams_params_and_optimizer_state():
