@@ -9,6 +9,7 @@ Runs, each in its own process (JAX's platform and XLA flags are set before it st
 - ``benchmarks/placement.py``: memory and speed of every activation-placement preset, for
   Llama and DeepSeek-V3;
 - ``benchmarks/moe.py``: the dropless expert paths against every expert on every token;
+- ``benchmarks/expert_parallel.py`` (CPU only: simulated devices): all-to-all against shared tokens;
 - ``benchmarks/generate.py``, when it exists.
 
 and writes ``benchmarks/results/<machine>-<date>.md`` (e.g. ``cpu-2core-2026-11-30.md``) and
@@ -49,10 +50,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-python", default=None, help="interpreter with torch + transformers")
     p.add_argument("--maxtext-python", default=None, help="MaxText's interpreter (benchmarks/maxtext_setup.sh)")
     p.add_argument("--out", default=str(HERE / "results"), help="directory for the report and chart")
-    p.add_argument("--only", default="train_step,placement,moe,generate", help="comma-separated subset to run")
+    p.add_argument("--only", default="train_step,placement,moe,expert_parallel,generate", help="comma-separated subset to run")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per benchmark before it counts as failed")
     p.add_argument("--total", type=int, default=None,
-                   help="seconds for everything, shared out (train step 55%%, placement 20%%, MoE 10%%, generate 15%%)")
+                   help="seconds for everything, shared out (train step 55%%, placement 20%%, MoE 10%%, generate 15%%; "
+                   "expert parallelism runs on CPU only)")
     return p.parse_args(argv)
 
 
@@ -212,6 +214,9 @@ def main(argv: list[str] | None = None) -> Path:
         argv_m += ["--experts", "16", "--top-k", "2", "--repeats", "2"] if args.quick else ["--bench-shape", "--repeats", "3"]
         text, err = run_script(argv_m, timeout["moe"])
         sections.append("## MoE layer (`benchmarks/moe.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
+    if "expert_parallel" in only and not gpu:
+        text, err = run_script(["expert_parallel.py", "--steps", "2" if args.quick else "4"], args.timeout)
+        sections.append("## Expert parallelism (`benchmarks/expert_parallel.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
     generate = HERE / "generate.py"
     if "generate" in only and generate.exists():
         source = generate.read_text()
