@@ -113,6 +113,8 @@ def test_dropless_paths_equal_dense_values_and_gradients(impl, shape):
         r = routing._replace(weights=weights)
         return jnp.sum(jnp.sin(fn(x, r, *ws)))
 
+    # The issue's float32 bar; measured at most 2e-6 (grouped, ragged_dot) and 3e-6 (tiled) absolute
+    # on outputs up to 2.4, over values and all three gradients.
     np.testing.assert_allclose(fast(x, routing, *ws), dense(x, routing, *ws), atol=1e-5, rtol=1e-5)
     for argnum in (1, 2, 3):
         g_f = jax.grad(loss, argnums=argnum)(fast, x, routing.weights, ws)
@@ -138,6 +140,8 @@ def test_grouped_matmul_skips_padding_rows_and_empty_groups(tile):
         return grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), tile)
 
     out = grouped(lhs, rhs)
+    # The issue's float32 bar. Same products summed in another order (per-tile partial sums for
+    # d rhs): measured at most 8e-6 absolute on entries up to 15, under 1e-6 relative.
     np.testing.assert_allclose(out, reference_matmul(lhs, rhs), rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(out[80:]))
     loss = lambda f: lambda lhs, rhs: jnp.sum(jnp.sin(f(lhs, rhs)))  # noqa: E731
@@ -146,6 +150,24 @@ def test_grouped_matmul_skips_padding_rows_and_empty_groups(tile):
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(got[0][80:])) and not np.any(np.asarray(got[1][1]))
+
+
+def test_grouped_matmul_names_bad_shapes():
+    """Under the test run's jaxtyping hook the annotation names the operand and dimension;
+    without it (a user's run), the kernel's own check does."""
+    import jaxtyping
+
+    from zoo.layers.grouped_matmul import _check
+
+    lhs, rhs, sizes = jnp.ones((4, 3)), jnp.ones((2, 5, 6)), jnp.ones(2, jnp.int32)
+    with pytest.raises(jaxtyping.TypeCheckError, match=r"parameter 'rhs'"):
+        grouped_matmul(lhs, rhs, sizes)
+    with pytest.raises(ValueError, match=r"lhs width 3 != rhs input width 5"):
+        _check(lhs, rhs, sizes, 128)
+    with pytest.raises(ValueError, match=r"3 group sizes for 2 groups"):
+        _check(jnp.ones((4, 5)), rhs, jnp.ones(3, jnp.int32), 128)
+    with pytest.raises(ValueError, match=r"tile must be a positive int, got 0"):
+        _check(jnp.ones((4, 5)), rhs, sizes, 0)
 
 
 def test_dropless_model_equals_dense_model():

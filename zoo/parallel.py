@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, Int, PyTree
 
 AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
 # The expert group splits the batch too: its devices would otherwise repeat the same attention
@@ -474,23 +474,27 @@ def routed_experts(
     return _psum(out if spread else jax.lax.psum(out, "expert"), ("tensor",))
 
 
-def _local_experts(sorted_mlp, x, local, k: int, weights) -> Array:
+def _local_experts(
+    sorted_mlp: Callable[..., Array], x: Float[Array, "T D"], local: Int[Array, " P"], k: int, weights: tuple
+) -> Float[Array, "P D"]:
     """Outputs of the pairs ``(row // k, local[row])`` whose local expert id is below
     ``e_local`` (the others are zero), in pair order."""
     e_local = weights[0].shape[0]
     order = jnp.argsort(local, stable=True)
-    sizes = jnp.zeros(e_local + 1, jnp.int32).at[local].add(1)[:e_local]
+    sizes = jnp.bincount(local, length=e_local + 1)[:e_local]  # the last bin: others' pairs
     out = sorted_mlp(jnp.take(x, order // k, axis=0), sizes, *weights)
     return jnp.take(out, jnp.argsort(order), axis=0)
 
 
-def _all_to_all_experts(sorted_mlp, x, flat, k: int, weights) -> Array:
+def _all_to_all_experts(
+    sorted_mlp: Callable[..., Array], x: Float[Array, "T D"], flat: Int[Array, " P"], k: int, weights: tuple
+) -> Float[Array, "P D"]:
     """Each local pair's expert output, its experts living on other devices of the group."""
     n, e_local = _size(_STEP.get().mesh, "expert"), weights[0].shape[0]
     pairs = flat.shape[0]
     dest = flat // e_local
     order = jnp.argsort(flat, stable=True)  # by expert, hence by destination
-    count = jnp.zeros(n, jnp.int32).at[dest].add(1)
+    count = jnp.bincount(dest, length=n)
     start = jnp.cumsum(count) - count
     # Slot c of destination d holds sorted pair start[d] + c, if d has that many.
     c = jnp.arange(pairs, dtype=jnp.int32)

@@ -430,7 +430,9 @@ _TREE_REMAT = (
 )
 
 
-def _space(placement: str, what: str) -> jax.memory.Space:
+def memory_space(placement: str, what: str) -> jax.memory.Space:
+    """The memory space a whole tree (``what``: "parameters", "optimizer state") lives in
+    between steps; ``remat`` or an unknown word is a :class:`PlacementError` naming both."""
     if placement == "device":
         return jax.memory.Space.Device
     if placement == "pinned_host":
@@ -446,7 +448,7 @@ def tree_placement(tree: T, placement: Placement, *, what: str = "a tree") -> T:
 
     Works outside ``jit`` (a transfer) and inside it (an annotation XLA turns into copies).
     """
-    space = _space(placement, what)
+    space = memory_space(placement, what)
     return jax.tree.map(lambda x: jax.device_put(x, space) if isinstance(x, jax.Array) else x, tree)
 
 

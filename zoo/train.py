@@ -130,10 +130,10 @@ def make_train_step(
     step's expert load.
     """
     from zoo.deepseek_v3 import DeepseekV3, update_router_bias
-    from zoo.placement import _space, tree_placement
+    from zoo.placement import memory_space, tree_placement
 
-    _space(param_memory, "parameters")  # a clear error now, not at the first step's trace
-    _space(opt_memory, "optimizer state")
+    memory_space(param_memory, "parameters")  # a clear error now, not at the first step's trace
+    memory_space(opt_memory, "optimizer state")
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     schedule = learning_rate(cfg)
 

@@ -113,10 +113,27 @@ def grouped_matmul(
 ) -> Float[Array, "R O"]:
     """``lhs`` rows sorted by group (``group_sizes[g]`` rows of group ``g``, then padding) times
     their group's ``rhs``; padding rows give zeros. Accumulates in float32."""
+    _check(lhs, rhs, group_sizes, tile)
     return _loop_matmul(lhs, rhs, group_sizes, tile, transpose_rhs=False)
 
 
+def _check(lhs, rhs, group_sizes, tile) -> None:
+    """Shape errors named here, not deep inside the loop's dot."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(
+            f"grouped_matmul: want lhs [R I], rhs [G I O], group_sizes [G]; got lhs {lhs.shape}, "
+            f"rhs {rhs.shape}, group_sizes {group_sizes.shape}"
+        )
+    if lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped_matmul: lhs width {lhs.shape[1]} != rhs input width {rhs.shape[1]} (rhs {rhs.shape})")
+    if group_sizes.shape[0] != rhs.shape[0]:
+        raise ValueError(f"grouped_matmul: {group_sizes.shape[0]} group sizes for {rhs.shape[0]} groups in rhs {rhs.shape}")
+    if not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"grouped_matmul: tile must be a positive int, got {tile!r}")
+
+
 def _fwd(lhs, rhs, group_sizes, tile):
+    _check(lhs, rhs, group_sizes, tile)
     return _loop_matmul(lhs, rhs, group_sizes, tile, transpose_rhs=False), (lhs, rhs, group_sizes)
 
 
