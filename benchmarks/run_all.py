@@ -6,6 +6,7 @@ Runs, each in its own process (JAX's platform and XLA flags are set before it st
 
 - ``benchmarks/train_step.py``: zoo's train step against transformers and MaxText, MFU against
   the matmul peak measured in the same run, compile time at 2, 8 and 32 layers;
+- ``benchmarks/matmuls.py``: every matmul of zoo's Llama train step timed alone, XLA against PyTorch;
 - ``benchmarks/placement.py``: memory and speed of every activation-placement preset, for
   Llama and DeepSeek-V3;
 - ``benchmarks/moe.py``: the dropless expert paths against every expert on every token;
@@ -50,10 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-python", default=None, help="interpreter with torch + transformers")
     p.add_argument("--maxtext-python", default=None, help="MaxText's interpreter (benchmarks/maxtext_setup.sh)")
     p.add_argument("--out", default=str(HERE / "results"), help="directory for the report and chart")
-    p.add_argument("--only", default="train_step,placement,moe,expert_parallel,generate", help="comma-separated subset to run")
+    p.add_argument("--only", default="train_step,matmuls,placement,moe,expert_parallel,generate", help="comma-separated subset to run")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per benchmark before it counts as failed")
     p.add_argument("--total", type=int, default=None,
-                   help="seconds for everything, shared out (train step 55%%, placement 20%%, MoE 10%%, generate 15%%; "
+                   help="seconds for everything, shared out (train step 50%%, matmuls 5%%, placement 20%%, MoE 10%%, generate 15%%; "
                    "expert parallelism runs on CPU only)")
     return p.parse_args(argv)
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     only = set(args.only.split(","))
     gpu = args.platform == "gpu"
-    share = {"train_step": 0.55, "placement": 0.20, "moe": 0.10, "generate": 0.15}
+    share = {"train_step": 0.50, "matmuls": 0.05, "placement": 0.20, "moe": 0.10, "generate": 0.15}
     timeout = {k: int(v * args.total) if args.total else args.timeout for k, v in share.items()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -198,6 +199,12 @@ def main(argv: list[str] | None = None) -> Path:
         sections.append("## Train step, MFU, compile time\n\n" + train_step.tables(results) + "\n" + cut)
         sections.append("## Targets\n\n" + targets_table(targets(results)) + "\n")
 
+    if "matmuls" in only:
+        argv_mm = ["matmuls.py", "--platform", args.platform, "--reps", "3" if args.quick else "10"]
+        argv_mm += ["--torch-python", args.torch_python] if args.torch_python else []
+        text, err = run_script(argv_mm, timeout["matmuls"])
+        title = "## The train step's matmuls alone, XLA vs PyTorch (`benchmarks/matmuls.py`)\n\n"
+        sections.append(title + (text.strip() if err is None else f"failed: {err}") + "\n")
     if "placement" in only:
         # --quick keeps the comparison NVIDIA published: host offload against full remat.
         quick = {"llama": "none,remat,offload_attn", "deepseek_v3": "none,remat,nvidia_offload"}
