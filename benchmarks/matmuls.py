@@ -114,7 +114,7 @@ def time_xla(dots: list[dict], reps: int) -> list[float]:
         f = jax.jit(lambda a, b, spec=d["spec"]: jnp.einsum(spec, a, b))
         if list(f(a, b).shape) != d["out"]:  # the spec must be the step's very contraction
             raise AssertionError(f"{d['spec']} gives {f(a, b).shape}, the step's dot gives {d['out']}")
-        out.append(median_ms(lambda: f(a, b).block_until_ready(), reps))
+        out.append(median_ms(lambda f=f, a=a, b=b: f(a, b).block_until_ready(), reps))
     return out
 
 
