@@ -144,6 +144,8 @@ def time_torch_main(spec_json: str) -> None:
 def time_torch(dots: list[dict], python: str | None, reps: int, platform: str) -> dict:
     from train_step import run_peer
 
+    if python is None:
+        return {"missing": "torch not installed here (give --torch-python)"}
     spec = {"dots": dots, "reps": reps, "device": "cuda" if platform == "gpu" else "cpu"}
     return run_peer(python, "matmuls.py", spec, 1800, "torch matmuls")
 
