@@ -5,9 +5,17 @@
 Why: on CPU zoo's step is matmul-bound, so how fast the two frameworks run *the same matmuls*
 bounds how close zoo's step can come to transformers'. This takes every ``dot_general`` of zoo's
 jitted train step (the jaxpr, forward and backward, scanned layers counted ``length`` times),
-times each distinct one alone under ``jax.jit`` and, under ``--torch-python``, the same
-contraction as ``torch.einsum`` on contiguous tensors of the same shapes, and prints per-dot and
-total milliseconds per step with their ratio. Medians of ``--reps`` calls after two warm-up calls.
+times each distinct one alone as that very ``dot_general`` (operand dtypes and accumulation type
+included) under ``jax.jit`` and, under ``--torch-python``, the same contraction as
+``torch.einsum`` on contiguous tensors of the same shapes (both in the left operand's dtype), and
+prints per-dot and total milliseconds per step with their ratio. Medians of ``--reps`` calls after
+two warm-up calls.
+
+Alone is not inside the step: XLA fuses and re-lays out some dots in the step (the multi-
+dimensional projection einsums run faster there than alone), so the total is what the same
+contractions cost each framework's matmul kernels, not a floor on either step. Attention through
+cuDNN's fused kernel (GPU, half precision) is not a ``dot_general``: the table says how many such
+calls it leaves out.
 
 Only models whose dots all have a static count (no data-dependent loop) are supported: Llama.
 DeepSeek-V3's expert kernel runs a loop whose trip count follows the routing.
@@ -19,18 +27,18 @@ import argparse
 import collections
 import json
 import statistics
+import string
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def einsum_spec(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> str:
     """The einsum string of a ``dot_general`` (output: batch, lhs free, rhs free — XLA's order)."""
     (lc, rc), (lb, rb) = dimension_numbers
-    letters = iter(LETTERS)
+    letters = iter(string.ascii_lowercase)
     lhs = [""] * lhs_ndim
     rhs = [""] * rhs_ndim
     for i, j in zip(lb, rb):
@@ -47,6 +55,7 @@ def einsum_spec(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> str:
 
 
 def flops(lhs: list[int], rhs: list[int], spec: str) -> int:
+    """2 x the product of every dimension's size (each letter once): a dot's multiply-adds x 2."""
     sizes = dict(zip(spec.split(",")[0], lhs)) | dict(zip(spec.split(",")[1].split("-")[0], rhs))
     n = 2
     for v in sizes.values():
@@ -54,8 +63,9 @@ def flops(lhs: list[int], rhs: list[int], spec: str) -> int:
     return n
 
 
-def step_dots(model: str, platform: str) -> list[dict]:
-    """Every distinct dot of zoo's train step: shapes, einsum spec, dtype and calls per step."""
+def step_dots(model: str, platform: str) -> tuple[list[dict], int]:
+    """Every distinct dot of zoo's train step (shapes, dimension numbers, dtypes, einsum spec,
+    calls per step) and the number of fused-attention calls, which are not dots."""
     import jax
     import jax.numpy as jnp
 
@@ -65,29 +75,44 @@ def step_dots(model: str, platform: str) -> list[dict]:
     step, params, opt_state, batch, _ = zoo_setup(model, platform)
     jaxpr = jax.make_jaxpr(step)(params, opt_state, batch, jnp.int32(0))
     counts: collections.Counter = collections.Counter()
+    fused_attention = 0
 
-    def walk(j, times: int) -> None:
+    def walk(j, times: int | None, where: str) -> None:
+        nonlocal fused_attention
         for eqn in j.eqns:
             name = eqn.primitive.name
             if name == "dot_general":
+                if times is None:  # inside a while loop or a cond: no static count
+                    raise SystemExit(f"{model}'s step has a dot inside a {where}: its calls per step are not static")
                 lhs, rhs = (v.aval for v in eqn.invars)
-                spec = einsum_spec(lhs.ndim, rhs.ndim, eqn.params["dimension_numbers"])
-                out = tuple(eqn.outvars[0].aval.shape)
-                counts[(tuple(lhs.shape), tuple(rhs.shape), out, spec, str(lhs.dtype))] += times
-            if name == "while":
-                raise SystemExit(f"{model}'s step has a data-dependent loop: its dots have no static count")
-            inner = times * (eqn.params["length"] if name == "scan" else 1)
-            for p in eqn.params.values():
-                for q in p if isinstance(p, (list, tuple)) else [p]:
-                    if hasattr(q, "jaxpr") and hasattr(q, "consts"):
-                        walk(q.jaxpr, inner)
-                    elif hasattr(q, "eqns"):
-                        walk(q, inner)
+                dn = eqn.params["dimension_numbers"]
+                pref = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
+                key = (tuple(lhs.shape), tuple(rhs.shape), tuple(eqn.outvars[0].aval.shape),
+                       json.dumps([[list(d) for d in pair] for pair in dn]),
+                       str(lhs.dtype), str(rhs.dtype), str(jnp.dtype(pref)))  # fmt: skip
+                counts[key] += times
+            elif "dot_product_attention" in name and times is not None:
+                fused_attention += times
+            inner, inner_where = times, where
+            if name == "scan" and times is not None:
+                inner = times * eqn.params["length"]
+            elif name in ("while", "cond"):
+                inner, inner_where = None, name
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                        walk(sub.jaxpr, inner, inner_where)
+                    elif hasattr(sub, "eqns"):
+                        walk(sub, inner, inner_where)
 
-    walk(jaxpr.jaxpr, 1)
-    return [{"lhs": list(lhs), "rhs": list(rhs), "out": list(out), "spec": spec, "dtype": dtype, "count": n,
-             "gflop": n * flops(list(lhs), list(rhs), spec) / 1e9}
-            for (lhs, rhs, out, spec, dtype), n in counts.items()]  # fmt: skip
+    walk(jaxpr.jaxpr, 1, "")
+    dots = []
+    for (lhs, rhs, out, dn, lhs_dtype, rhs_dtype, pref), n in counts.items():
+        spec = einsum_spec(len(lhs), len(rhs), json.loads(dn))
+        dots.append({"lhs": list(lhs), "rhs": list(rhs), "out": list(out), "dimension_numbers": json.loads(dn),
+                     "spec": spec, "lhs_dtype": lhs_dtype, "rhs_dtype": rhs_dtype, "accumulate": pref,
+                     "count": n, "gflop": n * flops(list(lhs), list(rhs), spec) / 1e9})  # fmt: skip
+    return dots, fused_attention
 
 
 def median_ms(fn, reps: int) -> float:
@@ -102,6 +127,7 @@ def median_ms(fn, reps: int) -> float:
 
 
 def time_xla(dots: list[dict], reps: int) -> list[float]:
+    """Each dot alone: the step's very ``dot_general`` (dimension numbers, dtypes, accumulation)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -109,11 +135,12 @@ def time_xla(dots: list[dict], reps: int) -> list[float]:
     rng = np.random.default_rng(0)
     out = []
     for d in dots:
-        a = jnp.asarray(rng.standard_normal(d["lhs"]), d["dtype"])
-        b = jnp.asarray(rng.standard_normal(d["rhs"]), d["dtype"])
-        f = jax.jit(lambda a, b, spec=d["spec"]: jnp.einsum(spec, a, b))
-        if list(f(a, b).shape) != d["out"]:  # the spec must be the step's very contraction
-            raise AssertionError(f"{d['spec']} gives {f(a, b).shape}, the step's dot gives {d['out']}")
+        a = jnp.asarray(rng.standard_normal(d["lhs"]), d["lhs_dtype"])
+        b = jnp.asarray(rng.standard_normal(d["rhs"]), d["rhs_dtype"])
+        dn = tuple(tuple(tuple(x) for x in pair) for pair in d["dimension_numbers"])
+        f = jax.jit(lambda a, b, dn=dn, acc=d["accumulate"]: jax.lax.dot_general(a, b, dn, preferred_element_type=acc))
+        if list(f(a, b).shape) != d["out"] or list(jnp.einsum(d["spec"], a, b).shape) != d["out"]:
+            raise AssertionError(f"{d['spec']}: not the step's dot (output {d['out']})")
         out.append(median_ms(lambda f=f, a=a, b=b: f(a, b).block_until_ready(), reps))
     return out
 
@@ -128,8 +155,9 @@ def time_torch_main(spec_json: str) -> None:
     gen = torch.Generator().manual_seed(0)
     ms = []
     for d in spec["dots"]:
-        a = torch.randn(d["lhs"], generator=gen).to(device, dtypes[d["dtype"]])
-        b = torch.randn(d["rhs"], generator=gen).to(device, dtypes[d["dtype"]])
+        dtype = dtypes[d["lhs_dtype"]]  # einsum wants one dtype: the left operand's
+        a = torch.randn(d["lhs"], generator=gen).to(device, dtype)
+        b = torch.randn(d["rhs"], generator=gen).to(device, dtype)
 
         def call(a=a, b=b, s=d["spec"]):
             torch.einsum(s, a, b)
@@ -153,23 +181,27 @@ def time_torch(dots: list[dict], python: str | None, reps: int, platform: str) -
 def run(args: argparse.Namespace) -> dict:
     from train_step import default_torch_python
 
-    dots = step_dots(args.model, args.platform)
-    xla = time_xla(dots, args.reps)
-    torch = time_torch(dots, args.torch_python or default_torch_python(), args.reps, args.platform)
-    for d, x in zip(dots, xla):
-        d["xla_ms"] = x
-    for d, t in zip(dots, torch.get("ms", [None] * len(dots))):
-        d["torch_ms"] = t
-    return {"model": args.model, "platform": args.platform, "dots": dots,
-            "torch": {k: v for k, v in torch.items() if k != "ms"}}  # fmt: skip
+    dots, fused_attention = step_dots(args.model, args.platform)
+    xla_ms = time_xla(dots, args.reps)
+    peer = time_torch(dots, args.torch_python or default_torch_python(), args.reps, args.platform)
+    torch_ms = peer.get("ms") or [None] * len(dots)
+    if len(torch_ms) != len(dots):
+        peer, torch_ms = {"missing": f"torch timed {len(torch_ms)} of {len(dots)} dots"}, [None] * len(dots)
+    for d, x, t in zip(dots, xla_ms, torch_ms):
+        d["xla_ms"], d["torch_ms"] = x, t
+    return {"model": args.model, "platform": args.platform, "dots": dots, "fused_attention_calls": fused_attention,
+            "torch": {k: v for k, v in peer.items() if k != "ms"}}  # fmt: skip
 
 
 def table(r: dict) -> str:
     dots = sorted(r["dots"], key=lambda d: -d["gflop"])
     has_torch = all(d["torch_ms"] is not None for d in dots)
     lines = [f"Every matmul of zoo's {r['model']} train step (bench shape), each timed alone, ms per step "
-             "(one call's median x calls per step). ratio = XLA / PyTorch (> 1: XLA slower)."
-             + ("" if has_torch else f" PyTorch: missing ({r['torch'].get('missing')})."), "",
+             "(one call's median x calls per step). ratio = XLA / PyTorch (> 1: XLA slower). "
+             + (f"PyTorch {r['torch'].get('torch')}, {r['torch'].get('threads')} threads."
+                if has_torch else f"PyTorch: missing ({r['torch'].get('missing')}).")
+             + (f" Not counted: {r['fused_attention_calls']} fused-attention calls (cuDNN), which are not dots."
+                if r["fused_attention_calls"] else ""), "",
              "| einsum | lhs | rhs | calls | GFLOP | XLA ms | XLA GFLOP/s | PyTorch ms | PyTorch GFLOP/s | ratio |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for d in dots:
@@ -197,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama", choices=["llama"])
     p.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--torch-python", default=None, help="interpreter with torch (default: this one, if it has it)")
+    p.add_argument("--torch-python", default=None, help="interpreter with torch (default: this one, if it has torch and transformers)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per dot (median)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)

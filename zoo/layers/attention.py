@@ -39,10 +39,9 @@ def causal_attention(
     g = k.shape[2]
     r = h // g
     # Heads-major operands, the R query heads of a group stacked along the rows ("m" = (r, s)):
-    # both matmuls and their gradients become batched [M, K] x [K, T] products over (B, G).
-    # The sequence-major einsums differentiate into 5-D transposed forms that XLA:CPU runs at
-    # 40-75 GFLOP/s: the Llama bench step's attention matmuls took 110 ms, now 68 ms
-    # (benchmarks/matmuls.py), the step ~4% less.
+    # both matmuls and their gradients are batched 2-D products over (B, G). Sequence-major
+    # einsums differentiate into 5-D dots and transposes that XLA:CPU runs markedly slower
+    # (README, Benchmarks: "Attention layout").
     qm = q.reshape(b, s, g, r, d).transpose(0, 2, 3, 1, 4).reshape(b, g, r * s, d)
     kh = k.transpose(0, 2, 1, 3)
     vh = v.transpose(0, 2, 1, 3)
