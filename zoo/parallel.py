@@ -426,15 +426,16 @@ def routed_experts(
     w_up: Float[Array, "E D M"],
     w_down: Float[Array, "E M D"],
     *,
-    sorted_mlp: Callable[..., Float[Array, "R D"]],
+    pair_mlp: Callable[..., Float[Array, "P D"]],
 ) -> Float[Array, "T D"]:
     """The routed experts' combined output; expert-parallel inside the step.
 
     Outside the step (or with experts not split over ``"expert"``) this is ``impl``. Split,
     each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
-    units) and computes only the (token, expert) pairs routed to them: ``sorted_mlp(rows,
-    group_sizes, w_gate, w_up, w_down)`` runs its experts on rows sorted by local expert, the
-    rows past ``sum(group_sizes)`` being padding it skips (:func:`zoo.layers.grouped_matmul`).
+    units) and computes only the (token, expert) pairs routed to them: ``pair_mlp(x,
+    pair_experts, k, w_gate, w_up, w_down)`` (:func:`zoo.deepseek_v3.moe.expert_pair_mlp`) runs
+    each pair ``(p // k, pair_experts[p])`` through its local expert, an id of ``E / expert``
+    marking a pair that is not the device's (skipped, zeros).
 
     - Tokens split over ``"expert"`` (a batch split over it): **all-to-all dispatch** — each
       device sorts its pairs by destination and sends each device its pairs in one
@@ -459,7 +460,7 @@ def routed_experts(
     flat = routing.experts.reshape(-1)
     spread = "expert" in _varying(x)
     if spread:
-        out = _all_to_all_experts(sorted_mlp, x, flat, k, (w_gate, w_up, w_down))
+        out = _all_to_all_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down))
         combine = routing.weights
     else:
         # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
@@ -467,27 +468,15 @@ def routed_experts(
         x = varying_like(x, w_gate)
         local = flat - jax.lax.axis_index("expert").astype(flat.dtype) * e_local
         mine = (local >= 0) & (local < e_local)
-        out = _local_experts(sorted_mlp, x, jnp.where(mine, local, e_local), k, (w_gate, w_up, w_down))
+        out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down)
         combine = varying_like(routing.weights, w_gate)
     out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
     out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))
     return _psum(out if spread else jax.lax.psum(out, "expert"), ("tensor",))
 
 
-def _local_experts(
-    sorted_mlp: Callable[..., Array], x: Float[Array, "T D"], local: Int[Array, " P"], k: int, weights: tuple
-) -> Float[Array, "P D"]:
-    """Outputs of the pairs ``(row // k, local[row])`` whose local expert id is below
-    ``e_local`` (the others are zero), in pair order."""
-    e_local = weights[0].shape[0]
-    order = jnp.argsort(local, stable=True)
-    sizes = jnp.bincount(local, length=e_local + 1)[:e_local]  # the last bin: others' pairs
-    out = sorted_mlp(jnp.take(x, order // k, axis=0), sizes, *weights)
-    return jnp.take(out, jnp.argsort(order), axis=0)
-
-
 def _all_to_all_experts(
-    sorted_mlp: Callable[..., Array], x: Float[Array, "T D"], flat: Int[Array, " P"], k: int, weights: tuple
+    pair_mlp: Callable[..., Array], x: Float[Array, "T D"], flat: Int[Array, " P"], k: int, weights: tuple
 ) -> Float[Array, "P D"]:
     """Each local pair's expert output, its experts living on other devices of the group."""
     n, e_local = _size(_STEP.get().mesh, "expert"), weights[0].shape[0]
@@ -506,7 +495,7 @@ def _all_to_all_experts(
     recv_x, recv_e = (
         jax.lax.all_to_all(a.reshape(n * pairs, *a.shape[2:]), "expert", 0, 0, tiled=True) for a in (send_x, send_e)
     )
-    out = _local_experts(sorted_mlp, recv_x, recv_e.astype(jnp.int32), 1, weights)
+    out = pair_mlp(recv_x, recv_e.astype(jnp.int32), 1, *weights)
     back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
     # Sorted pair j went to slot j - start[dest] of its destination.
     rank = jnp.argsort(order)
@@ -703,6 +692,6 @@ def initialize_distributed(
 
 __all__ = [
     "AXES", "BATCH_AXES", "GATHERED", "LOGICAL_AXES", "MeshError", "gather_layer", "in_step", "initialize_distributed",
-    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "replicate_unplaced", "routed_experts", "sum_to_varying_of",
-    "shard", "tensor_psum", "validate_mesh", "value_and_grad", "varying_like",
+    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "replicate_unplaced",
+    "routed_experts", "shard", "sum_to_varying_of", "tensor_psum", "validate_mesh", "value_and_grad", "varying_like",
 ]  # fmt: skip

@@ -29,10 +29,10 @@ from zoo.deepseek_v3.moe import (
     EXPERT_IMPLS,
     MoE,
     expert_load,
+    pair_mlp_for,
     resolve_expert_impl,
     route,
     sequence_balance_loss,
-    sorted_mlp_for,
 )
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
@@ -212,7 +212,7 @@ def moe_ffn(
         topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
     )  # fmt: skip
     experts = EXPERT_IMPLS[resolve_expert_impl(impl)]
-    out = routed_experts(experts, x, routing, p.w_gate, p.w_up, p.w_down, sorted_mlp=sorted_mlp_for(impl))
+    out = routed_experts(experts, x, routing, p.w_gate, p.w_up, p.w_down, pair_mlp=pair_mlp_for(impl))
     out = out.reshape(b, s, d)
     if p.shared is not None:
         out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")

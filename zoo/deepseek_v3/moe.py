@@ -101,14 +101,34 @@ def sorted_expert_mlp(
     return matmul(hidden, w_down, group_sizes)
 
 
+def expert_pair_mlp(
+    x: Float[Array, "T D"],
+    pair_experts: Int[Array, " P"],
+    k: int,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+    *,
+    matmul: Callable[..., Array],
+) -> Float[Array, "P D"]:
+    """The output of every (token ``p // k``, expert ``pair_experts[p]``) pair, in pair order.
+
+    The pairs are sorted by expert, run through :func:`sorted_expert_mlp` and unsorted (a
+    gather, not a scatter-add). An expert id of ``E`` marks a pair that is not this call's
+    (expert parallelism: another device's expert): it sorts last, is skipped, and gives zeros.
+    """
+    e = w_gate.shape[0]
+    order = jnp.argsort(pair_experts, stable=True)
+    sizes = jnp.bincount(pair_experts, length=e + 1)[:e]
+    out = sorted_expert_mlp(jnp.take(x, order // k, axis=0), sizes, w_gate, w_up, w_down, matmul)
+    return jnp.take(out, jnp.argsort(order), axis=0)
+
+
 def _routed_experts_sorted(matmul, x, routing, w_gate, w_up, w_down):
-    """Sort the T·K (token, expert) pairs by expert, run :func:`sorted_expert_mlp`, undo the
-    sort (a gather, not a scatter-add) and combine each token's K outputs."""
+    """:func:`expert_pair_mlp` on the T·K routed pairs, then each token's K outputs combined."""
     t, k = routing.experts.shape
-    order = jnp.argsort(routing.experts.reshape(-1), stable=True)
-    group_sizes = expert_load(routing.experts, w_gate.shape[0])
-    out = sorted_expert_mlp(jnp.take(x, order // k, axis=0), group_sizes, w_gate, w_up, w_down, matmul)
-    out = checkpoint_name(jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, -1), "moe_out")
+    out = expert_pair_mlp(x, routing.experts.reshape(-1), k, w_gate, w_up, w_down, matmul=matmul)
+    out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
 
 
@@ -202,12 +222,12 @@ EXPERT_IMPLS = {
 }
 
 
-def sorted_mlp_for(impl: str) -> Callable[..., Float[Array, "R D"]]:
-    """:func:`sorted_expert_mlp` with the grouped matmul of expert path ``impl``: XLA's
+def pair_mlp_for(impl: str) -> Callable[..., Float[Array, "P D"]]:
+    """:func:`expert_pair_mlp` with the grouped matmul of expert path ``impl``: XLA's
     ``ragged_dot`` for ``"ragged_dot"``, zoo's :func:`grouped_matmul` for the others (expert
     parallelism runs every path's experts on sorted rows)."""
     matmul = jax.lax.ragged_dot if resolve_expert_impl(impl) == "ragged_dot" else grouped_matmul
-    return functools.partial(sorted_expert_mlp, matmul=matmul)
+    return functools.partial(expert_pair_mlp, matmul=matmul)
 
 
 def resolve_expert_impl(impl: str) -> str:
