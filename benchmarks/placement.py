@@ -53,24 +53,21 @@ class Bench:
     seq: int
 
 
-def _llama() -> tuple[Callable[[Any], Any], type]:
-    import zoo
-    from zoo.llama import preset
+def _family(model_type: str) -> Callable[[], tuple[Callable[[Any], Any], type]]:
+    """Any registered model type at its ``bench`` preset, with its family's placement map."""
 
-    return (lambda key: zoo.Llama(preset("bench"), key=key)), zoo.LlamaPlacement
+    def build() -> tuple[Callable[[Any], Any], type]:
+        from zoo import registry
+
+        cls = registry.by_model_type(model_type)
+        config = cls.config_cls.preset("bench", model_type)
+        return (lambda key: cls(config, key=key)), cls.placement_map
+
+    return build
 
 
-def _deepseek_v3() -> tuple[Callable[[Any], Any], type]:
-    import zoo
-    from zoo.deepseek_v3 import preset
-
-    return (lambda key: zoo.DeepseekV3(preset("bench"), key=key)), zoo.DeepseekV3Placement
-
-
-MODELS: dict[str, Bench] = {
-    "llama": Bench(_llama, batch=4, seq=256),
-    "deepseek_v3": Bench(_deepseek_v3, batch=4, seq=256),
-}
+# The model types this benchmark knows (every registered one; kept as a literal so --help needs no JAX).
+MODELS: dict[str, Bench] = {t: Bench(_family(t), batch=4, seq=256) for t in ("llama", "deepseek_v3", "qwen3", "qwen3_moe")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -48,14 +48,15 @@ sys.path.insert(0, str(HERE.parent))
 from placement import setup_platform  # noqa: E402  (the GPU XLA flags the placement benchmark documents)
 
 BATCH, SEQ = 4, 256
-MODELS = ("llama", "deepseek_v3")
+MODELS = ("llama", "deepseek_v3", "qwen3", "qwen3_moe")  # any registered model type's bench preset
+DEFAULT_MODELS = ("llama", "deepseek_v3")
 MAXTEXT_VENV = HERE / ".venv-maxtext"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--steps", type=int, default=5, help="timed steps (median) after the warm-up")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
     p.add_argument("--torch-python", default=None, help="interpreter with torch + transformers (default: this one)")
@@ -70,12 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # -- zoo -----------------------------------------------------------------------------------------
 def zoo_config(name: str, num_layers: int | None = None):
+    """The ``bench`` preset of model type ``name`` (any registered one)."""
     import dataclasses
 
-    from zoo.deepseek_v3 import preset as deepseek_preset
-    from zoo.llama import preset as llama_preset
+    from zoo import registry
 
-    config = llama_preset("bench") if name == "llama" else deepseek_preset("bench")
+    config = registry.by_model_type(name).config_cls.preset("bench", name)
     return config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)
 
 
@@ -90,7 +91,7 @@ def zoo_setup(name: str, platform: str, num_layers: int | None = None):
     from zoo import train as ztrain
 
     config = zoo_config(name, num_layers)
-    cls = zoo.Llama if name == "llama" else zoo.DeepseekV3
+    cls = zoo.registry.by_model_type(name)
     compute = jnp.bfloat16 if platform == "gpu" else jnp.float32
     model = cls(config, key=jax.random.key(0), compute_dtype=compute)
     cfg = ztrain.TrainConfig(steps=1000, batch_size=BATCH, seq_len=SEQ, warmup=10)
@@ -220,6 +221,8 @@ def maxtext_python(args: argparse.Namespace) -> str | None:
 
 
 def maxtext_peer(name: str, args: argparse.Namespace) -> dict:
+    if name not in ("llama", "deepseek_v3"):
+        return {"missing": f"peer_maxtext.py configures MaxText's llama2 and deepseek blocks only, not {name}"}
     python = maxtext_python(args)
     if python is None:
         return {"missing": f"not installed (run benchmarks/maxtext_setup.sh; {maxtext_unavailable_reason()})"}

@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zoo  # noqa: E402
 from zoo import generate as gen  # noqa: E402
+from zoo.deepseek_v3 import MLA_DECODES  # noqa: E402
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama3_1-tiny"
 
@@ -117,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
     stop.add_argument("--eos", type=parse_eos, default=None, metavar="ID[,ID...]",
                       help="end-of-sequence token ids (default: the checkpoint's generation_config.json)")  # fmt: skip
     stop.add_argument("--ignore-eos", action="store_true", help="never stop before --max-new-tokens")
-    p.add_argument("--mla", choices=gen.MLA_DECODES, default="absorbed",
+    p.add_argument("--mla", choices=MLA_DECODES, default=None,
                    help="DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same cache "
                         "re-expanded every step, or an expanded per-head cache")  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: the checkpoint's)")
@@ -155,8 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
     ids, lengths = gen.pad_prompts(encoded)
     kw = {
         "max_new_tokens": args.max_new_tokens, "key": jax.random.key(args.seed), "temperature": args.temperature,
-        "top_k": args.top_k, "top_p": args.top_p, "eos_token_id": eos, "mla": args.mla,
+        "top_k": args.top_k, "top_p": args.top_p, "eos_token_id": eos,
     }  # fmt: skip
+    if args.mla is not None:  # a cache option of DeepSeek-V3's (other families take none)
+        kw["mla"] = args.mla
 
     print(f"{type(model).__name__} from {path}: {model.config.num_layers} layers, vocab {vocab}, "
           f"{'tokenizer.json' if use_hf else 'byte'} tokens, end of sequence {list(eos) or 'off'}")  # fmt: skip

@@ -1,7 +1,9 @@
-"""Train Llama 3.1 or DeepSeek-V3: from a preset, or fine-tune a Hugging Face checkpoint.
+"""Train any zoo family (Llama 3.1, DeepSeek-V3, Qwen3, Qwen3-MoE): from a preset, or fine-tune a
+Hugging Face checkpoint.
 
     python recipes/train.py                                   # small Llama on the embedded corpus (CPU, minutes)
     python recipes/train.py --model deepseek_v3 --preset small --mesh expert=8 --cpu-devices 8
+    python recipes/train.py --model qwen3_moe --preset small
     python recipes/train.py --checkpoint path/to/Llama-3.2-1B --data my.txt --steps 200
 
 The embedded corpus is byte-level text of the Python standard library's own sources (vocab 256),
@@ -11,19 +13,42 @@ so the byte-level presets (tiny, small) train with no download. Every flag: --he
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODELS = ("llama", "deepseek_v3")
+from zoo import registry
+
+MODELS = tuple(registry.model_types())
+
+
+def _option_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag per field of every family's training options (``--mtp-weight`` ...); unset flags
+    keep the family's defaults."""
+    seen: set[str] = set()
+    for family in registry.families():
+        for f in dataclasses.fields(family.training_options):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            kind = float if isinstance(f.default, float) or f.default is None else type(f.default)
+            group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f.metadata.get("help"))
+
+
+def training_options(model, args: argparse.Namespace):
+    """The model family's training options from the flags that were given."""
+    cls = type(model).training_options
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
+    return cls(**given)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", choices=MODELS, default="llama", help="model family (default llama)")
+    m.add_argument("--model", choices=MODELS, default="llama", help="model type (default llama)")
     m.add_argument("--preset", default="small", help="config preset, e.g. small, tiny, bench, llama3.1-8b (default small)")
     m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory to fine-tune (overrides --model/--preset)")
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
@@ -41,11 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (not on norms/biases)")
     o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     o.add_argument("--seed", type=int, default=0, help="init and data seed (batches depend on (seed, step) only)")
-    o.add_argument("--mtp-weight", type=float, default=0.3, help="DeepSeek-V3: MTP loss weight (needs an MTP module)")
-    o.add_argument("--balance-alpha", type=float, default=None, help="DeepSeek-V3: sequence-wise balance loss weight")
-    o.add_argument("--router-bias-rate", type=float, default=1e-3, help="DeepSeek-V3: aux-loss-free bias update rate γ")
+    _option_flags(o)
     x = p.add_argument_group("memory and parallelism")
-    x.add_argument("--placement", default=None, help="activation placement: a preset name or 'name=where,...' (see README)")
+    x.add_argument("--placement", default=None, help="activation placement: a preset name or 'name=where,...' (see docs/placement.md)")
     x.add_argument("--param-memory", choices=["device", "pinned_host"], default="device")
     x.add_argument("--opt-memory", choices=["device", "pinned_host"], default="device")
     x.add_argument("--mesh", default="", help="e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, tensor, expert)")
@@ -76,11 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     from zoo.runtime import retain_host_memory
 
     retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
-    if args.cpu_devices:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     if args.cpu_devices:
+        if "JAX_PLATFORMS" not in os.environ:  # (jax read the environment when zoo imported it)
+            jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     import jax.numpy as jnp
     import jax.random as jr
@@ -93,31 +116,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.checkpoint:
         model = zoo.from_pretrained(args.checkpoint, dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])
     else:
-        if args.model == "llama":
-            from zoo.llama import preset
-        else:
-            from zoo.deepseek_v3 import preset
-        config = preset(args.preset)
-        if args.model == "deepseek_v3" and config.num_nextn_predict_layers == 1:
-            import dataclasses
-
+        cls = registry.by_model_type(args.model, "--model")
+        config = cls.config_cls.preset(args.preset, args.model)
+        if getattr(config, "num_nextn_predict_layers", 0) == 1:  # DeepSeek-V3 presets: train their MTP module
             config = dataclasses.replace(config, mtp=True)
-        cls = zoo.Llama if args.model == "llama" else zoo.DeepseekV3
         model = cls(config, key=jr.key(args.seed), param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])
     mesh = None
     if args.mesh or args.coordinator or args.num_processes:
         from zoo import parallel
 
-        if hasattr(parallel, "initialize_distributed"):
-            parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
         mesh = parallel.make_mesh(args.mesh)
         parallel.validate_mesh(mesh, model.config)
     data = zdata.load_data(args.data, model.config.vocab_size)
     cfg = ztrain.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
-        seed=args.seed, mtp_weight=args.mtp_weight, balance_alpha=args.balance_alpha,
-        router_bias_rate=args.router_bias_rate, log_every=args.log_every, eval_every=args.eval_every,
+        seed=args.seed, model_options=training_options(model, args), log_every=args.log_every, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
     )  # fmt: skip
     peak = args.peak_tflops * 1e12 if args.peak_tflops else ztrain.matmul_peak_flops(dtype[args.compute_dtype])

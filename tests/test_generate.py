@@ -20,11 +20,14 @@ from conftest import FIXTURES, reference
 
 import zoo
 from zoo import generate as gen
+from zoo.deepseek_v3.decode import MLACache, absorbed_attention
 from zoo.deepseek_v3.model import mla_expand, mla_project
+from zoo.layers import rope_cos_sin
 from zoo.params import flatten
 
 LLAMAS = ["llama3_1-tiny", "llama3_1-tiny-tied-mqa", "llama3_1-tiny-mha-rope-parameters"]
 DEEPSEEKS = ["deepseek_v3-tiny", "deepseek_v3-tiny-qplain-unnormed", "deepseek_v3-tiny-16e-mtp"]
+QWENS = ["qwen3-tiny-tied", "qwen3-tiny-yarn", "qwen3_moe-tiny", "qwen3_moe-tiny-mixed-sharded"]
 RAGGED = np.array([7, 12], np.int32)  # prompt lengths of the two reference rows
 MAX_LEN = 29  # more slots than the 24 positions used: empty slots must stay invisible
 
@@ -37,13 +40,13 @@ def model(name: str):
     return zoo.from_pretrained(FIXTURES / name)
 
 
-def cached_logits(m, ids: np.ndarray, lengths: np.ndarray, mla: str = "absorbed") -> tuple[np.ndarray, object]:
+def cached_logits(m, ids: np.ndarray, lengths: np.ndarray, **options) -> tuple[np.ndarray, object]:
     """Logits at every position, from a prefill of the first ``lengths[b]`` tokens of each row
     (right-padded with zeros), then one decode step per later token (teacher forcing)."""
     b, s = ids.shape
     width = int(lengths.max())
     prompt = np.where(np.arange(width) < lengths[:, None], ids[:, :width], 0).astype(np.int32)
-    logits, cache = prefill(m, jnp.asarray(prompt), jnp.asarray(lengths), max_len=MAX_LEN, mla=mla, all_logits=True)
+    logits, cache = prefill(m, jnp.asarray(prompt), jnp.asarray(lengths), max_len=MAX_LEN, all_logits=True, **options)
     out = np.full((b, s, m.config.vocab_size), np.nan, np.float32)
     for row in range(b):
         out[row, : lengths[row]] = np.asarray(logits[row, : lengths[row]])
@@ -57,20 +60,20 @@ def cached_logits(m, ids: np.ndarray, lengths: np.ndarray, mla: str = "absorbed"
     return out, cache
 
 
-def check_against_forward(name: str, lengths: np.ndarray, mla: str = "absorbed") -> None:
+def check_against_forward(name: str, lengths: np.ndarray, **options) -> None:
     ref = reference(name)
     ids = ref["input_ids"].astype(np.int32)
-    logits, _ = cached_logits(model(name), ids, lengths, mla)
+    logits, _ = cached_logits(model(name), ids, lengths, **options)
     assert not np.isnan(logits).any()  # every position was produced by prefill or decode
     for row in range(ids.shape[0]):
         for pos in range(ids.shape[1]):
             np.testing.assert_allclose(
                 logits[row, pos], ref["logits"][row, pos], atol=1e-5, rtol=0,
-                err_msg=f"{name} mla={mla}: row {row} position {pos} (prompt length {lengths[row]})",
+                err_msg=f"{name} {options}: row {row} position {pos} (prompt length {lengths[row]})",
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", LLAMAS + DEEPSEEKS)
+@pytest.mark.parametrize("name", LLAMAS + DEEPSEEKS + QWENS)
 def test_prefill_then_decode_equals_the_full_forward_pass(name):
     """Ragged prompts (7 and 12 tokens, zero-padded): prefill logits at the prompt positions,
     decode logits at every later one, against ``transformers``' full forward pass."""
@@ -86,7 +89,7 @@ def test_equal_length_prompts_and_a_single_token_prompt(name):
 
 @pytest.mark.parametrize("mla", ["reexpand", "expanded"])
 def test_reference_mla_decodes_equal_the_forward_pass_too(mla):
-    check_against_forward("deepseek_v3-tiny", RAGGED, mla)
+    check_against_forward("deepseek_v3-tiny", RAGGED, mla=mla)
 
 
 def test_absorbed_decode_equals_the_expanded_computation():
@@ -98,7 +101,7 @@ def test_absorbed_decode_equals_the_expanded_computation():
     b, t = 3, 11
     h = jr.normal(k1, (b, 1, config.hidden_size))
     positions = jnp.array([[0], [5], [10]], jnp.int32)
-    cos, sin = gen._rope(m, positions)
+    cos, sin = rope_cos_sin(config.rope, config.qk_rope_head_dim, positions)
     latent = jr.normal(k2, (b, t, config.kv_lora_rank))
     k_rope = jr.normal(k3, (b, t, config.qk_rope_head_dim))
 
@@ -107,7 +110,7 @@ def test_absorbed_decode_equals_the_expanded_computation():
         q, _, _ = mla_project(config, p, h, cos, sin)
         k, v = mla_expand(config, p, latent, k_rope)  # [B, T, H, *]; a cache keeps heads first
         expanded = gen.cached_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions, scale=config.softmax_scale)
-        return gen.absorbed_attention(config, p, q, latent, k_rope, positions), expanded
+        return absorbed_attention(config, p, q, latent, k_rope, positions), expanded
 
     absorbed, expanded = both(p, h, latent, k_rope)
     assert absorbed.shape == (b, 1, config.num_heads, config.v_head_dim)
@@ -129,7 +132,7 @@ def test_mla_cache_holds_only_the_latent_and_the_rope_key():
         cache = eqx.filter_eval_shape(gen.init_cache, m, 2, 40)
         itemsize = jnp.dtype(m.compute_dtype).itemsize
         c, p, L = config.kv_lora_rank, config.qk_rope_head_dim, config.num_layers
-        assert isinstance(cache, gen.MLACache) and cache.absorb
+        assert isinstance(cache, MLACache) and cache.absorb
         assert cache.latent.shape == (L, 2, 40, c) and cache.k_rope.shape == (L, 2, 40, p)
         assert [x.shape for x in jax.tree.leaves(cache)] == [(L, 2, 40, c), (L, 2, 40, p), (2,)]
         assert cache.bytes_per_token == L * (c + p) * itemsize
@@ -249,7 +252,7 @@ def test_length_past_the_models_positions_is_refused_naming_the_numbers():
         gen.prefill(m, ids, lengths, max_len=4)
     with pytest.raises(ValueError, match="needs a PRNG key"):
         gen.generate(m, ids, lengths, max_new_tokens=2, temperature=0.7)
-    with pytest.raises(ValueError, match="mla='absorbed'|applies to DeepSeek-V3"):
+    with pytest.raises(ValueError, match="Llama takes no cache options, got mla='expanded'"):
         gen.generate(m, ids, lengths, max_new_tokens=2, mla="expanded")
 
 

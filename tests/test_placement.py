@@ -1,6 +1,9 @@
-"""The placement map: one source of truth with the model code, every name matters, numerics
-never change, the CUDA program moves exactly the offloaded names, memory falls with remat,
-and parameters / optimizer state can live in pinned host memory between steps."""
+"""The placement map mechanism: parsing, presets, errors, registration, the Llama map's memory
+chain, and parameters / optimizer state in pinned host memory between steps.
+
+What every family's map must satisfy (one source of truth with the model code, every name
+matters, numerics never change, the CUDA program moves exactly the offloaded names) is
+``test_placement_maps.py``, run on every registered family."""
 
 from __future__ import annotations
 
@@ -24,8 +27,6 @@ import jax.random as jr
 import numpy as np
 import pytest
 from conftest import FIXTURES, reference
-from helpers import global_norm
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zoo
@@ -36,7 +37,6 @@ from zoo.placement import (
     PlacementMap,
     layer_policy,
     memory_kinds,
-    named_tensors,
     placement_map_for,
     tree_placement,
 )
@@ -66,25 +66,6 @@ def maps() -> st.SearchStrategy[LlamaPlacement]:
 # -- one source of truth -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("placement", [None, "device", "remat", "offload_attn"])
-def test_fields_are_exactly_the_names_in_the_model(placement):
-    """Every field names a tensor of the traced program (no dead field) and every
-    checkpoint_name of the model is a field, each once per layer body."""
-    model, ids = tiny(), tiny_ids()
-    found = collections.Counter(n for n, _ in named_tensors(lambda m: zoo.lm_loss(m, ids, placement=placement), model))
-    assert found == collections.Counter(NAMES)
-
-
-def test_fields_are_a_typed_dataclass():
-    assert dataclasses.is_dataclass(LlamaPlacement)
-    assert [f.name for f in dataclasses.fields(LlamaPlacement)] == list(NAMES)
-    assert all(f.type == "Placement" for f in dataclasses.fields(LlamaPlacement))
-    m = dataclasses.replace(LlamaPlacement(), query="pinned_host")
-    assert m.query == "pinned_host" and m.placed("pinned_host") == ("query",)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        m.query = "remat"  # type: ignore[misc]
-
-
 # -- every name matters ----------------------------------------------------------------------
 
 
@@ -97,107 +78,22 @@ def residuals(model, ids, placement) -> collections.Counter:
     return collections.Counter(line.split(" ", 1)[0] for line in out.getvalue().splitlines())
 
 
-def stacked(model, name: str, *, host: bool = False) -> str:
-    """The residual one named tensor becomes: stacked over the L scanned layers."""
-    shapes = {n: s for n, s in named_tensors(lambda m: zoo.lm_loss(m, tiny_ids(), placement="device"), model)}
-    s = shapes[name]
-    dtype = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}[jnp.dtype(s.dtype)]
-    return f"{dtype}{'<host>' if host else ''}[{','.join(map(str, (model.config.num_layers, *s.shape)))}]"
-
-
-def check_flip(model, ids, base: LlamaPlacement, name: str) -> None:
-    """From ``base`` with ``name`` on device: remat drops exactly that tensor's residual and
-    adds nothing; pinned_host moves exactly it to host memory."""
-    on_device = residuals(model, ids, dataclasses.replace(base, **{name: "device"}))
-    mine = stacked(model, name)
-    assert on_device[mine] >= 1
-    if "remat" in LlamaPlacement.choices(name):
-        rematted = residuals(model, ids, dataclasses.replace(base, **{name: "remat"}))
-        assert on_device - rematted == collections.Counter({mine: 1}), name
-        assert rematted - on_device == collections.Counter(), name
-    offloaded = residuals(model, ids, dataclasses.replace(base, **{name: "pinned_host"}))
-    assert on_device - offloaded == collections.Counter({mine: 1}), name
-    assert offloaded - on_device == collections.Counter({stacked(model, name, host=True): 1}), name
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_every_name_changes_what_the_backward_pass_keeps(name):
-    check_flip(tiny(), tiny_ids(), LlamaPlacement.preset("device"), name)
-
-
-@settings(max_examples=8, deadline=None)
-@given(base=maps(), name=st.sampled_from(NAMES))
-def test_every_name_matters_whatever_the_rest(base, name):
-    check_flip(tiny(), tiny_ids(), base, name)
-
-
-def test_layer_input_refuses_remat_because_it_cannot_be_recomputed(monkeypatch):
-    """Dropping ``layer_input`` from the saved names changes nothing: the body's argument is
-    kept anyway. So the map refuses 'remat' for it rather than silently meaning 'device'."""
-    model, ids = tiny(), tiny_ids()
-    rest = [n for n in NAMES if n != "layer_input"]
-    monkeypatch.setattr(zoo.placement, "layer_policy", lambda policy, model: policy)
-    keep = jax.checkpoint_policies.save_only_these_names(*NAMES)
-    drop = jax.checkpoint_policies.save_only_these_names(*rest)
-    assert residuals(model, ids, keep) == residuals(model, ids, drop)
-    monkeypatch.undo()
-    with pytest.raises(PlacementError, match="layer_input cannot be 'remat': the layer input is the scan carry"):
-        LlamaPlacement(layer_input="remat")
-    with pytest.raises(PlacementError, match="layer_input cannot be 'remat'"):
-        LlamaPlacement.parse("device+layer_input=remat")
-    assert LlamaPlacement.choices("layer_input") == ("device", "pinned_host")
-    assert LlamaPlacement.preset("remat").layer_input == "device"
-
-
 def test_a_tensor_the_backward_never_needs_would_be_a_dead_name(monkeypatch):
     """Why the down projection has no name: it only feeds the add that ends the layer, so
     saving or recomputing it leaves the backward pass unchanged."""
     model, ids = tiny(), tiny_ids()
     real = zoo.llama.model.swiglu
-    named = lambda *a, **k: jax.ad_checkpoint.checkpoint_name(real(*a, **k), "mlp_out")  # noqa: E731
+    named = lambda *a, **k: jax.ad_checkpoint.checkpoint_name(real(*a, **k), "mlp_out")
     monkeypatch.setattr(zoo.llama.model, "swiglu", named)
     monkeypatch.setattr(zoo.placement, "layer_policy", lambda policy, model: policy)
     save = jax.checkpoint_policies.save_only_these_names(*NAMES, "mlp_out")
     skip = jax.checkpoint_policies.save_only_these_names(*NAMES)
     assert residuals(model, ids, save) == residuals(model, ids, skip)
     # ... whereas the attention output projection, which also only feeds an add, matters
-    # (the add's result feeds the MLP norm): test_every_name_changes_... covers attn_out.
+    # (the add's result feeds the MLP norm): test_placement_maps.py's every-name test covers attn_out.
 
 
 # -- numerics never change ---------------------------------------------------------------
-
-
-@functools.cache
-def grads(placement: LlamaPlacement | str | None):
-    f = jax.jit(
-        lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement), compiler_options=FAST
-    )
-    return f(tiny(), tiny_ids())
-
-
-def check_same_gradients(placement) -> None:
-    loss, g = grads(placement)
-    ref_loss, ref = grads(None)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(ref)):
-        err = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-        assert err <= 1e-6, f"{placement}: gradient of {jax.tree_util.keystr(path)} off by {err:.2e} relative"
-    np.testing.assert_allclose(global_norm(g), float(reference("llama3_1-tiny")["grad_norm"]), rtol=1e-5)
-
-
-@pytest.mark.parametrize("name", PRESETS)
-def test_presets_give_the_same_gradients(name):
-    check_same_gradients(LlamaPlacement.preset(name))
-
-
-@settings(max_examples=10, deadline=None)
-@given(placement=maps())
-def test_random_maps_give_the_same_gradients(placement):
-    check_same_gradients(placement)
-
-
-def test_no_map_matches_transformers():
-    np.testing.assert_allclose(global_norm(grads(None)[1]), float(reference("llama3_1-tiny")["grad_norm"]), rtol=1e-5)
 
 
 # -- the CUDA program moves exactly the offloaded names -------------------------------------
@@ -247,52 +143,6 @@ def placement_annotations(mlir: str) -> tuple[list[collections.Counter], collect
 
 def tensor_type(s: jax.ShapeDtypeStruct) -> str:
     return f"tensor<{'x'.join(map(str, s.shape))}x{ {jnp.dtype(jnp.float32): 'f32'}[jnp.dtype(s.dtype)] }>"
-
-
-def cuda_training_step(placement) -> str:
-    model, ids = tiny(), tiny_ids()
-    step = jax.jit(lambda m, ids: eqx.filter_value_and_grad(zoo.lm_loss)(m, ids, placement=placement))
-    return jax.export.export(step, platforms=["cuda"])(model, ids).mlir_module()
-
-
-def check_round_trips(placement: LlamaPlacement) -> None:
-    """Forward scan body: one copy to pinned host per offloaded name; backward scan body: one
-    copy back to device per offloaded name; nothing else anywhere."""
-    shapes = dict(named_tensors(lambda m: zoo.lm_loss(m, tiny_ids(), placement="device"), tiny()))
-    offloaded = collections.Counter(tensor_type(shapes[n]) for n in placement.placed("pinned_host"))
-    loops, total = placement_annotations(cuda_training_step(placement))
-    busy = [c for c in loops if c]
-    if not offloaded:
-        assert total == collections.Counter() and busy == []
-        return
-    to_host = collections.Counter({("pinned_host", t): k for t, k in offloaded.items()})
-    to_device = collections.Counter({("device", t): k for t, k in offloaded.items()})
-    assert busy == [to_host, to_device], busy
-    assert total == to_host + to_device
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_cuda_program_offloads_one_name(name):
-    check_round_trips(dataclasses.replace(LlamaPlacement.preset("save_matmuls"), **{name: "pinned_host"}))
-
-
-@pytest.mark.parametrize("name", ["device", "remat", "save_matmuls", "offload_attn"])
-def test_cuda_program_offloads_each_preset(name):
-    check_round_trips(LlamaPlacement.preset(name))
-
-
-def test_cuda_program_offloads_everything():
-    everything = LlamaPlacement(**{n: "pinned_host" for n in NAMES})
-    check_round_trips(everything)
-    loops, _ = placement_annotations(cuda_training_step(everything))
-    assert sum(sum(c.values()) for c in loops) == 2 * len(NAMES)
-
-
-def test_no_map_means_no_checkpoint_and_no_transfers():
-    mlir = cuda_training_step(None)
-    assert "annotate_device_placement" not in mlir
-    loops, total = placement_annotations(mlir)
-    assert len(loops) == 2 and total == collections.Counter()  # forward and backward scans
 
 
 # -- memory moves the right way --------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 import zoo
 from zoo import train as ztrain
 from zoo.data import TokenData, stdlib_corpus, text_files
+from zoo.deepseek_v3 import DeepseekV3Training
 from zoo.deepseek_v3 import preset as ds_preset
 from zoo.llama import preset
 
@@ -99,7 +100,7 @@ def test_gradient_accumulation_equals_the_big_batch(corpus):
 
 def test_deepseek_step_updates_router_bias_from_load(corpus):
     model = zoo.DeepseekV3(ds_preset("tiny"), key=jr.key(0))
-    cfg = _cfg(router_bias_rate=0.01)
+    cfg = _cfg(model_options=DeepseekV3Training(router_bias_rate=0.01))
     tx = ztrain.optimizer(cfg, model)
     params = eqx.filter(model, eqx.is_inexact_array)
     step = ztrain.make_train_step(model, cfg, tx)
@@ -177,3 +178,19 @@ def test_recipe_rejects_bad_flags():
     args, env = _recipe("/tmp/unused")
     out = subprocess.run([*args, "--warmup", "50"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--warmup (50) must be smaller than --steps (8)" in out.stderr
+
+
+@pytest.mark.parametrize("model, flag", [("qwen3_moe", "--aux-loss-coef"), ("deepseek_v3", "--router-bias-rate")])
+def test_recipe_trains_every_family_with_its_own_options(tmp_path, model, flag):
+    """``--model`` takes every registered model type; a family's training options are flags
+    (generated from its options dataclass) that reach its loss, and its metrics are logged."""
+    args, env = _recipe(tmp_path, "--model", model, "--preset", "tiny", "--steps", "3", "--warmup", "1",
+                        "--eval-every", "3", "--log-every", "1", flag, "0.01")  # fmt: skip
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert last["step"] == 3 and np.isfinite(last["val_loss"]) and "balance_loss" in last
+    assert len(last["expert_load"]) == 2  # two MoE layers in both tiny presets, counts per expert
+    help_text = subprocess.run([*args[:2], "--help"], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert all(f in help_text for f in ("--aux-loss-coef", "--mtp-weight", "--router-bias-rate", "qwen3_moe"))

@@ -1,12 +1,16 @@
 """zoo: a pure-functional Equinox model zoo for memory-bound LLM training in JAX."""
 
-from zoo.deepseek_v3 import DeepseekV3, DeepseekV3Config
-from zoo.errors import CheckpointError, ConfigError
+from zoo.causal_lm import CausalLM, ModelConfig
+from zoo.deepseek_v3 import DeepseekV3, DeepseekV3Config, DeepseekV3Placement
+from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf.pretrained import from_pretrained, save_pretrained
-from zoo.llama import Llama, LlamaConfig
+from zoo.llama import Llama, LlamaConfig, LlamaPlacement
 from zoo.loss import lm_loss
-from zoo.placement import DeepseekV3Placement, LlamaPlacement, Placement, PlacementError
+from zoo.placement import Placement, PlacementError, PlacementMap
+from zoo.qwen3 import Qwen3, Qwen3Config, Qwen3Placement
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config", "Llama", "LlamaConfig", "from_pretrained", "lm_loss", "save_pretrained"]
-__all__ += ["DeepseekV3Placement", "LlamaPlacement", "Placement", "PlacementError"]
+    "CausalLM", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config", "DeepseekV3Placement", "Llama",
+    "LlamaConfig", "LlamaPlacement", "MeshError", "ModelConfig", "Placement", "PlacementError", "PlacementMap", "Qwen3",
+    "Qwen3Config", "Qwen3Placement", "from_pretrained", "lm_loss", "save_pretrained",
+]  # fmt: skip

@@ -7,3 +7,7 @@ class CheckpointError(ValueError):
 
 class ConfigError(ValueError):
     """A config field is missing, of the wrong type, or inconsistent with another."""
+
+
+class MeshError(ValueError):
+    """A mesh spec, mesh or batch that does not fit the devices or the model; names the culprit."""

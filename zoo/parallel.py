@@ -2,24 +2,20 @@
 
 The mesh always has the four axes of :data:`AXES` (size 1 when unused). Where each parameter
 lives is *derived* from the model's own parameter description (:mod:`zoo.params`): every
-dimension letter of a :class:`~zoo.params.Param` maps to at most one mesh axis
-(:data:`LOGICAL_AXES`), so a new model gets its layout from its legend, not from a recipe.
+dimension letter of a :class:`~zoo.params.Param` maps to at most one mesh axis by its family's
+``config.axis_rules`` (:class:`zoo.causal_lm.AxisRule`), so a new model gets its layout from
+its legend, not from a recipe.
 
 The step (:func:`value_and_grad`) runs the unchanged model code under ``jax.shard_map`` with
-explicit collectives. The model code calls four trace-time hooks that are the identity
-outside the step: :func:`gather_layer` (FSDP: all-gather one layer's weights inside the
-scanned layer body), :func:`tensor_psum` (Megatron-style reduction after the output and
-down projections), :func:`routed_experts` (expert-parallel dispatch and combine) and
-:func:`varying_like` (keeps a scan carry's type when it starts as a constant). Gradients need
-no hand-written collective: ``shard_map`` tracks which values vary across which mesh axes,
-so the transpose of the FSDP all-gather is a reduce-scatter, and a parameter replicated over
-the batch axes gets its gradient summed over them.
+explicit collectives. The model code calls the trace-time hooks of :mod:`zoo.hooks` (and
+:func:`zoo.layers.moe.routed_experts` for expert parallelism), which are the identity outside
+the step. Gradients need no hand-written collective: ``shard_map`` tracks which values vary
+across which mesh axes, so the transpose of the FSDP all-gather is a reduce-scatter, and a
+parameter replicated over the batch axes gets its gradient summed over them.
 """
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import difflib
 import math
 import os
@@ -30,45 +26,29 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import PyTree
+
+from zoo.errors import MeshError
+from zoo.hooks import (
+    GATHERED,
+    gather_fsdp,
+    gather_layer,
+    in_step,
+    remat_policy,
+    step_context,
+    sum_to_varying_of,
+    tensor_psum,
+    varying_axes,
+    varying_like,
+)
+from zoo.layers.moe import routed_experts
+from zoo.registry import family_of, is_model
 
 AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
 # The expert group splits the batch too: its devices would otherwise repeat the same attention
 # and dense work on the same tokens; the MoE layers then move tokens by all-to-all.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
-
-# Dimension letter -> mesh axis. The first letter of a parameter's axes that maps to a mesh
-# axis gets it; each mesh axis shards at most one dimension of a parameter. "tensor" and
-# "expert" split the computation (kept split inside the step); "fsdp" only splits storage
-# (gathered before use). E maps to "expert" only where it indexes separately stored experts
-# (``{E}`` in the checkpoint key): the router's E stays whole, routing needs every score.
-LOGICAL_AXES: Mapping[str, str] = {
-    "H": "tensor",  # attention heads
-    "G": "tensor",  # Llama key/value heads
-    "F": "tensor",  # dense MLP hidden
-    "M": "tensor",  # DeepSeek-V3 routed experts' hidden
-    "X": "tensor",  # DeepSeek-V3 shared experts' hidden
-    "E": "expert",  # routed experts
-    "D": "fsdp",  # model width
-    "Q": "fsdp",  # MLA query latent
-    "C": "fsdp",  # MLA key/value latent
-    "V": "fsdp",  # vocabulary (embedding, head)
-}
-
-# The config field behind each letter, for errors.
-_FIELDS: Mapping[str, str] = {
-    "V": "vocab_size", "D": "hidden_size", "F": "intermediate_size", "H": "num_heads", "G": "num_kv_heads",
-    "M": "moe_intermediate_size", "X": "moe_intermediate_size * n_shared_experts", "Q": "q_lora_rank",
-    "C": "kv_lora_rank", "E": "n_routed_experts",
-}  # fmt: skip
-
-GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
-
-
-class MeshError(ValueError):
-    """A mesh spec, mesh or batch that does not fit the devices or the model; names the culprit."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,26 +129,23 @@ def _size(mesh: Mesh, axis: str) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def _family(obj: Any):
-    """The registered model family of a model or config (``zoo.hf.pretrained.FAMILIES``)."""
-    import zoo  # noqa: F401  (registers the families)
-    from zoo.hf.pretrained import FAMILIES
-
-    for fam in FAMILIES.values():
-        if isinstance(obj, (fam.model_cls, fam.config_cls)):
-            return fam
-    raise TypeError(f"{type(obj).__name__} is not a registered zoo model or config")
+def _rules(obj: Any) -> Mapping[str, Any]:
+    """The dimension-letter layout rules of a model's or config's family."""
+    config = getattr(obj, "config", obj)
+    return type(config).axis_rules
 
 
-def _mesh_axis(param, letter: str) -> str | None:
-    axis = LOGICAL_AXES.get(letter)
-    if axis == "expert" and letter not in param.stacked:
+def _mesh_axis(param, letter: str, rules: Mapping[str, Any]) -> str | None:
+    rule = rules.get(letter)
+    if rule is None or (rule.stored_apart_only and letter not in param.stacked):
         return None
-    return axis
+    return rule.mesh_axis
 
 
-def param_axes(param, mesh: Mesh | None = None) -> tuple[str | None, ...]:
-    """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole).
+def param_axes(param, mesh: Mesh | None = None, *, rules: Mapping[str, Any]) -> tuple[str | None, ...]:
+    """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole),
+    by the family's ``rules`` (``config.axis_rules``). The first letter of the parameter's axes
+    that maps to a mesh axis gets it; each mesh axis splits at most one of its dimensions.
 
     With a ``mesh``, axes of size 1 are left out: nothing is split over them, and the step's
     type checks then need no collective over them.
@@ -176,7 +153,7 @@ def param_axes(param, mesh: Mesh | None = None) -> tuple[str | None, ...]:
     out: list[str | None] = []
     used: set[str] = set()
     for letter in param.names:
-        axis = _mesh_axis(param, letter)
+        axis = _mesh_axis(param, letter, rules)
         if axis is None or axis in used or (mesh is not None and _size(mesh, axis) == 1):
             out.append(None)
             continue
@@ -192,29 +169,20 @@ def _is_layer_stack(param) -> bool:
 
 
 def _model_specs(model) -> dict[str, Any]:
-    fam = _family(model)
-    return fam.params(model.config)
+    return family_of(model).param_specs(model.config)
 
 
 def _spec_tree(model, mesh: Mesh):
     from zoo.params import map_params
 
-    specs = _model_specs(model)
+    specs, rules = _model_specs(model), _rules(model)
 
     def leaf(path: str, x):
         if path not in specs:
             raise KeyError(f"{type(model).__name__}: array {path!r} has no Param description")
-        return PartitionSpec(*param_axes(specs[path], mesh))
+        return PartitionSpec(*param_axes(specs[path], mesh, rules=rules))
 
     return map_params(leaf, model)
-
-
-def _is_model(x) -> bool:
-    try:
-        _family(x)
-    except TypeError:
-        return False
-    return isinstance(x, eqx.Module)
 
 
 def partition_specs(model: PyTree, mesh: Mesh) -> PyTree[PartitionSpec]:
@@ -225,11 +193,11 @@ def partition_specs(model: PyTree, mesh: Mesh) -> PyTree[PartitionSpec]:
     """
 
     def sub(x):
-        if _is_model(x):
+        if is_model(x):
             return _spec_tree(x, mesh)
         return PartitionSpec() if isinstance(x, (jax.Array, np.ndarray)) else x
 
-    return jax.tree.map(sub, model, is_leaf=_is_model)
+    return jax.tree.map(sub, model, is_leaf=is_model)
 
 
 def shard(model_or_tree: PyTree, mesh: Mesh, *, memory_kind: str | None = None) -> PyTree:
@@ -271,7 +239,7 @@ def validate_mesh(mesh: Mesh, config: Any) -> None:
     also be a model. Checked up front because an uneven split fails deep inside XLA.
     """
     config = getattr(config, "config", config)
-    fam = _family(config)
+    model_cls, rules = family_of(config), _rules(config)
     sizes = config.sizes
     name = type(config).__name__
     for axis in AXES:
@@ -280,15 +248,15 @@ def validate_mesh(mesh: Mesh, config: Any) -> None:
                 f"mesh has no axis {axis!r}; build it with zoo.parallel.make_mesh (axes: {', '.join(AXES)})"
             )
     split: dict[tuple[str, str], str] = {}  # (letter, axis) -> first parameter split so
-    for path, p in fam.params(config).items():
-        for letter, axis in zip(p.names, param_axes(p, mesh)):
+    for path, p in model_cls.param_specs(config).items():
+        for letter, axis in zip(p.names, param_axes(p, mesh, rules=rules)):
             if axis is not None:
                 split.setdefault((letter, axis), path)
-    order = list(LOGICAL_AXES)
+    order = list(rules)
     for (letter, axis), path in sorted(split.items(), key=lambda kv: order.index(kv[0][0])):
         n = _size(mesh, axis)
         if sizes[letter] % n:
-            field = _FIELDS.get(letter, f"size of dimension {letter}")
+            field = rules[letter].field
             raise MeshError(
                 f"{name}.{field} = {sizes[letter]} is not divisible by mesh axis {axis!r} of size {n} "
                 f"(it splits dimension {letter} of {path})"
@@ -304,205 +272,6 @@ def validate_mesh(mesh: Mesh, config: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Trace-time hooks called by the model code (identity outside the step)
-# ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Step:
-    mesh: Mesh
-    plans: dict[Any, Any]  # layer treedef -> per-leaf dims to all-gather over "fsdp"
-    gathered: set[Any]
-
-
-_STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
-
-
-def _varying(x) -> frozenset[str]:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _psum(x, axes: Sequence[str]):
-    axes = tuple(a for a in axes if a in _varying(x))
-    return jax.lax.psum(x, axes) if axes else x
-
-
-def in_step() -> bool:
-    """Whether the current trace is inside :func:`value_and_grad`'s ``shard_map``."""
-    return _STEP.get() is not None
-
-
-def tensor_psum(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-    """Sum the partial results of a head- or hidden-split projection over ``"tensor"``.
-
-    Called on the output of ``wo`` and ``w_down``: with heads / hidden units split, each
-    device holds a partial sum of the full product (Megatron's row-parallel layer).
-    """
-    if _STEP.get() is None:
-        return x
-    return _psum(x, ("tensor",))
-
-
-def gather_layer(tree: PyTree) -> PyTree:
-    """FSDP: one layer's weights all-gathered over ``"fsdp"``; call inside the scanned body.
-
-    Only this layer's full weights exist at a time; the step's remat policy re-gathers them
-    for the backward pass instead of saving them, and autodiff turns the transpose of the
-    tiled all-gather into a reduce-scatter of the gradients. Tensor- and expert-split
-    dimensions stay split. Call it on the weights already cast to the compute dtype: the
-    gather then moves half the bytes in bf16, and nothing derived from the full weights is
-    left for the backward pass to save (the reduce-scatter runs in the compute dtype too).
-    """
-    step = _STEP.get()
-    if step is None:
-        return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    plan = step.plans.get(treedef)
-    if plan is None:
-        raise MeshError(f"gather_layer: {type(tree).__name__} is not a layer stack of the model in this step")
-    step.gathered.add(treedef)
-    return jax.tree.unflatten(treedef, [checkpoint_name(_gather(x, d), GATHERED) for x, d in zip(leaves, plan)])
-
-
-def _gather(x, dims):
-    for d in dims:
-        x = jax.lax.all_gather(x, "fsdp", axis=d, tiled=True)
-    return x
-
-
-def remat_policy(policy: Callable[..., Any] | None) -> Callable[..., Any] | None:
-    """The remat policy for a scanned layer body inside the step.
-
-    Without a placement map XLA would keep every layer's gathered weights for the backward
-    pass (a full copy of the model): this policy saves everything else and re-gathers them.
-    A placement map's policy already saves only named tensors, so it is kept as is.
-    """
-    step = _STEP.get()
-    if step is None or policy is not None or _size(step.mesh, "fsdp") == 1:
-        return policy
-    return _regather
-
-
-def _regather(prim, *avals, **params) -> bool:
-    """Save anything but the FSDP all-gathers' outputs and the name on them. (Written out:
-    ``jax.checkpoint_policies.save_anything_except_these_names`` saves everything in jax 0.10.)"""
-    if prim is jax.lax.all_gather_p:
-        names = params.get("axis_name", ())
-        return "fsdp" not in (names if isinstance(names, tuple) else (names,))
-    return not (prim.name == "name" and params.get("name") == GATHERED)
-
-
-def varying_like(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
-    """``x`` typed as varying over the mesh axes ``like`` varies over.
-
-    A scan carry that starts as a constant (a zero accumulator) and accumulates per-device
-    values must start with the type it ends with; outside the step, ``x`` unchanged.
-    """
-    if _STEP.get() is None:
-        return x
-    axes = tuple(sorted(_varying(like) - _varying(x)))
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
-def sum_to_varying_of(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
-    """``x`` summed over the mesh axes it varies over and ``like`` does not: the transpose of
-    :func:`varying_like`, for a hand-written gradient of an operand that was used varying
-    (``jax.custom_vjp`` must return each cotangent with its primal's type)."""
-    if _STEP.get() is None:
-        return x
-    axes = tuple(sorted(_varying(x) - _varying(like)))
-    return jax.lax.psum(x, axes) if axes else x
-
-
-def routed_experts(
-    impl: Callable[..., Float[Array, "T D"]],
-    x: Float[Array, "T D"],
-    routing: Any,
-    w_gate: Float[Array, "E D M"],
-    w_up: Float[Array, "E D M"],
-    w_down: Float[Array, "E M D"],
-    *,
-    pair_mlp: Callable[..., Float[Array, "P D"]],
-) -> Float[Array, "T D"]:
-    """The routed experts' combined output; expert-parallel inside the step.
-
-    Outside the step (or with experts not split over ``"expert"``) this is ``impl``. Split,
-    each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
-    units) and computes only the (token, expert) pairs routed to them: ``pair_mlp(x,
-    pair_experts, k, w_gate, w_up, w_down)`` (:func:`zoo.deepseek_v3.moe.expert_pair_mlp`) runs
-    each pair ``(p // k, pair_experts[p])`` through its local expert, an id of ``E / expert``
-    marking a pair that is not the device's (skipped, zeros).
-
-    - Tokens split over ``"expert"`` (a batch split over it): **all-to-all dispatch** — each
-      device sorts its pairs by destination and sends each device its pairs in one
-      ``jax.lax.all_to_all``; the outputs come back by the reverse all-to-all and are combined
-      where the tokens live.
-    - Tokens shared by the expert group (the batch split over ``data``/``fsdp`` only): no move;
-      each device picks its own pairs, and a ``psum`` over ``"expert"`` combines.
-
-    Dropless with static shapes: each destination's slot holds a device's T·K pairs, the worst
-    case (every pair to one device), so no token is ever dropped whatever the routing; padding
-    costs buffer memory, not FLOPs. ``ragged_all_to_all`` would send only the real rows but
-    XLA:CPU does not implement it (jaxlib 0.10), and the tests run there.
-    """
-    step = _STEP.get()
-    if step is None:
-        return impl(x, routing, w_gate, w_up, w_down)
-    if "expert" not in _varying(w_gate):
-        x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
-        return _psum(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",))
-    t, k = routing.experts.shape
-    e_local = w_gate.shape[0]
-    flat = routing.experts.reshape(-1)
-    spread = "expert" in _varying(x)
-    if spread:
-        out = _all_to_all_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down))
-        combine = routing.weights
-    else:
-        # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
-        # ragged_dot otherwise transposes a replicated operand without the psum it needs.
-        x = varying_like(x, w_gate)
-        local = flat - jax.lax.axis_index("expert").astype(flat.dtype) * e_local
-        mine = (local >= 0) & (local < e_local)
-        out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down)
-        combine = varying_like(routing.weights, w_gate)
-    out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
-    out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))
-    return _psum(out if spread else jax.lax.psum(out, "expert"), ("tensor",))
-
-
-def _all_to_all_experts(
-    pair_mlp: Callable[..., Array], x: Float[Array, "T D"], flat: Int[Array, " P"], k: int, weights: tuple
-) -> Float[Array, "P D"]:
-    """Each local pair's expert output, its experts living on other devices of the group."""
-    n, e_local = _size(_STEP.get().mesh, "expert"), weights[0].shape[0]
-    pairs = flat.shape[0]
-    dest = flat // e_local
-    order = jnp.argsort(flat, stable=True)  # by expert, hence by destination
-    count = jnp.bincount(dest, length=n)
-    start = jnp.cumsum(count) - count
-    # Slot c of destination d holds sorted pair start[d] + c, if d has that many.
-    c = jnp.arange(pairs, dtype=jnp.int32)
-    valid = c[None, :] < count[:, None]
-    pos = jnp.where(valid, start[:, None] + c[None, :], 0)
-    pair = jnp.take(order, pos)
-    send_x = jnp.where(valid[..., None], jnp.take(x, pair // k, axis=0), jnp.zeros((), x.dtype))
-    send_e = jnp.where(valid, jnp.take(flat, pair) - jnp.arange(n, dtype=flat.dtype)[:, None] * e_local, e_local)
-    recv_x, recv_e = (
-        jax.lax.all_to_all(a.reshape(n * pairs, *a.shape[2:]), "expert", 0, 0, tiled=True) for a in (send_x, send_e)
-    )
-    out = pair_mlp(recv_x, recv_e.astype(jnp.int32), 1, *weights)
-    back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
-    # Sorted pair j went to slot j - start[dest] of its destination.
-    rank = jnp.argsort(order)
-    return jnp.take(back, dest * pairs + rank - start[dest], axis=0)
-
-
-# ---------------------------------------------------------------------------------------
 # The step
 # ---------------------------------------------------------------------------------------
 
@@ -513,14 +282,14 @@ def _layer_plans(model, mesh: Mesh) -> tuple[dict[Any, list], list]:
     start of the step (none for layer-stack leaves: they are gathered layer by layer)."""
     from zoo.params import map_params
 
-    specs = _model_specs(model)
+    specs, rules = _model_specs(model), _rules(model)
     stacks: dict[str, bool] = {}
     for path, p in specs.items():
         root = path.split(".")[0]
         stacks[root] = stacks.get(root, True) and _is_layer_stack(p)
 
     def dims(path: str, drop: int) -> tuple[int, ...]:
-        axes = param_axes(specs[path], mesh)
+        axes = param_axes(specs[path], mesh, rules=rules)
         return tuple(i - drop for i, a in enumerate(axes) if a == "fsdp")
 
     plans = {}
@@ -598,30 +367,26 @@ def value_and_grad(
         bspec = PartitionSpec(axes if axes else None)
 
         def body(params, local_arrays, *local_batch):
-            ctx = _Step(mesh, plans, set())
-            token = _STEP.set(ctx)
-            try:
+            with step_context(mesh, plans) as ctx:
 
                 def objective(p):
                     leaves, treedef = jax.tree.flatten(p)
-                    p = jax.tree.unflatten(treedef, [_gather(x, d) for x, d in zip(leaves, rest)])
+                    p = jax.tree.unflatten(treedef, [gather_fsdp(x, d) for x, d in zip(leaves, rest)])
                     out = loss_fn(p, *local_batch, **static, **local_arrays)
                     loss, aux = out if has_aux else (out, None)
-                    stray = _varying(loss) - set(axes)
+                    stray = varying_axes(loss) - set(axes)
                     if stray:
                         raise MeshError(
                             f"the loss still varies over mesh axes {sorted(stray)}: the model code misses "
-                            "a zoo.parallel hook (tensor_psum / routed_experts)"
+                            "a zoo.hooks hook (tensor_psum / zoo.layers.moe.routed_experts)"
                         )
-                    over = tuple(a for a in axes if a in _varying(loss))
+                    over = tuple(a for a in axes if a in varying_axes(loss))
                     return (jax.lax.pmean(loss, over) if over else loss), aux
 
                 (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
                 missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
                 if missing and _size(mesh, "fsdp") > 1:
-                    raise MeshError("the model's forward never called zoo.parallel.gather_layer on a layer stack")
-            finally:
-                _STEP.reset(token)
+                    raise MeshError("the model's forward never called zoo.hooks.gather_layer on a layer stack")
             aux = jax.tree.map(lambda a: _reduce_aux(a, axes), aux)
             grads = jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
             return (loss, aux) if has_aux else loss, grads
@@ -637,7 +402,7 @@ def value_and_grad(
 def _reduce_aux(a, axes: tuple[str, ...]):
     if not isinstance(a, jax.Array):
         return a
-    over = tuple(x for x in axes if x in _varying(a))
+    over = tuple(x for x in axes if x in varying_axes(a))
     if not over:
         return a
     if jnp.issubdtype(a.dtype, jnp.integer):
@@ -691,7 +456,7 @@ def initialize_distributed(
 
 
 __all__ = [
-    "AXES", "BATCH_AXES", "GATHERED", "LOGICAL_AXES", "MeshError", "gather_layer", "in_step", "initialize_distributed",
+    "AXES", "BATCH_AXES", "GATHERED", "MeshError", "gather_layer", "in_step", "initialize_distributed",
     "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "replicate_unplaced",
     "routed_experts", "shard", "sum_to_varying_of", "tensor_psum", "validate_mesh", "value_and_grad", "varying_like",
 ]  # fmt: skip

@@ -41,6 +41,9 @@ class Param:
         that share one stored axis (``"(H K) D"``). Stacked axes are not part of it.
     init: ``normal`` (std from the config), ``ones`` or ``zeros``.
     trainable: ``False`` for buffers (the router's correction bias), which get no gradient.
+    hf_index: for a stacked axis whose entries are not stored in a run (Qwen3's dense layers
+        interleaved with MoE ones), ``((letter, stored indices), ...)``: entry ``i`` of the
+        stack is stored under index ``stored[i]`` in the key.
     """
 
     axes: str
@@ -48,6 +51,7 @@ class Param:
     hf_layout: str = ""
     init: Init = "normal"
     trainable: bool = True
+    hf_index: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -101,9 +105,9 @@ class Param:
     def hf_keys(self, sizes: Mapping[str, int]) -> Iterator[tuple[tuple[int, ...], str]]:
         """(index along the stacked axes, checkpoint key) for every stored tensor."""
         assert self.hf is not None
-        stacked = self.stacked
+        stacked, stored = self.stacked, dict(self.hf_index)
         for idx in itertools.product(*(range(sizes[a]) for a in stacked)):
-            at = dict(zip(stacked, idx))
+            at = {a: (stored[a][i] if a in stored else i) for a, i in zip(stacked, idx)}
             yield idx, _FIELD.sub(lambda m: str(at[m.group(1)] + int(m.group(2) or 0)), self.hf)
 
 

@@ -2,7 +2,7 @@
 
 Activations. Every intermediate of a decoder layer that the backward pass may need carries a
 name (``jax.ad_checkpoint.checkpoint_name``). A model's *placement map* is a frozen dataclass
-with one field per name (:class:`LlamaPlacement` for Llama); each field says where that
+with one field per name (``LlamaPlacement`` for Llama); each field says where that
 tensor waits for the backward pass:
 
 - ``"device"``: saved in accelerator memory,
@@ -15,10 +15,11 @@ Anything unnamed inside the layer is recomputed as soon as a map is given. ``pla
 (the default everywhere) applies no ``jax.checkpoint`` at all: XLA keeps whatever the
 backward pass uses, attention probabilities included. Placement never changes numerics.
 
-A second model adds its map by declaring one dataclass::
+Each family declares its map in its own folder (``zoo/llama/placement.py``) and names it as
+its model class's ``placement_map``::
 
     @dataclass(frozen=True)
-    class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"):
+    class LlamaPlacement(PlacementMap, model="zoo.llama.model.Llama"):
         presets: ClassVar[Mapping[str, str]] = {"save_matmuls": "remat+query=device,..."}
         query: Placement = "device"
         ...
@@ -151,12 +152,12 @@ class PlacementMap:
         return (*BUILTIN_PRESETS, *cls.presets)
 
     @classmethod
-    def preset(cls: type[M], name: str) -> M:
+    def preset(cls, name: str) -> M:
         """A named map: ``device``, ``remat`` or one of the class's ``presets``."""
         return cls._preset(name, ())
 
     @classmethod
-    def parse(cls: type[M], spec: str) -> M:
+    def parse(cls, spec: str) -> M:
         """Read a command-line / config spelling of a map.
 
         ``"query=pinned_host,mlp_up=remat"`` (unlisted names keep the field defaults), a preset
@@ -165,7 +166,7 @@ class PlacementMap:
         return cls._parse(spec, ())
 
     @classmethod
-    def _preset(cls: type[M], name: str, seen: tuple[str, ...]) -> M:
+    def _preset(cls, name: str, seen: tuple[str, ...]) -> M:
         if name == "device":
             return cls(**{n: "device" for n in cls.names()})
         if name == "remat":
@@ -177,7 +178,7 @@ class PlacementMap:
         return cls._parse(cls.presets[name], (*seen, name))
 
     @classmethod
-    def _parse(cls: type[M], spec: str, seen: tuple[str, ...]) -> M:
+    def _parse(cls, spec: str, seen: tuple[str, ...]) -> M:
         if not isinstance(spec, str) or not spec.strip():
             raise PlacementError(
                 f"{cls.__name__}: empty placement spec; give a preset ({', '.join(cls.preset_names())}) "
@@ -213,7 +214,7 @@ class PlacementMap:
         return _policy(self.placed("device"), self.placed("pinned_host"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _policy(saved: tuple[str, ...], offloaded: tuple[str, ...]) -> Callable[..., Any]:
     # Cached so equal maps give the identical policy object (and so identical jaxprs).
     return jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -224,142 +225,43 @@ def _policy(saved: tuple[str, ...], offloaded: tuple[str, ...]) -> Callable[...,
     )
 
 
-_LAYER_INPUT_REMAT = (
+LAYER_INPUT_REMAT = (
     "the layer input is the scan carry, the argument of the checkpointed layer body; the body "
     "cannot recompute it, so jax.checkpoint keeps it on device whatever the policy says "
     "('remat' would silently mean 'device'). Choose 'device' or 'pinned_host'."
 )
 
 
-@dataclass(frozen=True)
-class LlamaPlacement(PlacementMap, model="zoo.llama.model.Llama"):
-    """Placement of every named tensor of a Llama decoder layer (``zoo/llama/model.py``).
-
-    Shapes per layer (B batch, S sequence, D width, H/G query/KV heads, K head size, F MLP):
-
-    - ``layer_input`` [B S D]: the residual stream entering the layer (no ``remat``).
-    - ``attn_norm`` [B S D]: RMSNorm before attention, input of the q/k/v projections.
-    - ``query`` [B S H K], ``key`` [B S G K] (after RoPE), ``value`` [B S G K].
-    - ``context`` [B S H K]: attention output, input of the output projection.
-    - ``attn_out`` [B S D]: output projection; the residual add's result feeds the MLP norm.
-    - ``mlp_norm`` [B S D]: RMSNorm before the MLP.
-    - ``mlp_gate``, ``mlp_up`` [B S F]: the two SwiGLU input projections.
-    - ``mlp_hidden`` [B S F]: ``silu(gate) * up``, input of the down projection.
-
-    The down projection's output is not named: it only feeds the residual add that ends the
-    layer, and the backward pass never needs it.
-    """
-
-    presets: ClassVar[Mapping[str, str]] = {
-        # Keep every matmul output (attention's context included); recompute norms and SwiGLU.
-        "save_matmuls": "remat+query=device,key=device,value=device,context=device,attn_out=device,"
-        "mlp_gate=device,mlp_up=device",
-        # save_matmuls, with the layer input and the q/k/v projections in pinned host memory.
-        "offload_attn": "save_matmuls+layer_input=pinned_host,query=pinned_host,key=pinned_host,value=pinned_host",
-    }
-
-    layer_input: Placement = slot(refuse={"remat": _LAYER_INPUT_REMAT})
-    attn_norm: Placement = "device"
-    query: Placement = "device"
-    key: Placement = "device"
-    value: Placement = "device"
-    context: Placement = "device"
-    attn_out: Placement = "device"
-    mlp_norm: Placement = "device"
-    mlp_gate: Placement = "device"
-    mlp_up: Placement = "device"
-    mlp_hidden: Placement = "device"
-
-
-@dataclass(frozen=True)
-class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"):
-    """Placement of every named tensor of a DeepSeek-V3 layer (``zoo/deepseek_v3/model.py``,
-    ``zoo/deepseek_v3/moe.py``). One map places the dense and the MoE layers (two scans, one
-    policy) and the MTP block (checkpointed with the same policy); a name absent from a layer
-    kind is simply not there (``mlp_*`` in the dense layers only; ``router_logits``, ``moe_*``
-    and ``shared_*`` in the MoE layers only).
-
-    Shapes per layer (B batch, S sequence, T = B·S tokens, D width, H heads, Q/C query/kv
-    latent, K query/key head size, U value head size, F dense MLP, E experts, K' = top-k,
-    M expert hidden, X shared experts' hidden, N' rows of the expert tiles):
-
-    - ``layer_input`` [B S D]: the residual stream entering the layer (no ``remat``).
-    - ``attn_norm`` [B S D]: RMSNorm before attention, input of the q and kv down projections.
-    - ``q_a`` [B S Q]: query down projection before its RMSNorm (whose backward needs it).
-    - ``q_latent`` [B S Q]: the normalised query latent, input of the query up projection.
-      (``q_a`` and ``q_latent`` exist only with ``q_lora_rank``; a plain ``wq`` has neither.)
-    - ``kv_a`` [B S C]: the latent part of the kv down projection before its RMSNorm.
-    - ``kv_latent`` [B S C]: the normalised kv latent, input of the kv up projection.
-    - ``query`` [B S H K] (rope part rotated), ``key`` [B S H K] (the shared rope key
-      broadcast to every head), ``value`` [B S H U].
-    - ``context`` [B S H U]: attention output, input of the output projection.
-    - ``attn_out`` [B S D]: output projection; the residual add's result feeds the MLP norm.
-    - ``mlp_norm`` [B S D]: RMSNorm before the MLP or MoE.
-    - ``mlp_gate``, ``mlp_up``, ``mlp_hidden`` [B S F]: the dense layers' SwiGLU.
-    - ``router_logits`` [T E] (float32): router scores before the sigmoid.
-    - ``moe_gate``, ``moe_up``, ``moe_hidden``: the routed experts' SwiGLU, on the sorted
-      (token, expert) rows: [T·K' M] for ``grouped`` and ``ragged_dot`` (under expert
-      parallelism, the received buffer), [N' tile M] for ``tiled``, [T E M] for ``dense``.
-    - ``moe_out`` [T K' D]: each routed expert's output before the weighted combine, whose
-      gradient (for the routing weights) needs it. The ``dense`` reference path folds the
-      weights in before its down projection and has no such tensor.
-    - ``shared_gate``, ``shared_up``, ``shared_hidden`` [B S X]: the shared experts' SwiGLU.
-
-    The output projections of the SwiGLUs (dense, shared, and the ``dense`` path's routed
-    experts) are not named: they only feed adds, and the backward pass never needs them.
-    """
-
-    presets: ClassVar[Mapping[str, str]] = {
-        # Keep every matmul output; recompute the norms and the SwiGLU products.
-        "save_matmuls": "remat+q_a=device,kv_a=device,query=device,key=device,value=device,context=device,"
-        "attn_out=device,mlp_gate=device,mlp_up=device,router_logits=device,moe_gate=device,moe_up=device,"
-        "moe_out=device,shared_gate=device,shared_up=device",
-        # NVIDIA's DeepSeek-V3 host-offloading policy: the MLA query and key/value projection
-        # intermediates and the MoE up-projection intermediates in pinned host memory, the rest
-        # recomputed. The projection intermediates include the pre-norm latents q_a and kv_a:
-        # left to remat, the backward would recompute both down projections to get their
-        # RMSNorm inputs, and offloading q_latent / kv_latent would spare only the norms. The
-        # "up-projection" is the experts' first GEMM (Megatron's expert fc1), which computes
-        # gate and up together for SwiGLU, so moe_gate goes to host with moe_up.
-        "nvidia_offload": "remat+q_a=pinned_host,q_latent=pinned_host,kv_a=pinned_host,kv_latent=pinned_host,"
-        "query=pinned_host,key=pinned_host,value=pinned_host,moe_gate=pinned_host,moe_up=pinned_host",
-    }
-
-    layer_input: Placement = slot(refuse={"remat": _LAYER_INPUT_REMAT})
-    attn_norm: Placement = "device"
-    q_a: Placement = "device"
-    q_latent: Placement = "device"
-    kv_a: Placement = "device"
-    kv_latent: Placement = "device"
-    query: Placement = "device"
-    key: Placement = "device"
-    value: Placement = "device"
-    context: Placement = "device"
-    attn_out: Placement = "device"
-    mlp_norm: Placement = "device"
-    mlp_gate: Placement = "device"
-    mlp_up: Placement = "device"
-    mlp_hidden: Placement = "device"
-    router_logits: Placement = "device"
-    moe_gate: Placement = "device"
-    moe_up: Placement = "device"
-    moe_hidden: Placement = "device"
-    moe_out: Placement = "device"
-    shared_gate: Placement = "device"
-    shared_up: Placement = "device"
-    shared_hidden: Placement = "device"
+def layer_input_slot() -> Any:
+    """The field of a layer's input (the scan carry): ``device`` or ``pinned_host``, never ``remat``."""
+    return slot(refuse={"remat": LAYER_INPUT_REMAT})
 
 
 def placement_map_for(model: Any) -> type[PlacementMap]:
-    """The placement map class registered for ``model`` (an instance or class)."""
+    """The placement map class of ``model``'s family (an instance or class): its ``placement_map``."""
     cls = model if isinstance(model, type) else type(model)
-    for t in cls.__mro__:
+    found = getattr(cls, "placement_map", None)
+    if isinstance(found, type) and issubclass(found, PlacementMap):
+        return found
+    for t in cls.__mro__:  # a map declared with model=<class> for a class outside the registry
         if _qualname(t) in _MAPS:
             return _MAPS[_qualname(t)]
     raise PlacementError(
-        f"no placement map is registered for {cls.__name__} ({_qualname(cls)}); declare a frozen dataclass "
-        f"subclassing zoo.placement.PlacementMap with model={cls.__name__}. Registered: {sorted(_MAPS)}"
+        f"no placement map is registered for {cls.__name__} ({_qualname(cls)}); give its class a placement_map: "
+        f"a frozen dataclass subclassing zoo.placement.PlacementMap. Registered: {sorted(_MAPS)}"
     )
+
+
+def __getattr__(name: str) -> type[PlacementMap]:
+    # The families' maps lived here before each moved to its family's folder
+    # (``from zoo.placement import LlamaPlacement`` keeps working).
+    from zoo.registry import families
+
+    for cls in families():
+        found = getattr(cls, "placement_map", None)
+        if found is not None and found.__name__ == name:
+            return found
+    raise AttributeError(f"module 'zoo.placement' has no attribute {name!r}")
 
 
 def resolve(placement: PlacementMap | str, model: Any) -> PlacementMap:

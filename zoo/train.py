@@ -43,10 +43,9 @@ class TrainConfig:
     eps: float = 1e-8
     clip: float = 1.0
     seed: int = 0
-    # DeepSeek-V3
-    mtp_weight: float = 0.3
-    balance_alpha: float | None = None
-    router_bias_rate: float = 1e-3
+    # The model family's training options (``type(model).training_options``, e.g. DeepSeek-V3's
+    # MTP weight); None: the family's defaults.
+    model_options: Any = None
     # loop
     log_every: int = 25
     eval_every: int = 100
@@ -64,9 +63,9 @@ class TrainConfig:
 
 def param_specs(model: eqx.Module) -> dict[str, Param]:
     """The model's parameter description (see :mod:`zoo.params`)."""
-    from zoo.hf.pretrained import family_of_model
+    from zoo.registry import family_of
 
-    return family_of_model(model).params(model.config)
+    return family_of(model).param_specs(model.config)
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
@@ -92,17 +91,8 @@ def optimizer(cfg: TrainConfig, model: eqx.Module) -> optax.GradientTransformati
 
 
 def loss_and_metrics(model: eqx.Module, input_ids: Int[Array, "B S"], *, cfg: TrainConfig, placement=None):
-    """The model's training objective and what to log about it (DeepSeek-V3: MTP, balance, load)."""
-    from zoo.deepseek_v3 import DeepseekV3, deepseek_v3_loss
-    from zoo.loss import lm_loss
-
-    if isinstance(model, DeepseekV3):
-        total, m = deepseek_v3_loss(
-            model, input_ids, placement=placement, mtp_weight=cfg.mtp_weight, balance_alpha=cfg.balance_alpha
-        )
-        return total, {"lm_loss": m.lm_loss, "mtp_loss": m.mtp_loss, "balance_loss": m.balance_loss, "expert_load": m.expert_load}
-    loss = lm_loss(model, input_ids, placement=placement)
-    return loss, {"lm_loss": loss}
+    """The model's training objective and what to log about it (``model.loss``)."""
+    return model.loss(input_ids, options=cfg.model_options, placement=placement)
 
 
 def _global_norm(tree) -> Float[Array, ""]:
@@ -126,11 +116,13 @@ def make_train_step(
     ``mesh`` the gradients come from :func:`zoo.parallel.value_and_grad` (shard_map); without,
     from ``eqx.filter_value_and_grad``. ``param_memory`` / ``opt_memory``: where parameters and
     optimizer state live between steps (``pinned_host`` trees are brought to device inside the
-    step and written back). DeepSeek-V3's router bias gets the aux-loss-free update from the
-    step's expert load.
+    step and written back). After the update, ``model.after_step(metrics)`` makes the family's
+    changes outside the gradient (DeepSeek-V3's router bias from the step's expert load).
     """
-    from zoo.deepseek_v3 import DeepseekV3, update_router_bias
+    from zoo.causal_lm import options_or_default
     from zoo.placement import memory_space, tree_placement
+
+    options_or_default(model, cfg.model_options)  # a clear error now if they are another family's
 
     memory_space(param_memory, "parameters")  # a clear error now, not at the first step's trace
     memory_space(opt_memory, "optimizer state")
@@ -166,17 +158,15 @@ def make_train_step(
         (loss, metrics, grads), _ = jax.lax.scan(micro, zeros, batch)
         n = batch.shape[0]
         loss = loss / n
-        metrics = {k: (v if k == "expert_load" else v / n) for k, v in metrics.items()}
+        # Counts (integer metrics, such as an expert load) add up over micro-batches; the rest average.
+        metrics = {k: (v if jnp.issubdtype(v.dtype, jnp.integer) else v / n) for k, v in metrics.items()}
         grads = jax.tree.map(lambda g: g / n, grads)
         # optax raises Python floats to int32 step counts, which strict promotion rejects.
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = tx.update(grads, opt_state, params)
             lr = schedule(index)
         params = eqx.apply_updates(params, updates)
-        model = eqx.combine(params, static)
-        if isinstance(model, DeepseekV3) and model.moe_layers is not None:
-            bias = update_router_bias(model.moe_layers.moe.router_bias, metrics["expert_load"], cfg.router_bias_rate)
-            params = eqx.tree_at(lambda p: p.moe_layers.moe.router_bias, params, bias)
+        params = eqx.filter(eqx.combine(params, static).after_step(metrics, cfg.model_options), eqx.is_inexact_array)
         out = {"loss": loss, "grad_norm": _global_norm(grads), "lr": jnp.asarray(lr, jnp.float32), **metrics}
         if param_memory != "device":
             params = tree_placement(params, param_memory)
@@ -381,12 +371,12 @@ def train(
             last_time, last_step = now, done
         if is_log or is_eval:
             record = {"step": done, "loss": loss, "tokens_per_s": tps}
-            record.update({k: float(v) for k, v in metrics.items() if k not in ("loss", "expert_load")})
+            for k, v in metrics.items():
+                if k != "loss":
+                    record[k] = float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
             if peak_flops:
                 record["mfu"] = tps * flops_per_token / peak_flops
             record["memory_bytes"] = device_memory_in_use()
-            if "expert_load" in metrics and metrics["expert_load"] is not None:
-                record["expert_load"] = np.asarray(metrics["expert_load"]).tolist()
             if is_eval:
                 record["val_loss"] = validation_loss(params)
                 last_time = time.perf_counter()  # evaluation is not training throughput

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from zoo.causal_lm import AxisRule, ModelConfig
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
 from zoo.layers.rope import Rope
@@ -17,14 +17,30 @@ DEEPSEEK_V3_ROPE = Rope(
 )  # fmt: skip
 
 
+# Dimension letter -> mesh axis (and the config field behind it, for errors).
+DEEPSEEK_V3_AXES: dict[str, AxisRule] = {
+    "H": AxisRule("tensor", "num_heads"),
+    "F": AxisRule("tensor", "intermediate_size"),
+    "M": AxisRule("tensor", "moe_intermediate_size"),
+    "X": AxisRule("tensor", "moe_intermediate_size * n_shared_experts"),
+    "E": AxisRule("expert", "n_routed_experts", stored_apart_only=True),
+    "D": AxisRule("fsdp", "hidden_size"),
+    "Q": AxisRule("fsdp", "q_lora_rank"),
+    "C": AxisRule("fsdp", "kv_lora_rank"),
+    "V": AxisRule("fsdp", "vocab_size"),
+}
+
+
 @dataclass(frozen=True)
-class DeepseekV3Config:
+class DeepseekV3Config(ModelConfig):
     """Architecture of a DeepSeek-V3 decoder. Field names follow Hugging Face's where they exist.
 
     ``q_lora_rank=None`` gives a plain query projection (as in DeepSeek-V2-Lite).
     ``mtp`` (a loading option, not in config.json): build the multi-token-prediction module
     from the ``num_nextn_predict_layers`` layers stored after the decoder's.
     """
+
+    axis_rules: ClassVar[dict[str, AxisRule]] = DEEPSEEK_V3_AXES
 
     vocab_size: int
     hidden_size: int
@@ -148,12 +164,6 @@ class DeepseekV3Config:
             scale = scale * m * m
         return scale
 
-    def num_params(self) -> int:
-        """Every parameter (MTP included when ``mtp``); buffers (router bias) included."""
-        from zoo.deepseek_v3.model import deepseek_v3_params
-
-        return sum(math.prod(p.shape(self.sizes)) for p in deepseek_v3_params(self).values())
-
     def _attn_matmul(self) -> int:
         d, h = self.hidden_size, self.num_heads
         q = d * self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim if self.q_lora_rank else d * h * self.qk_head_dim
@@ -171,6 +181,10 @@ class DeepseekV3Config:
         matmul += self.vocab_size * d
         attn = 3 * self.num_layers * self.num_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
         return 6.0 * matmul + attn
+
+    @classmethod
+    def preset(cls, name: str, model_type: str | None = None) -> DeepseekV3Config:
+        return preset(name)
 
     # -- Hugging Face config.json ---------------------------------------------------------
     @classmethod

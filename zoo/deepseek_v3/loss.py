@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zoo.deepseek_v3.model import DeepseekV3
 from zoo.loss import cross_entropy, next_token_targets
+
+if TYPE_CHECKING:
+    from zoo.deepseek_v3.model import DeepseekV3
+
+
+@dataclass(frozen=True)
+class DeepseekV3Training:
+    """Settings of DeepSeek-V3's training objective and of its after-step update."""
+
+    mtp_weight: float = field(default=0.3, metadata={"help": "DeepSeek-V3: MTP loss weight (needs an MTP module)"})
+    balance_alpha: float | None = field(
+        default=None, metadata={"help": "DeepSeek-V3: sequence-wise balance loss weight (default: config aux_loss_alpha)"}
+    )
+    router_bias_rate: float = field(default=1e-3, metadata={"help": "DeepSeek-V3: aux-loss-free bias update rate γ"})
+
+    def __post_init__(self):
+        for name in ("mtp_weight", "router_bias_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"DeepseekV3Training.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.balance_alpha is not None and not self.balance_alpha >= 0:
+            raise ValueError(f"DeepseekV3Training.balance_alpha must be >= 0 or None, got {self.balance_alpha!r}")
 
 
 class DeepseekV3Metrics(NamedTuple):

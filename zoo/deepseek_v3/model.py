@@ -15,7 +15,7 @@ is annotated ``"*L ..."``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,20 +24,16 @@ import jax.random as jr
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from zoo.causal_lm import CausalLM, positions_for
 from zoo.deepseek_v3.config import DeepseekV3Config
-from zoo.deepseek_v3.moe import (
-    EXPERT_IMPLS,
-    MoE,
-    expert_load,
-    pair_mlp_for,
-    resolve_expert_impl,
-    route,
-    sequence_balance_loss,
-)
+from zoo.deepseek_v3.loss import DeepseekV3Training
+from zoo.deepseek_v3.moe import MoE, route, sequence_balance_loss
+from zoo.deepseek_v3.placement import DeepseekV3Placement
+from zoo.hooks import gather_layer, tensor_psum, varying_like
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
+from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
 from zoo.layers.stack import scan_layers
-from zoo.parallel import gather_layer, routed_experts, tensor_psum, varying_like
 from zoo.params import Param, build, flatten, init_params, strip_prefix
 
 
@@ -211,9 +207,7 @@ def moe_ffn(
         x, p.router, p.router_bias, top_k=config.num_experts_per_tok, n_group=config.n_group,
         topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
     )  # fmt: skip
-    experts = EXPERT_IMPLS[resolve_expert_impl(impl)]
-    out = routed_experts(experts, x, routing, p.w_gate, p.w_up, p.w_down, pair_mlp=pair_mlp_for(impl))
-    out = out.reshape(b, s, d)
+    out = moe_experts(x, routing, p.w_gate, p.w_up, p.w_down, impl=impl).reshape(b, s, d)
     if p.shared is not None:
         out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")
     k = config.num_experts_per_tok
@@ -264,7 +258,7 @@ class DeepseekV3Output(NamedTuple):
     mtp_logits: Float[Array, "B S V"] | None
 
 
-class DeepseekV3(eqx.Module):
+class DeepseekV3(CausalLM):
     """DeepSeek-V3 causal language model: ``model(input_ids) -> logits``.
 
     Build fresh with ``DeepseekV3(config, key=key)``, or from arrays (``{path: array}``, as
@@ -286,6 +280,11 @@ class DeepseekV3(eqx.Module):
     config: DeepseekV3Config = eqx.field(static=True)
     compute_dtype: jnp.dtype = eqx.field(static=True)
     expert_impl: str = eqx.field(static=True)
+
+    config_cls: ClassVar[type] = DeepseekV3Config
+    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
+    placement_map: ClassVar[type] = DeepseekV3Placement
+    training_options: ClassVar[type] = DeepseekV3Training
 
     def __init__(
         self,
@@ -335,17 +334,6 @@ class DeepseekV3(eqx.Module):
             arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
         return arrays
 
-    def __call__(
-        self,
-        input_ids: Int[Array, "B S"],
-        *,
-        positions: Int[Array, "B S"] | None = None,
-        segment_ids: Int[Array, "B S"] | None = None,
-        placement=None,
-    ) -> Float[Array, "B S V"]:
-        """Float32 logits for every position (causal; packed segments never see each other)."""
-        return self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement).logits
-
     def forward(
         self,
         input_ids: Int[Array, "B S"],
@@ -361,9 +349,7 @@ class DeepseekV3(eqx.Module):
         from zoo.placement import layer_policy
 
         config, dtype = self.config, self.compute_dtype
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
-        cos, sin = rope_cos_sin(config.rope, config.qk_rope_head_dim, positions)
+        cos, sin = rope_cos_sin(config.rope, config.qk_rope_head_dim, positions_for(input_ids, positions))
         policy = layer_policy(placement, self)
         x = embed(self.embed, input_ids, dtype)
         outputs = [x]
@@ -423,3 +409,68 @@ class DeepseekV3(eqx.Module):
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
         x = block(x, self._cast_moe(m.block, dtype))
         return unembed(rms_norm(x, m.final_norm, eps), head)
+
+    @classmethod
+    def param_specs(cls, config: DeepseekV3Config) -> dict[str, Param]:
+        return deepseek_v3_params(config)
+
+    # -- training (zoo/deepseek_v3/loss.py) ---------------------------------------------------
+    def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, placement=None):
+        """``deepseek_v3_loss`` with the options' MTP weight and balance α; logs its parts and
+        the per-layer expert load (summed over micro-batches and devices)."""
+        from zoo.causal_lm import options_or_default
+        from zoo.deepseek_v3.loss import deepseek_v3_loss
+
+        o = options_or_default(self, options)
+        total, m = deepseek_v3_loss(
+            self, input_ids, positions=positions, segment_ids=segment_ids, placement=placement,
+            mtp_weight=o.mtp_weight, balance_alpha=o.balance_alpha,
+        )  # fmt: skip
+        metrics = {"lm_loss": m.lm_loss, "mtp_loss": m.mtp_loss, "balance_loss": m.balance_loss}
+        if m.expert_load is not None:
+            metrics["expert_load"] = m.expert_load
+        return total, metrics
+
+    def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> DeepseekV3:
+        """The aux-loss-free balancing step on the router bias from the step's expert load."""
+        from zoo.causal_lm import options_or_default
+        from zoo.deepseek_v3.moe import update_router_bias
+
+        if self.moe_layers is None:
+            return self
+        rate = options_or_default(self, options).router_bias_rate
+        bias = update_router_bias(self.moe_layers.moe.router_bias, metrics["expert_load"], rate)
+        return eqx.tree_at(lambda m: m.moe_layers.moe.router_bias, self, bias)
+
+    # -- generation (zoo/deepseek_v3/decode.py) --------------------------------------------
+    def init_cache(self, batch: int, max_len: int, **options: Any):
+        from zoo.deepseek_v3.decode import init_cache
+
+        return init_cache(self, batch, max_len, **options)
+
+    def prefill(self, input_ids, lengths, *, max_len: int, all_logits: bool = False, **options: Any):
+        from zoo.deepseek_v3.decode import prefill
+
+        return prefill(self, input_ids, lengths, max_len=max_len, all_logits=all_logits, **options)
+
+    def decode_step(self, cache, tokens):
+        from zoo.deepseek_v3.decode import decode_step
+
+        return decode_step(self, cache, tokens)
+
+    # -- Hugging Face checkpoints (zoo/deepseek_v3/checkpoint.py) ---------------------------
+    @classmethod
+    def hf_skipped(cls, config: DeepseekV3Config, keys: set[str]) -> set[str]:
+        from zoo.deepseek_v3.checkpoint import mtp_keys_skipped
+
+        return mtp_keys_skipped(config, keys)
+
+    @classmethod
+    def hf_duplicates(cls, config: DeepseekV3Config) -> dict[str, str]:
+        return mtp_duplicates(config) if config.mtp else {}
+
+    @classmethod
+    def hf_check(cls, config: DeepseekV3Config, keys: set[str]) -> None:
+        from zoo.deepseek_v3.checkpoint import check_expert_count
+
+        check_expert_count(config, keys)

@@ -12,8 +12,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,46 +23,16 @@ import numpy as np
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.safetensors import DTYPES, CheckpointFiles, write_safetensors
 from zoo.params import Param, flatten
+from zoo.registry import by_model_type, family_of
 
 log = logging.getLogger("zoo")
-
-
-@dataclass(frozen=True)
-class Family:
-    """What ``from_pretrained`` needs to know about one ``model_type``."""
-
-    model_type: str
-    config_cls: type
-    model_cls: type
-    params: Callable[[Any], dict[str, Param]]
-    # Keys a checkpoint may hold that this model does not load (logged once, not an error).
-    skipped: Callable[[Any, set[str]], set[str]] = field(default=lambda config, keys: set())
-    # Tensors stored twice in the hub layout: key -> the parameter path it copies (written on
-    # save, not read on load).
-    duplicates: Callable[[Any], dict[str, str]] = field(default=lambda config: {})
-    # Model-specific consistency checks of the file's keys against the config (raise CheckpointError).
-    check: Callable[[Any, set[str]], None] = field(default=lambda config, keys: None)
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register(family: Family) -> None:
-    FAMILIES[family.model_type] = family
-
-
-def family_of_model(model) -> Family:
-    for fam in FAMILIES.values():
-        if isinstance(model, fam.model_cls):
-            return fam
-    raise TypeError(f"save_pretrained: {type(model).__name__} is not a registered zoo model")
 
 
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
 
 
-def read_config(path: str | Path, **options) -> tuple[Family, Any, dict[str, Any]]:
-    """The family, typed config and raw ``config.json`` of a checkpoint directory."""
+def read_config(path: str | Path, **options) -> tuple[type, Any, dict[str, Any]]:
+    """The model class, typed config and raw ``config.json`` of a checkpoint directory."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -81,9 +50,7 @@ def read_config(path: str | Path, **options) -> tuple[Family, Any, dict[str, Any
     model_type = raw.get("model_type")
     if model_type is None:
         raise ConfigError(f"{cfg_path}: required field 'model_type' is missing")
-    if model_type not in FAMILIES:
-        raise ConfigError(f"{cfg_path}: unknown model_type {model_type!r}; zoo supports {sorted(FAMILIES)}")
-    family = FAMILIES[model_type]
+    family = by_model_type(model_type, str(cfg_path))
     try:
         config = family.config_cls.from_hf(raw, source=str(cfg_path), **options)
     except TypeError as e:
@@ -194,17 +161,17 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, **optio
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     files = CheckpointFiles(path)
     source = _TensorSource(files, raw, path / "config.json")
-    specs = family.params(config)
+    specs = family.param_specs(config)
     try:
-        family.check(config, files.keys())
+        family.hf_check(config, files.keys())
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    skipped = family.skipped(config, files.keys())
+    skipped = family.hf_skipped(config, files.keys())
     if skipped:
         log.info("%s: skipping %d tensors not used by this model (%s ...)", path, len(skipped), sorted(skipped)[0])
-    copies = set(family.duplicates(config)) & files.keys()
+    copies = set(family.hf_duplicates(config)) & files.keys()
     arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies)
-    return family.model_cls(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
+    return family(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
 
 
 def _hf_tensors(
@@ -233,7 +200,10 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
     The directory appears complete or not at all: it is written under a temporary name and
     renamed into place (an existing directory is replaced only after the new one is complete).
     """
-    family = family_of_model(model)
+    try:
+        family = family_of(model)
+    except TypeError as e:
+        raise TypeError(f"save_pretrained: {e}") from None
     config = model.config
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +225,7 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
             shard_keys.append([k for k, _ in pending])
             pending.clear()
 
-        for key, t in _hf_tensors(model, family.params(config), config.sizes, family.duplicates(config)):
+        for key, t in _hf_tensors(model, family.param_specs(config), config.sizes, family.hf_duplicates(config)):
             if pending and size + t.nbytes > max_shard_bytes:
                 flush()
                 size = 0

@@ -41,7 +41,7 @@ def causal_attention(
     # Heads-major operands, the R query heads of a group stacked along the rows ("m" = (r, s)):
     # both matmuls and their gradients are batched 2-D products over (B, G). Sequence-major
     # einsums differentiate into 5-D dots and transposes that XLA:CPU runs markedly slower
-    # (README, Benchmarks: "Attention layout").
+    # (benchmarks/README.md, "What profiling found and fixed").
     qm = q.reshape(b, s, g, r, d).transpose(0, 2, 3, 1, 4).reshape(b, g, r * s, d)
     kh = k.transpose(0, 2, 1, 3)
     vh = v.transpose(0, 2, 1, 3)

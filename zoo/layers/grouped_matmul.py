@@ -8,7 +8,7 @@ of ``tile`` rows, each owned by one group (a group's last tile is partial), for 
 iterations as the group sizes need: the work is that of the real rows plus at most one partial
 tile per group, whatever the static size of ``lhs``. Rows past ``sum(group_sizes)`` are
 padding: skipped, their output zero. That is what makes a static, worst-case-sized buffer
-cheap: expert parallelism receives its rows into one (:func:`zoo.parallel.routed_experts`).
+cheap: expert parallelism receives its rows into one (:func:`zoo.layers.moe.routed_experts`).
 
 The loop has a data-dependent trip count, which reverse-mode autodiff cannot transpose, so the
 gradient is written out (``jax.custom_vjp``): ``d lhs`` is the same loop against ``rhsᵀ``, and
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zoo.parallel import sum_to_varying_of, varying_like
+from zoo.hooks import sum_to_varying_of, varying_like
 
 
 class Tiles(NamedTuple):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
-from zoo.parallel import tensor_psum
+from zoo.hooks import tensor_psum
 
 
 class SwiGLU(eqx.Module):

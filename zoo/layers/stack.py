@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from zoo.parallel import remat_policy
+from zoo.hooks import remat_policy
 
 Carry = TypeVar("Carry")
 

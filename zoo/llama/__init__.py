@@ -1,9 +1,10 @@
-"""Llama 3.x."""
+"""Llama 3.x: config, model, placement map, decoding, Hugging Face mapping."""
 
-from zoo.hf.pretrained import Family, register
 from zoo.llama.config import PRESETS, LlamaConfig, preset
 from zoo.llama.model import Llama, LlamaLayer, llama_params
+from zoo.llama.placement import LlamaPlacement
+from zoo.registry import register
 
-register(Family("llama", LlamaConfig, Llama, llama_params))
+register(Llama)
 
-__all__ = ["PRESETS", "Llama", "LlamaConfig", "LlamaLayer", "llama_params", "preset"]
+__all__ = ["PRESETS", "Llama", "LlamaConfig", "LlamaLayer", "LlamaPlacement", "llama_params", "preset"]

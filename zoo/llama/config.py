@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from zoo.causal_lm import AxisRule, ModelConfig
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
 from zoo.layers.rope import Rope
@@ -15,9 +15,21 @@ LLAMA3_ROPE = Rope(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.
 LLAMA32_ROPE = dataclasses.replace(LLAMA3_ROPE, factor=32.0)
 
 
+# Dimension letter -> mesh axis (and the config field behind it, for errors).
+LLAMA_AXES: dict[str, AxisRule] = {
+    "H": AxisRule("tensor", "num_heads"),
+    "G": AxisRule("tensor", "num_kv_heads"),
+    "F": AxisRule("tensor", "intermediate_size"),
+    "D": AxisRule("fsdp", "hidden_size"),
+    "V": AxisRule("fsdp", "vocab_size"),
+}
+
+
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(ModelConfig):
     """Architecture of a Llama 3.x decoder. Field names follow Hugging Face's where they exist."""
+
+    axis_rules: ClassVar[dict[str, AxisRule]] = LLAMA_AXES
 
     vocab_size: int
     hidden_size: int
@@ -59,12 +71,6 @@ class LlamaConfig:
             "K": self.head_dim,
         }
 
-    def num_params(self) -> int:
-        """Every parameter, the embedding and (if untied) the output head included."""
-        from zoo.llama.model import llama_params
-
-        return sum(math.prod(p.shape(self.sizes)) for p in llama_params(self).values())
-
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward = 3x forward) per token at sequence length ``seq_len``.
 
@@ -75,6 +81,10 @@ class LlamaConfig:
         per_layer = d * (h + 2 * g) * k + h * k * d + 3 * d * f
         matmul = self.num_layers * per_layer + self.vocab_size * d
         return 6.0 * matmul + 6.0 * self.num_layers * h * k * seq_len
+
+    @classmethod
+    def preset(cls, name: str, model_type: str | None = None) -> LlamaConfig:
+        return preset(name)
 
     # -- Hugging Face config.json ---------------------------------------------------------
     @classmethod

@@ -11,6 +11,7 @@ Layer parameters are stored stacked (leading ``L``) and the decoder runs them wi
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -19,11 +20,13 @@ import jax.random as jr
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from zoo.causal_lm import CausalLM, positions_for
+from zoo.hooks import gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
-from zoo.parallel import gather_layer, tensor_psum
+from zoo.llama.placement import LlamaPlacement
 from zoo.params import Param, build, init_params, strip_prefix
 
 
@@ -128,7 +131,7 @@ def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArr
     return arrays | {f"layers.{p}": a for p, a in stacked.items()}
 
 
-class Llama(eqx.Module):
+class Llama(CausalLM):
     """Llama 3.x causal language model: ``model(input_ids) -> logits``.
 
     Build fresh with ``Llama(config, key=key)``, or from arrays (``{path: array}``, as
@@ -141,6 +144,10 @@ class Llama(eqx.Module):
     head: Float[Array, "V D"] | None
     config: LlamaConfig = eqx.field(static=True)
     compute_dtype: jnp.dtype = eqx.field(static=True)
+
+    config_cls: ClassVar[type] = LlamaConfig
+    model_types: ClassVar[tuple[str, ...]] = ("llama",)
+    placement_map: ClassVar[type] = LlamaPlacement
 
     def __init__(
         self,
@@ -163,17 +170,6 @@ class Llama(eqx.Module):
         self.final_norm = arrays["final_norm"]
         self.head = None if config.tie_word_embeddings else arrays["head"]
 
-    def __call__(
-        self,
-        input_ids: Int[Array, "B S"],
-        *,
-        positions: Int[Array, "B S"] | None = None,
-        segment_ids: Int[Array, "B S"] | None = None,
-        placement=None,
-    ) -> Float[Array, "B S V"]:
-        """Float32 logits for every position (causal; packed segments never see each other)."""
-        return self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)[0]
-
     def forward(
         self,
         input_ids: Int[Array, "B S"],
@@ -188,9 +184,7 @@ class Llama(eqx.Module):
         from zoo.placement import layer_policy
 
         config, dtype = self.config, self.compute_dtype
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
-        cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
+        cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
         x = embed(self.embed, input_ids, dtype)
 
         def body(h, layer):
@@ -206,3 +200,23 @@ class Llama(eqx.Module):
         if return_hidden:
             hidden = jnp.concatenate([x0[None], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
         return logits, hidden
+
+    @classmethod
+    def param_specs(cls, config: LlamaConfig) -> dict[str, Param]:
+        return llama_params(config)
+
+    # -- generation (zoo/llama/decode.py) ---------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, **options: Any):
+        from zoo.llama.decode import init_cache
+
+        return init_cache(self, batch, max_len, **options)
+
+    def prefill(self, input_ids, lengths, *, max_len: int, all_logits: bool = False, **options: Any):
+        from zoo.llama.decode import prefill
+
+        return prefill(self, input_ids, lengths, max_len=max_len, all_logits=all_logits, **options)
+
+    def decode_step(self, cache, tokens):
+        from zoo.llama.decode import decode_step
+
+        return decode_step(self, cache, tokens)

@@ -1,0 +1,193 @@
+"""Trace-time hooks that model code calls; each is the identity outside the parallel step.
+
+A model's forward pass runs unchanged on one device and under :func:`zoo.parallel.value_and_grad`'s
+``jax.shard_map``. Inside that step these hooks add the collectives the layout needs:
+
+- :func:`gather_layer`: FSDP, all-gather one layer's weights inside the scanned layer body;
+- :func:`tensor_psum`: Megatron-style reduction after a head- or hidden-split projection;
+- :func:`varying_like` / :func:`sum_to_varying_of`: keep ``shard_map``'s varying-axis types
+  right for scan carries and hand-written gradients;
+- :func:`remat_policy`: re-gather FSDP weights in the backward pass instead of saving them.
+
+The expert-parallel dispatch (:func:`zoo.layers.moe.routed_experts`) builds on the same state.
+This module knows nothing of meshes' construction or of the step: :mod:`zoo.parallel` enters
+:func:`step_context` around the model call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, PyTree, Shaped
+
+from zoo.errors import MeshError
+
+GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+    """Size of ``axis`` in ``mesh`` (1 when the mesh lacks it)."""
+    return int(mesh.shape.get(axis, 1))
+
+
+@dataclasses.dataclass
+class _Step:
+    mesh: Mesh
+    plans: dict[Any, Any]  # layer treedef -> per-leaf dims to all-gather over "fsdp"
+    gathered: set[Any]
+
+
+_STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
+
+
+def _varying(x) -> frozenset[str]:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _psum(x, axes: Sequence[str]):
+    axes = tuple(a for a in axes if a in _varying(x))
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def in_step() -> bool:
+    """Whether the current trace is inside :func:`value_and_grad`'s ``shard_map``."""
+    return _STEP.get() is not None
+
+
+def tensor_psum(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """Sum the partial results of a head- or hidden-split projection over ``"tensor"``.
+
+    Called on the output of ``wo`` and ``w_down``: with heads / hidden units split, each
+    device holds a partial sum of the full product (Megatron's row-parallel layer).
+    """
+    if _STEP.get() is None:
+        return x
+    return _psum(x, ("tensor",))
+
+
+def gather_layer(tree: PyTree) -> PyTree:
+    """FSDP: one layer's weights all-gathered over ``"fsdp"``; call inside the scanned body.
+
+    Only this layer's full weights exist at a time; the step's remat policy re-gathers them
+    for the backward pass instead of saving them, and autodiff turns the transpose of the
+    tiled all-gather into a reduce-scatter of the gradients. Tensor- and expert-split
+    dimensions stay split. Call it on the weights already cast to the compute dtype: the
+    gather then moves half the bytes in bf16, and nothing derived from the full weights is
+    left for the backward pass to save (the reduce-scatter runs in the compute dtype too).
+    """
+    step = _STEP.get()
+    if step is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    plan = step.plans.get(treedef)
+    if plan is None:
+        raise MeshError(f"gather_layer: {type(tree).__name__} is not a layer stack of the model in this step")
+    step.gathered.add(treedef)
+    return jax.tree.unflatten(treedef, [checkpoint_name(gather_fsdp(x, d), GATHERED) for x, d in zip(leaves, plan)])
+
+
+def gather_fsdp(x, dims: Sequence[int]):
+    """``x`` all-gathered over ``"fsdp"`` on each of ``dims`` (tiled)."""
+    for d in dims:
+        x = jax.lax.all_gather(x, "fsdp", axis=d, tiled=True)
+    return x
+
+
+def remat_policy(policy: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The remat policy for a scanned layer body inside the step.
+
+    Without a placement map XLA would keep every layer's gathered weights for the backward
+    pass (a full copy of the model): this policy saves everything else and re-gathers them.
+    A placement map's policy already saves only named tensors, so it is kept as is.
+    """
+    step = _STEP.get()
+    if step is None or policy is not None or axis_size(step.mesh, "fsdp") == 1:
+        return policy
+    return _regather
+
+
+def _regather(prim, *avals, **params) -> bool:
+    """Save anything but the FSDP all-gathers' outputs and the name on them. (Written out:
+    ``jax.checkpoint_policies.save_anything_except_these_names`` saves everything in jax 0.10.)"""
+    if prim is jax.lax.all_gather_p:
+        names = params.get("axis_name", ())
+        return "fsdp" not in (names if isinstance(names, tuple) else (names,))
+    return not (prim.name == "name" and params.get("name") == GATHERED)
+
+
+def varying_like(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
+    """``x`` typed as varying over the mesh axes ``like`` varies over.
+
+    A scan carry that starts as a constant (a zero accumulator) and accumulates per-device
+    values must start with the type it ends with; outside the step, ``x`` unchanged.
+    """
+    if _STEP.get() is None:
+        return x
+    axes = tuple(sorted(_varying(like) - _varying(x)))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def sum_to_varying_of(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
+    """``x`` summed over the mesh axes it varies over and ``like`` does not: the transpose of
+    :func:`varying_like`, for a hand-written gradient of an operand that was used varying
+    (``jax.custom_vjp`` must return each cotangent with its primal's type)."""
+    if _STEP.get() is None:
+        return x
+    axes = tuple(sorted(_varying(x) - _varying(like)))
+    return jax.lax.psum(x, axes) if axes else x
+
+
+
+
+
+def global_sum(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
+    """``x`` summed over every mesh axis it varies over: inside the step, the whole batch's
+    total of a per-device statistic (a balance loss that is not a mean of per-token terms
+    needs the global counts); outside, ``x``."""
+    if _STEP.get() is None:
+        return x
+    axes = tuple(sorted(_varying(x)))
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def current_step() -> _Step | None:
+    """The step being traced (mesh and FSDP plans), or ``None`` outside it."""
+    return _STEP.get()
+
+
+@contextlib.contextmanager
+def step_context(mesh: Mesh, plans: dict[Any, Any]) -> Iterator[_Step]:
+    """Trace the model inside the parallel step: the hooks see ``mesh`` and the FSDP ``plans``."""
+    ctx = _Step(mesh, plans, set())
+    token = _STEP.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _STEP.reset(token)
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    return _varying(x)
+
+
+def psum_varying(x, axes: Sequence[str]):
+    """``psum`` over those of ``axes`` that ``x`` varies over."""
+    return _psum(x, axes)
+
+
+__all__ = [
+    "GATHERED", "axis_size", "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
+    "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
+]  # fmt: skip

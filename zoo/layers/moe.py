@@ -1,0 +1,292 @@
+"""Mixture-of-experts machinery shared by every MoE family: dropless expert compute on the
+(token, expert) pairs a router chose, and expert parallelism's dispatch and combine.
+
+Routing is the family's own (DeepSeek-V3's sigmoid + bias + groups, Qwen3's softmax top-k): it
+produces a :class:`Routing`, and everything after it is here.
+
+Dimension letters: T tokens · D model width · E routed experts · M expert hidden ·
+K experts per token (top-k) · P (token, expert) pairs · R sorted rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
+
+from zoo.hooks import axis_size, current_step, psum_varying, varying_axes, varying_like
+from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
+
+ExpertImpl = Literal["auto", "ragged_dot", "grouped", "tiled", "dense"]
+
+
+class Routing(NamedTuple):
+    """Which experts each token goes to, with what weight; and the scores behind it."""
+
+    experts: Int[Array, "T K"]
+    weights: Float[Array, "T K"]
+    scores: Float[Array, "T E"]
+
+
+def expert_load(experts: Int[Array, "T K"], n_experts: int) -> Int[Array, " E"]:
+    """Tokens routed to each expert."""
+    return jnp.zeros(n_experts, jnp.int32).at[experts.reshape(-1)].add(1)
+
+
+def sorted_expert_mlp(
+    rows: Float[Array, "R D"],
+    group_sizes: Int[Array, " E"],
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+    matmul: Callable[..., Array],
+) -> Float[Array, "R D"]:
+    """Each expert's SwiGLU on its contiguous rows (``group_sizes[e]`` rows of expert ``e``,
+    then padding rows whose output is zero), through a grouped ``matmul(rows, w, sizes)``."""
+    gate = checkpoint_name(matmul(rows, w_gate, group_sizes), "moe_gate")
+    up = checkpoint_name(matmul(rows, w_up, group_sizes), "moe_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    return matmul(hidden, w_down, group_sizes)
+
+
+def expert_pair_mlp(
+    x: Float[Array, "T D"],
+    pair_experts: Int[Array, " P"],
+    k: int,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+    *,
+    matmul: Callable[..., Array],
+) -> Float[Array, "P D"]:
+    """The output of every (token ``p // k``, expert ``pair_experts[p]``) pair, in pair order.
+
+    The pairs are sorted by expert, run through :func:`sorted_expert_mlp` and unsorted (a
+    gather, not a scatter-add). An expert id of ``E`` marks a pair that is not this call's
+    (expert parallelism: another device's expert): it sorts last, is skipped, and gives zeros.
+    """
+    e = w_gate.shape[0]
+    order = jnp.argsort(pair_experts, stable=True)
+    sizes = jnp.bincount(pair_experts, length=e + 1)[:e]
+    out = sorted_expert_mlp(jnp.take(x, order // k, axis=0), sizes, w_gate, w_up, w_down, matmul)
+    return jnp.take(out, jnp.argsort(order), axis=0)
+
+
+def _routed_experts_sorted(matmul, x, routing, w_gate, w_up, w_down):
+    """:func:`expert_pair_mlp` on the T·K routed pairs, then each token's K outputs combined."""
+    t, k = routing.experts.shape
+    out = expert_pair_mlp(x, routing.experts.reshape(-1), k, w_gate, w_up, w_down, matmul=matmul)
+    out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
+    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
+
+
+def routed_experts_ragged(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Dropless: each expert's SwiGLU on its rows as ``jax.lax.ragged_dot`` grouped matmuls
+    (a native grouped-matmul kernel on TPU). No capacity, no token dropped."""
+    return _routed_experts_sorted(jax.lax.ragged_dot, x, routing, w_gate, w_up, w_down)
+
+
+def routed_experts_grouped(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Dropless: each expert's SwiGLU on its rows through :func:`zoo.layers.grouped_matmul`, a
+    loop over row tiles whose work follows the routing (CPU and GPU)."""
+    return _routed_experts_sorted(grouped_matmul, x, routing, w_gate, w_up, w_down)
+
+
+def routed_experts_tiled(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Dropless grouped matmuls from plain gathers and one batched einsum per projection.
+
+    The T·K (token, expert) pairs are sorted by expert and cut into tiles of ``tile`` rows,
+    each tile owned by one expert (an expert's last tile is padded). With ``tile`` the mean
+    rows per expert there are at most 2E tiles whatever the routing, so the static shapes cost
+    at most twice the routed FLOPs and a transient copy of twice the expert weights — against
+    E/K times the FLOPs for the dense path. (``jax.lax.ragged_dot`` is lowered natively on
+    TPU only; on CPU and CUDA, jaxlib 0.10 expands it to a masked dense product.)
+    """
+    t, k = routing.experts.shape
+    e = w_gate.shape[0]
+    rows = t * k
+    tile = max(8, -(-rows // e))
+    flat = routing.experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tiles = tile_layout(expert_load(routing.experts, e), rows, tile)
+    n_tiles, owner = tiles.owner.shape[0], tiles.owner
+    offset = jnp.arange(tile, dtype=jnp.int32)[None, :]
+    valid = offset < tiles.valid[:, None]
+    sorted_pos = jnp.where(valid, tiles.first_row[:, None] + offset, 0)
+    tokens = jnp.take(order // k, sorted_pos)
+    xt = jnp.where(valid[..., None], jnp.take(x, tokens, axis=0), jnp.zeros((), x.dtype))
+    gate = checkpoint_name(jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_gate, owner, axis=0)), "moe_gate")
+    up = checkpoint_name(jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_up, owner, axis=0)), "moe_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    out = jnp.einsum("ntm,nmd->ntd", hidden, jnp.take(w_down, owner, axis=0)).reshape(n_tiles * tile, -1)
+    # Where each (token, k) pair landed: its rank in the sort gives its expert's tile and slot.
+    within = jnp.argsort(order) - tiles.group_first_row[flat]
+    slot = (tiles.group_first_tile[flat] + within // tile) * tile + within % tile
+    # The combine weights' gradient needs each expert's output: naming it spares the down projection.
+    out = checkpoint_name(jnp.take(out, slot, axis=0).reshape(t, k, -1), "moe_out")
+    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
+
+
+def routed_experts_dense(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Reference path: every expert on every token, combined with the routing weights
+    (zero for experts not chosen). E/K times the work of the dropless path."""
+    combine = jnp.zeros(routing.scores.shape, x.dtype)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], routing.experts].set(routing.weights.astype(x.dtype))
+    gate = checkpoint_name(jnp.einsum("td,edm->tem", x, w_gate), "moe_gate")
+    up = checkpoint_name(jnp.einsum("td,edm->tem", x, w_up), "moe_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    return jnp.einsum("tem,emd,te->td", hidden, w_down, combine)
+
+
+EXPERT_IMPLS = {
+    "ragged_dot": routed_experts_ragged,
+    "grouped": routed_experts_grouped,
+    "tiled": routed_experts_tiled,
+    "dense": routed_experts_dense,
+}
+
+
+def pair_mlp_for(impl: str) -> Callable[..., Float[Array, "P D"]]:
+    """:func:`expert_pair_mlp` with the grouped matmul of expert path ``impl``: XLA's
+    ``ragged_dot`` for ``"ragged_dot"``, zoo's :func:`grouped_matmul` for the others (expert
+    parallelism runs every path's experts on sorted rows)."""
+    matmul = jax.lax.ragged_dot if resolve_expert_impl(impl) == "ragged_dot" else grouped_matmul
+    return functools.partial(expert_pair_mlp, matmul=matmul)
+
+
+def resolve_expert_impl(impl: str) -> str:
+    """``auto``: ``ragged_dot`` where XLA has a grouped-matmul lowering for it (TPU), else
+    ``grouped`` (1.4-1.5x faster than ``tiled`` on CPU: benchmarks/moe.py)."""
+    if impl == "auto":
+        return "ragged_dot" if jax.default_backend() == "tpu" else "grouped"
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"expert_impl must be one of {['auto', *EXPERT_IMPLS]}, got {impl!r}")
+    return impl
+
+
+def routed_experts(
+    impl: Callable[..., Float[Array, "T D"]],
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+    *,
+    pair_mlp: Callable[..., Float[Array, "P D"]],
+) -> Float[Array, "T D"]:
+    """The routed experts' combined output; expert-parallel inside the step.
+
+    Outside the step (or with experts not split over ``"expert"``) this is ``impl``. Split,
+    each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
+    units) and computes only the (token, expert) pairs routed to them: ``pair_mlp(x,
+    pair_experts, k, w_gate, w_up, w_down)`` (:func:`expert_pair_mlp`) runs
+    each pair ``(p // k, pair_experts[p])`` through its local expert, an id of ``E / expert``
+    marking a pair that is not the device's (skipped, zeros).
+
+    - Tokens split over ``"expert"`` (a batch split over it): **all-to-all dispatch** — each
+      device sorts its pairs by destination and sends each device its pairs in one
+      ``jax.lax.all_to_all``; the outputs come back by the reverse all-to-all and are combined
+      where the tokens live.
+    - Tokens shared by the expert group (the batch split over ``data``/``fsdp`` only): no move;
+      each device picks its own pairs, and a ``psum`` over ``"expert"`` combines.
+
+    Dropless with static shapes: each destination's slot holds a device's T·K pairs, the worst
+    case (every pair to one device), so no token is ever dropped whatever the routing; padding
+    costs buffer memory, not FLOPs. ``ragged_all_to_all`` would send only the real rows but
+    XLA:CPU does not implement it (jaxlib 0.10), and the tests run there.
+    """
+    step = current_step()
+    if step is None:
+        return impl(x, routing, w_gate, w_up, w_down)
+    if "expert" not in varying_axes(w_gate):
+        x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
+        return psum_varying(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",))
+    t, k = routing.experts.shape
+    e_local = w_gate.shape[0]
+    flat = routing.experts.reshape(-1)
+    spread = "expert" in varying_axes(x)
+    if spread:
+        out = _all_to_all_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down))
+        combine = routing.weights
+    else:
+        # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
+        # ragged_dot otherwise transposes a replicated operand without the psum it needs.
+        x = varying_like(x, w_gate)
+        local = flat - jax.lax.axis_index("expert").astype(flat.dtype) * e_local
+        mine = (local >= 0) & (local < e_local)
+        out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down)
+        combine = varying_like(routing.weights, w_gate)
+    out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
+    out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))
+    return psum_varying(out if spread else jax.lax.psum(out, "expert"), ("tensor",))
+
+
+def _all_to_all_experts(
+    pair_mlp: Callable[..., Array], x: Float[Array, "T D"], flat: Int[Array, " P"], k: int, weights: tuple
+) -> Float[Array, "P D"]:
+    """Each local pair's expert output, its experts living on other devices of the group."""
+    n, e_local = axis_size(current_step().mesh, "expert"), weights[0].shape[0]
+    pairs = flat.shape[0]
+    dest = flat // e_local
+    order = jnp.argsort(flat, stable=True)  # by expert, hence by destination
+    count = jnp.bincount(dest, length=n)
+    start = jnp.cumsum(count) - count
+    # Slot c of destination d holds sorted pair start[d] + c, if d has that many.
+    c = jnp.arange(pairs, dtype=jnp.int32)
+    valid = c[None, :] < count[:, None]
+    pos = jnp.where(valid, start[:, None] + c[None, :], 0)
+    pair = jnp.take(order, pos)
+    send_x = jnp.where(valid[..., None], jnp.take(x, pair // k, axis=0), jnp.zeros((), x.dtype))
+    send_e = jnp.where(valid, jnp.take(flat, pair) - jnp.arange(n, dtype=flat.dtype)[:, None] * e_local, e_local)
+    recv_x, recv_e = (
+        jax.lax.all_to_all(a.reshape(n * pairs, *a.shape[2:]), "expert", 0, 0, tiled=True) for a in (send_x, send_e)
+    )
+    out = pair_mlp(recv_x, recv_e.astype(jnp.int32), 1, *weights)
+    back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
+    # Sorted pair j went to slot j - start[dest] of its destination.
+    rank = jnp.argsort(order)
+    return jnp.take(back, dest * pairs + rank - start[dest], axis=0)
+
+
+def moe_experts(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+    *,
+    impl: str = "auto",
+) -> Float[Array, "T D"]:
+    """The routed experts' combined output through expert path ``impl`` (see
+    :func:`resolve_expert_impl`), expert-parallel inside :func:`zoo.parallel.value_and_grad`."""
+    path = EXPERT_IMPLS[resolve_expert_impl(impl)]
+    return routed_experts(path, x, routing, w_gate, w_up, w_down, pair_mlp=pair_mlp_for(impl))

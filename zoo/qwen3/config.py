@@ -1,0 +1,336 @@
+"""Qwen3 and Qwen3-MoE hyper-parameters, presets, FLOP and parameter counts, and the HF ``config.json`` mapping.
+
+One config serves both Hugging Face model types: ``qwen3`` (every layer a dense SwiGLU) and
+``qwen3_moe`` (a layer is MoE unless ``mlp_only_layers`` lists it or ``decoder_sparse_step``
+skips it; :attr:`Qwen3Config.layer_kinds`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from zoo.causal_lm import AxisRule, ModelConfig
+from zoo.errors import ConfigError
+from zoo.hf.config import HFConfig
+from zoo.layers.rope import Rope
+
+QWEN3_ROPE = Rope(theta=1000000.0)
+
+# Dimension letter -> mesh axis (and the config field behind it, for errors).
+QWEN3_AXES: dict[str, AxisRule] = {
+    "H": AxisRule("tensor", "num_heads"),
+    "G": AxisRule("tensor", "num_kv_heads"),
+    "F": AxisRule("tensor", "intermediate_size"),
+    "M": AxisRule("tensor", "moe_intermediate_size"),
+    "E": AxisRule("expert", "num_experts", stored_apart_only=True),
+    "D": AxisRule("fsdp", "hidden_size"),
+    "V": AxisRule("fsdp", "vocab_size"),
+}
+
+ModelType = Literal["qwen3", "qwen3_moe"]
+
+
+class Block(NamedTuple):
+    """``repeats`` consecutive repeats of the layer kinds ``pattern``, whose dense layers start
+    at ``dense_first`` in the dense stack and MoE layers at ``moe_first`` in the MoE stack."""
+
+    pattern: tuple[str, ...]
+    dense_first: int
+    moe_first: int
+    repeats: int
+
+    def count(self, kind: str) -> int:
+        return self.pattern.count(kind) * self.repeats
+
+
+@dataclass(frozen=True)
+class Qwen3Config(ModelConfig):
+    """Architecture of a Qwen3 or Qwen3-MoE decoder. Field names follow Hugging Face's.
+
+    ``model_type="qwen3"`` has no experts; ``"qwen3_moe"`` has ``num_experts`` routed experts
+    (softmax router, top ``num_experts_per_tok``, renormalised when ``norm_topk_prob``, no
+    shared expert) in the layers :attr:`layer_kinds` marks ``"moe"``.
+    """
+
+    axis_rules: ClassVar[dict[str, AxisRule]] = QWEN3_AXES
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: ModelType = "qwen3"
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    rms_norm_eps: float = 1e-6
+    rope: Rope = field(default_factory=lambda: QWEN3_ROPE)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        name = "Qwen3Config"
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}.{f} must be a positive integer, got {value!r}")
+        if self.model_type not in ("qwen3", "qwen3_moe"):
+            raise ConfigError(f"{name}.model_type must be 'qwen3' or 'qwen3_moe', got {self.model_type!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{name}.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"{name}.head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.model_type == "qwen3" and self.num_experts:
+            raise ConfigError(f"{name}: model_type 'qwen3' has no experts, got num_experts={self.num_experts}")
+        if self.model_type == "qwen3_moe":
+            for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                value = getattr(self, f)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ConfigError(f"{name}.{f} must be a positive integer for qwen3_moe, got {value!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(
+                    f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+                )
+        bad = [i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+        if bad:
+            raise ConfigError(f"{name}.mlp_only_layers: {bad} are not layer indices 0..{self.num_layers - 1}")
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """``"dense"`` or ``"moe"`` per layer, as ``transformers`` decides: MoE iff the layer is not
+        in ``mlp_only_layers``, there are experts, and ``(i + 1) % decoder_sparse_step == 0``."""
+        return tuple(
+            "moe"
+            if i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+            else "dense"
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "dense")
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "moe")
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """How the forward pass scans the layers. When the layer kinds repeat a pattern (all MoE;
+        dense and MoE alternating, as ``decoder_sparse_step=2`` makes them), one ``lax.scan`` over
+        the repeats, each step running the pattern's layers in order; otherwise one scan per run of
+        consecutive layers of one kind. (One scan per layer would cost memory: XLA gives each
+        loop its own temporaries; at 8 alternating layers the training step's temp bytes were
+        46 MiB, and 45 MiB under full remat, against 23 and 12 MiB for one scan over the pairs.)"""
+        kinds, n = self.layer_kinds, self.num_layers
+        for p in range(1, n // 2 + 1):
+            if n % p == 0 and kinds == kinds[:p] * (n // p):
+                return (Block(kinds[:p], 0, 0, n // p),)
+        out, seen = [], {"dense": 0, "moe": 0}
+        for kind, first, end in self.runs:
+            out.append(Block((kind,), seen["dense"], seen["moe"], end - first))
+            seen[kind] += end - first
+        return tuple(out)
+
+    @property
+    def runs(self) -> tuple[tuple[str, int, int], ...]:
+        """Runs of consecutive layers of one kind: ``(kind, first, end)`` as indices into that
+        kind's stack (decoding scans each run)."""
+        out: list[tuple[str, int, int]] = []
+        seen = {"dense": 0, "moe": 0}
+        for kind in self.layer_kinds:
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((kind, seen[kind], seen[kind] + 1))
+            seen[kind] += 1
+        return tuple(out)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Size of every dimension letter in the model file's legend."""
+        return {
+            "V": self.vocab_size,
+            "D": self.hidden_size,
+            "F": self.intermediate_size,
+            "H": self.num_heads,
+            "G": self.num_kv_heads,
+            "K": self.head_dim,
+            "E": self.num_experts,
+            "M": self.moe_intermediate_size,
+            "Ld": len(self.dense_layer_ids),
+            "Lm": len(self.moe_layer_ids),
+        }
+
+    def _attn_matmul(self) -> int:
+        d, h, g, k = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        return d * (h + 2 * g) * k + h * k * d
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: every parameter but the experts it is not routed to."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_params() - len(self.moe_layer_ids) * idle * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (3x forward) per token; only the activated experts count, plus the
+        router and causal attention (``6·L·H·K·S``, half the square, as for Llama)."""
+        d = self.hidden_size
+        dense = len(self.dense_layer_ids) * 3 * d * self.intermediate_size
+        moe = len(self.moe_layer_ids) * (3 * d * self.moe_intermediate_size * self.num_experts_per_tok + d * self.num_experts)
+        matmul = self.num_layers * self._attn_matmul() + dense + moe + self.vocab_size * d
+        return 6.0 * matmul + 6.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+    @classmethod
+    def preset(cls, name: str, model_type: str | None = None) -> Qwen3Config:
+        return preset(name, model_type)
+
+    # -- Hugging Face config.json ---------------------------------------------------------
+    @classmethod
+    def from_hf(cls, data: dict[str, Any], source: str = "config.json") -> Qwen3Config:
+        c = HFConfig(data, source)
+        model_type = c.get("model_type", str)
+        if c.get("attention_bias", bool, False):
+            raise ConfigError(f"{source}: field 'attention_bias' is true; zoo's Qwen3 has no attention biases")
+        if c.get("use_sliding_window", bool, False):
+            raise ConfigError(f"{source}: field 'use_sliding_window' is true; zoo's Qwen3 attends over the full context")
+        act = c.get("hidden_act", str, "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; Qwen3's MLP is SwiGLU ('silu')")
+        try:
+            rope = Rope.from_hf(data)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: rope settings: {e}") from None
+        heads, hidden = c.get("num_attention_heads", int), c.get("hidden_size", int)
+        moe: dict[str, Any] = {}
+        if model_type == "qwen3_moe":
+            experts = c.get("num_experts", int, None)
+            if experts is None:
+                experts = c.get("num_local_experts", int)  # the newer spelling
+            mlp_only = c.get("mlp_only_layers", list, [])
+            moe = dict(
+                num_experts=experts,
+                num_experts_per_tok=c.get("num_experts_per_tok", int),
+                moe_intermediate_size=c.get("moe_intermediate_size", int),
+                norm_topk_prob=c.get("norm_topk_prob", bool, False),
+                decoder_sparse_step=c.get("decoder_sparse_step", int, 1),
+                mlp_only_layers=tuple(mlp_only),
+                router_aux_loss_coef=c.get("router_aux_loss_coef", float, 0.001),
+            )
+        return cls(
+            vocab_size=c.get("vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=c.get("intermediate_size", int),
+            num_layers=c.get("num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads", int, heads),
+            head_dim=c.get("head_dim", int, hidden // heads),
+            model_type=model_type,
+            rms_norm_eps=c.get("rms_norm_eps", float, 1e-6),
+            rope=rope,
+            tie_word_embeddings=c.get("tie_word_embeddings", bool, False),
+            max_position_embeddings=c.get("max_position_embeddings", int, 40960),
+            initializer_range=c.get("initializer_range", float, 0.02),
+            bos_token_id=c.get("bos_token_id", int, None),
+            eos_token_id=c.get("eos_token_id", (int, list), None),
+            **moe,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "architectures": ["Qwen3MoeForCausalLM" if self.model_type == "qwen3_moe" else "Qwen3ForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            **self.rope.to_hf(),
+        }
+        out.setdefault("rope_scaling", None)
+        if self.model_type == "qwen3_moe":
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+            )
+        return out
+
+
+def _dense(**kw) -> Qwen3Config:
+    return Qwen3Config(**kw)
+
+
+def _moe(**kw) -> Qwen3Config:
+    return Qwen3Config(model_type="qwen3_moe", **kw)
+
+
+_QWEN = dict(vocab_size=151936, head_dim=128, bos_token_id=151643, eos_token_id=151645)
+
+PRESETS: dict[str, Qwen3Config] = {
+    # Published sizes (Qwen/Qwen3-*/config.json).
+    "qwen3-0.6b": _dense(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+                         tie_word_embeddings=True, **_QWEN),
+    "qwen3-8b": _dense(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, **_QWEN),
+    "qwen3-32b": _dense(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64, num_kv_heads=8, **_QWEN),
+    "qwen3-30b-a3b": _moe(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_layers=48,
+                          num_heads=32, num_kv_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          **_QWEN),
+    "qwen3-235b-a22b": _moe(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_layers=94,
+                            num_heads=64, num_kv_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                            **_QWEN),
+    # Byte-level models for tests and CPU training (vocab 256: one token per byte).
+    "tiny": _dense(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, tie_word_embeddings=True),
+    "small": _dense(vocab_size=256, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=4,
+                    head_dim=32),
+    "bench": _dense(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4,
+                    head_dim=64),
+    # The same for Qwen3-MoE (``--model qwen3_moe --preset small``): a dense first layer, as
+    # mlp_only_layers allows, then MoE layers.
+    "moe-tiny": _moe(vocab_size=256, hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                     norm_topk_prob=True, mlp_only_layers=(0,)),
+    "moe-small": _moe(vocab_size=256, hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_layers=4,
+                      num_heads=8, num_kv_heads=4, head_dim=32, num_experts=16, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=(0,)),
+    "moe-bench": _moe(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_layers=4,
+                      num_heads=8, num_kv_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=(0,)),
+}  # fmt: skip
+
+
+def preset(name: str, model_type: str | None = None, **overrides) -> Qwen3Config:
+    """A named configuration (``qwen3-8b``, ``qwen3-30b-a3b``, ``small``, ...). With
+    ``model_type="qwen3_moe"`` the small names (``tiny``, ``small``, ``bench``) are the MoE ones."""
+    if model_type == "qwen3_moe" and f"moe-{name}" in PRESETS:
+        name = f"moe-{name}"
+    if name not in PRESETS:
+        raise ConfigError(f"unknown Qwen3 preset {name!r}; choose one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

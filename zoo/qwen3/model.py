@@ -1,0 +1,364 @@
+"""Qwen3 and Qwen3-MoE: GQA with per-head RMSNorm on queries and keys, SwiGLU or softmax-routed MoE.
+
+Dimension letters used in shapes below:
+    B batch · S sequence · T tokens (B·S) · D model width · V vocabulary · H query heads
+    G key/value heads · K head size · R rotary frequencies (K / 2) · F dense MLP hidden
+    E routed experts · M expert hidden · Ld dense layers · Lm MoE layers
+
+Dense and MoE layers are two stacks; the config's :attr:`~zoo.qwen3.config.Qwen3Config.blocks`
+say in which order they come (``mlp_only_layers`` and ``decoder_sparse_step`` may interleave
+them): one ``jax.lax.scan`` over the repeats of a pattern of layer kinds (all MoE; dense and MoE
+alternating), or one per run of a kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from zoo.causal_lm import CausalLM, options_or_default, positions_for
+from zoo.hooks import gather_layer, tensor_psum, varying_like
+from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.mlp import SwiGLU
+from zoo.layers.moe import moe_experts, resolve_expert_impl
+from zoo.layers.stack import scan_layers
+from zoo.params import Param, build, flatten, init_params, strip_prefix
+from zoo.qwen3.config import Qwen3Config
+from zoo.qwen3.loss import Qwen3Training, RouterStats, layer_router_stats, switch_balance_loss
+from zoo.qwen3.placement import Qwen3Placement
+from zoo.qwen3.routing import Qwen3MoE, route
+
+
+def qwen3_params(config: Qwen3Config) -> dict[str, Param]:
+    """Every parameter of :class:`Qwen3`: layout, init and Hugging Face checkpoint key."""
+    specs = {"embed": Param("V D", "model.embed_tokens.weight", "V D")}
+
+    def block(prefix: str, stack: str, ids: tuple[int, ...]) -> None:
+        index = ((stack, ids),)
+
+        def put(path, axes, key, layout, **kw):
+            specs[f"{prefix}.{path}"] = Param(f"{stack} {axes}", f"model.layers.{{{stack}}}.{key}", layout, hf_index=index, **kw)
+
+        put("attn_norm", "D", "input_layernorm.weight", "D", init="ones")
+        put("attn.wq", "D H K", "self_attn.q_proj.weight", "(H K) D")
+        put("attn.wk", "D G K", "self_attn.k_proj.weight", "(G K) D")
+        put("attn.wv", "D G K", "self_attn.v_proj.weight", "(G K) D")
+        put("attn.wo", "H K D", "self_attn.o_proj.weight", "D (H K)")
+        put("attn.q_norm", "K", "self_attn.q_norm.weight", "K", init="ones")
+        put("attn.k_norm", "K", "self_attn.k_norm.weight", "K", init="ones")
+        put("mlp_norm", "D", "post_attention_layernorm.weight", "D", init="ones")
+        if stack == "Ld":
+            put("mlp.w_gate", "D F", "mlp.gate_proj.weight", "F D")
+            put("mlp.w_up", "D F", "mlp.up_proj.weight", "F D")
+            put("mlp.w_down", "F D", "mlp.down_proj.weight", "D F")
+        else:
+            put("moe.router", "D E", "mlp.gate.weight", "E D")
+            put("moe.w_gate", "E D M", "mlp.experts.{E}.gate_proj.weight", "M D")
+            put("moe.w_up", "E D M", "mlp.experts.{E}.up_proj.weight", "M D")
+            put("moe.w_down", "E M D", "mlp.experts.{E}.down_proj.weight", "D M")
+
+    if config.dense_layer_ids:
+        block("dense_layers", "Ld", config.dense_layer_ids)
+    if config.moe_layer_ids:
+        block("moe_layers", "Lm", config.moe_layer_ids)
+    specs["final_norm"] = Param("D", "model.norm.weight", "D", init="ones")
+    if not config.tie_word_embeddings:
+        specs["head"] = Param("V D", "lm_head.weight", "V D")
+    return specs
+
+
+class QKNormAttention(eqx.Module):
+    """Grouped-query attention projections with RMSNorm over each query and key head."""
+
+    wq: Float[Array, "*L D H K"]
+    wk: Float[Array, "*L D G K"]
+    wv: Float[Array, "*L D G K"]
+    wo: Float[Array, "*L H K D"]
+    q_norm: Float[Array, "*L K"]
+    k_norm: Float[Array, "*L K"]
+
+
+class DenseLayer(eqx.Module):
+    attn_norm: Float[Array, "*L D"]
+    attn: QKNormAttention
+    mlp_norm: Float[Array, "*L D"]
+    mlp: SwiGLU
+
+
+class MoELayer(eqx.Module):
+    attn_norm: Float[Array, "*L D"]
+    attn: QKNormAttention
+    mlp_norm: Float[Array, "*L D"]
+    moe: Qwen3MoE
+
+
+def qwen3_qkv(
+    config: Qwen3Config,
+    layer: DenseLayer | MoELayer,
+    x: Float[Array, "B S D"],
+    cos: Float[Array, "B S R"],
+    sin: Float[Array, "B S R"],
+) -> tuple[Float[Array, "B S H K"], Float[Array, "B S G K"], Float[Array, "B S G K"]]:
+    """A layer's attention inputs: pre-norm, projections, per-head RMSNorm of queries and keys
+    (before RoPE, as the published model does), RoPE. ``k`` and ``v`` are what a cache keeps."""
+    eps, a = config.rms_norm_eps, layer.attn
+    h = checkpoint_name(rms_norm(x, layer.attn_norm, eps), "attn_norm")
+    # The per-head norms' backward needs their inputs: naming them spares the projections.
+    q = checkpoint_name(jnp.einsum("bsd,dhk->bshk", h, a.wq), "q_proj")
+    k = checkpoint_name(jnp.einsum("bsd,dgk->bsgk", h, a.wk), "k_proj")
+    q = apply_rope(rms_norm(q, a.q_norm, eps), cos, sin)
+    k = apply_rope(rms_norm(k, a.k_norm, eps), cos, sin)
+    v = jnp.einsum("bsd,dgk->bsgk", h, a.wv)
+    return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+
+
+def qwen3_attention_out(
+    layer: DenseLayer | MoELayer, x: Float[Array, "B S D"], ctx: Float[Array, "B S H K"]
+) -> Float[Array, "B S D"]:
+    """The output projection added to the residual stream."""
+    # The add's result feeds the MLP norm, whose backward needs it: saving this name spares
+    # recomputing the projection.
+    return x + checkpoint_name(tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, layer.attn.wo)), "attn_out")
+
+
+def dense_ffn(config: Qwen3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
+    """Pre-norm SwiGLU added to the residual stream."""
+    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
+
+
+def moe_ffn(
+    config: Qwen3Config, layer: MoELayer, x: Float[Array, "B S D"], impl: str
+) -> tuple[Float[Array, "B S D"], tuple[Int[Array, " E"], Float[Array, " E"]]]:
+    """Pre-norm MoE added to the residual stream; also the layer's expert load and the sum of
+    its router probabilities (what the balance loss needs)."""
+    b, s, d = x.shape
+    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    tokens = h.reshape(b * s, d)
+    routing = route(tokens, layer.moe.router, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob)
+    out = moe_experts(tokens, routing, layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down, impl=impl)
+    return x + out.reshape(b, s, d), layer_router_stats(routing, config.num_experts)
+
+
+def qwen3_layer(config, layer, x, cos, sin, segment_ids, kind: str, impl: str):
+    """One decoder layer: pre-norm attention, then the dense or MoE MLP (with router stats)."""
+    x = checkpoint_name(x, "layer_input")
+    q, k, v = qwen3_qkv(config, layer, x, cos, sin)
+    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids)
+    x = qwen3_attention_out(layer, x, checkpoint_name(ctx, "context"))
+    if kind == "dense":
+        return dense_ffn(config, layer, x), None
+    return moe_ffn(config, layer, x, impl)
+
+
+def cast_layer(layer, dtype):
+    """Compute-dtype copy of a layer's weights; a router stays float32 (it routes)."""
+    if isinstance(layer, MoELayer):
+        router = layer.moe.router
+        layer = jax.tree.map(lambda w: w.astype(dtype), layer)
+        return eqx.tree_at(lambda l: l.moe.router, layer, router)
+    return jax.tree.map(lambda w: w.astype(dtype), layer)
+
+
+def layer_runs(model: Qwen3) -> list[tuple[Any, str]]:
+    """The runs of one layer kind in model order: (the run's slice of its stack, ``"dense"`` or
+    ``"moe"``); decoding scans each."""
+    out = []
+    for kind, first, end in model.config.runs:
+        stack = model.dense_layers if kind == "dense" else model.moe_layers
+        out.append((_rows(stack, first, end), kind))
+    return out
+
+
+def _rows(stack, first: int, end: int):
+    n = jax.tree.leaves(stack)[0].shape[0]
+    return stack if (first, end) == (0, n) else jax.tree.map(lambda w: w[first:end], stack)
+
+
+def block_stacks(model: Qwen3) -> list[tuple[Any, Any, tuple[str, ...]]]:
+    """Per :attr:`~zoo.qwen3.config.Qwen3Config.blocks` entry: its dense and MoE layers shaped
+    ``[repeats, per repeat, ...]`` (``None`` where the pattern has none) and the pattern."""
+    out = []
+    for block in model.config.blocks:
+        parts = []
+        for kind, stack, first in (("dense", model.dense_layers, block.dense_first), ("moe", model.moe_layers, block.moe_first)):
+            n, per = block.count(kind), block.pattern.count(kind)
+            sub = None if n == 0 else _rows(stack, first, first + n)
+            parts.append(None if sub is None else jax.tree.map(lambda w, per=per, r=block.repeats: w.reshape(r, per, *w.shape[1:]), sub))
+        out.append((*parts, block.pattern))
+    return out
+
+
+class Qwen3Output(NamedTuple):
+    """What a forward pass returns (``model(ids)`` returns only ``logits``)."""
+
+    logits: Float[Array, "B S V"]
+    hidden_states: Float[Array, "L1 B S D"] | None
+    router: RouterStats | None  # the MoE layers' router statistics (None without any)
+
+
+class Qwen3(CausalLM):
+    """Qwen3 / Qwen3-MoE causal language model: ``model(input_ids) -> logits``.
+
+    Build fresh with ``Qwen3(config, key=key)``, or from arrays with ``Qwen3(config, arrays=arrays)``.
+    ``expert_impl``: the routed experts' path (:func:`zoo.layers.moe.resolve_expert_impl`).
+    """
+
+    embed: Float[Array, "V D"]
+    dense_layers: DenseLayer | None
+    moe_layers: MoELayer | None
+    final_norm: Float[Array, " D"]
+    head: Float[Array, "V D"] | None
+    config: Qwen3Config = eqx.field(static=True)
+    compute_dtype: jnp.dtype = eqx.field(static=True)
+    expert_impl: str = eqx.field(static=True)
+
+    config_cls: ClassVar[type] = Qwen3Config
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3", "qwen3_moe")
+    placement_map: ClassVar[type] = Qwen3Placement
+    training_options: ClassVar[type] = Qwen3Training
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        *,
+        key: PRNGKeyArray | None = None,
+        arrays: Mapping[str, Array] | None = None,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+        expert_impl: str = "auto",
+    ):
+        resolve_expert_impl(expert_impl)  # validates the name
+        self.config, self.compute_dtype, self.expert_impl = config, jnp.dtype(compute_dtype), expert_impl
+        specs = qwen3_params(config)
+        if arrays is None:
+            if key is None:
+                raise TypeError("Qwen3 needs key= (fresh init) or arrays= (loaded weights)")
+            arrays = jax.jit(lambda k: _init(config, specs, k, param_dtype))(key)
+        self.embed = arrays["embed"]
+        self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.dense_layer_ids else None
+        self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.moe_layer_ids else None
+        self.final_norm = arrays["final_norm"]
+        self.head = None if config.tie_word_embeddings else arrays["head"]
+
+    def with_expert_impl(self, expert_impl: str) -> Qwen3:
+        """The same weights with another expert path."""
+        return Qwen3(self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl)
+
+    @classmethod
+    def param_specs(cls, config: Qwen3Config) -> dict[str, Param]:
+        return qwen3_params(config)
+
+    def forward(
+        self,
+        input_ids: Int[Array, "B S"],
+        *,
+        positions: Int[Array, "B S"] | None = None,
+        segment_ids: Int[Array, "B S"] | None = None,
+        placement=None,
+        return_hidden: bool = False,
+    ) -> Qwen3Output:
+        """Logits, the router statistics summed over the MoE layers (for the balance loss and the
+        expert load), and with ``return_hidden`` the hidden states as ``transformers`` reports them."""
+        from zoo.placement import layer_policy
+
+        config, dtype = self.config, self.compute_dtype
+        cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
+        policy = layer_policy(placement, self)
+        x = embed(self.embed, input_ids, dtype)
+        outputs, loads, prob_sum = [x[None]], [], varying_like(jnp.zeros((config.num_experts,), jnp.float32), x)
+        for dense, moe, pattern in block_stacks(self):
+
+            def body(carry, layers, pattern=pattern):
+                h, probs = carry
+                taken, hs, block_loads = {"dense": 0, "moe": 0}, [], []
+                for kind in pattern:  # the repeat's layers, in their stored order
+                    layer = jax.tree.map(lambda w, i=taken[kind]: w[i], layers[kind])
+                    taken[kind] += 1
+                    layer = gather_layer(cast_layer(layer, dtype))
+                    h, stats = qwen3_layer(config, layer, h, cos, sin, segment_ids, kind, self.expert_impl)
+                    if stats is not None:
+                        block_loads.append(stats[0])
+                        probs = probs + stats[1]
+                    hs.append(h)
+                out = (jnp.stack(hs) if return_hidden else None, jnp.stack(block_loads) if block_loads else None)
+                return (h, probs), out
+
+            (x, prob_sum), (ys, load) = scan_layers(body, (x, prob_sum), {"dense": dense, "moe": moe}, policy=policy)
+            if load is not None:
+                loads.append(load.reshape(-1, *load.shape[2:]))
+            if return_hidden:
+                outputs.append(ys.reshape(-1, *ys.shape[2:]))
+        x = rms_norm(x, self.final_norm, config.rms_norm_eps)
+        logits = unembed(x, self.embed if self.head is None else self.head)
+        hidden = None
+        if return_hidden:
+            per_layer = jnp.concatenate(outputs[1:], axis=0)
+            hidden = jnp.concatenate([outputs[0], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
+        stats = RouterStats(jnp.concatenate(loads, axis=0), prob_sum) if loads else None
+        return Qwen3Output(logits, hidden, stats)
+
+    # -- training (zoo/qwen3/loss.py) ---------------------------------------------------------
+    def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, placement=None):
+        """Next-token loss plus ``aux_loss_coef`` times the Switch-style balance loss of the
+        MoE layers (``transformers``' ``router_aux_loss_coef``); logs both and the expert load."""
+        from zoo.loss import cross_entropy, next_token_targets
+
+        o = options_or_default(self, options)
+        out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
+        labels, mask = next_token_targets(input_ids, segment_ids)
+        lm = cross_entropy(out.logits[:, :-1], labels, mask)
+        if out.router is None:
+            return lm, {"lm_loss": lm}
+        coef = self.config.router_aux_loss_coef if o.aux_loss_coef is None else o.aux_loss_coef
+        balance = switch_balance_loss(out.router, self.config.num_experts_per_tok)
+        return lm + coef * balance, {"lm_loss": lm, "balance_loss": balance, "expert_load": out.router.load}
+
+    # -- generation (zoo/qwen3/decode.py) --------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, **options: Any):
+        from zoo.qwen3.decode import init_cache
+
+        return init_cache(self, batch, max_len, **options)
+
+    def prefill(self, input_ids, lengths, *, max_len: int, all_logits: bool = False, **options: Any):
+        from zoo.qwen3.decode import prefill
+
+        return prefill(self, input_ids, lengths, max_len=max_len, all_logits=all_logits, **options)
+
+    def decode_step(self, cache, tokens):
+        from zoo.qwen3.decode import decode_step
+
+        return decode_step(self, cache, tokens)
+
+    # -- Hugging Face checkpoints ------------------------------------------------------------
+    @classmethod
+    def hf_check(cls, config: Qwen3Config, keys: set[str]) -> None:
+        from zoo.qwen3.checkpoint import check_layer_kinds
+
+        check_layer_kinds(config, keys)
+
+
+def _init(config: Qwen3Config, specs: Mapping[str, Param], key: PRNGKeyArray, dtype) -> dict[str, Array]:
+    """Fresh weights; each layer stack is built by ``filter_vmap`` over per-layer keys."""
+    std = config.initializer_range
+    stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
+    keys = dict(zip(["rest", *stacks], jr.split(key, 3)))
+    rest = {p: s for p, s in specs.items() if p.split(".")[0] not in stacks}
+    arrays = init_params(rest, config.sizes, key=keys["rest"], std=std, dtype=dtype)
+    for prefix, axis in stacks.items():
+        n = config.sizes[axis]
+        if not n:
+            continue
+        layer_specs = strip_prefix(specs, prefix, axis)
+        stacked = eqx.filter_vmap(
+            lambda k: init_params(layer_specs, config.sizes, key=k, std=std, dtype=dtype)  # noqa: B023
+        )(jr.split(keys[prefix], n))
+        arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
+    return arrays
