@@ -97,6 +97,22 @@ def setup_platform(platform: str) -> None:
     retain_host_memory()  # no page faults on every step's temporaries (see zoo/runtime.py)
 
 
+def known_compile_options(options: dict) -> dict:
+    """The subset of ``options`` the installed XLA knows (newer XLA dropped the fusion-emitter switch)."""
+    import jax
+    import jax.numpy as jnp
+
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2))
+    known = {}
+    for name, value in options.items():
+        try:
+            lowered.compile({name: value})
+        except Exception:  # noqa: BLE001  (XLA: no such compile option)
+            continue
+        known[name] = value
+    return known
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -123,9 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     make_model, map_cls = bench.build()
     # On CPU the buffers barely depend on LLVM's optimisation or the fusion emitters (a few
     # hundred bytes): compile the search ~5x faster without them.
-    search_options = (
-        {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False} if args.platform == "cpu" else None
-    )
+    search_options = known_compile_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}) if args.platform == "cpu" else None
 
     names = ["none", *map_cls.preset_names()] if args.presets is None else args.presets.split(",")
     placements = {n: None if n == "none" else map_cls.parse(n) for n in names}

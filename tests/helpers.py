@@ -29,3 +29,18 @@ def check_parity(path: Path, *, atol: float = 1e-5, rtol: float = 1e-5, **load) 
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, ids)
     np.testing.assert_allclose(float(loss), float(ref["loss"]), rtol=rtol)
     np.testing.assert_allclose(global_norm(grads), float(ref["grad_norm"]), rtol=rtol)
+
+
+def supported_compile_options(options: dict) -> dict:
+    """The subset of XLA compile ``options`` the installed XLA knows (jax 0.12's refuses
+    ``xla_cpu_use_fusion_emitters``), each tried on a trivial program."""
+    f = jax.jit(lambda x: x + 1)
+    lowered = f.lower(jnp.zeros(2))
+    known = {}
+    for name, value in options.items():
+        try:
+            lowered.compile({name: value})
+        except Exception:  # noqa: BLE001  (XLA's INVALID_ARGUMENT: no such compile option)
+            continue
+        known[name] = value
+    return known

@@ -27,6 +27,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from conftest import FIXTURES, reference
+from helpers import supported_compile_options
 from hypothesis import strategies as st
 
 import zoo
@@ -45,7 +46,7 @@ NAMES = LlamaPlacement.names()
 PRESETS = LlamaPlacement.preset_names()
 # XLA:CPU compiles ~5x faster without LLVM optimisation and the MLIR fusion emitters; the
 # buffers are the same to within a few hundred bytes, the arithmetic is the same float32.
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = supported_compile_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
 
 
 @functools.cache

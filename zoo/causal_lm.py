@@ -79,6 +79,18 @@ class ModelConfig(abc.ABC):
         return sum(math.prod(p.shape(self.sizes)) for p in specs.values())
 
 
+def check_positive(config: Any, *fields: str) -> None:
+    """Each field a positive, finite number, else a :class:`~zoo.errors.ConfigError` naming it:
+    ``rms_norm_eps = -1`` or ``max_position_embeddings = -5`` would load and give NaN or nothing."""
+    from zoo.errors import ConfigError
+
+    for name in fields:
+        value = getattr(config, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        if not ok:
+            raise ConfigError(f"{type(config).__name__}.{name} must be a positive finite number, got {value!r}")
+
+
 @dataclass(frozen=True)
 class NoTrainingOptions:
     """A family whose training objective is the plain next-token loss has no options."""
@@ -204,7 +216,10 @@ def options_or_default(model: CausalLM, options: Any) -> Any:
 
 
 def positions_for(input_ids: Int[Array, "B S"], positions: Int[Array, "B S"] | None) -> Int[Array, "B S"]:
-    """``positions`` or ``0..S-1`` for every row."""
+    """``positions`` or ``0..S-1`` for every row (a clear error for ids that are not ``[B, S]``)."""
+    from zoo.layers.embed import check_ids_shape
+
+    check_ids_shape(input_ids)
     if positions is not None:
         return positions
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)

@@ -90,8 +90,25 @@ def text_files(paths: list[str | Path], valid_fraction: float = 0.05) -> TokenDa
     return TokenData(_concat([chunks[i] for i in train]), _concat([chunks[i] for i in valid]), 256, ",".join(names))
 
 
+def check_token_range(tokens: np.ndarray, vocab_size: int, source: str) -> None:
+    """Every id in ``0 .. vocab_size - 1``, else a :class:`ConfigError` naming the source, the
+    first offending id and its position (in one pass; ids wider than int32 included)."""
+    if len(tokens) == 0:
+        raise ConfigError(f"{source}: no tokens")
+    low, high = int(np.min(tokens)), int(np.max(tokens))
+    if low >= 0 and high < vocab_size:
+        return
+    bad = low if low < 0 else high
+    where = int(np.argmax(tokens == np.asarray(bad).astype(tokens.dtype)))
+    raise ConfigError(
+        f"{source}: token id {bad} at position {where} is outside the model's vocabulary 0..{vocab_size - 1}"
+    )
+
+
 def token_file(path: str | Path, vocab_size: int, valid_fraction: float = 0.01) -> TokenData:
-    """A pre-tokenized 1-D ``.npy`` of token ids, memory-mapped; the last ``valid_fraction`` validates."""
+    """A pre-tokenized 1-D ``.npy`` of token ids, memory-mapped; the last ``valid_fraction``
+    validates. Every id is checked against ``vocab_size`` first (an id past the vocabulary
+    would read garbage inside ``jit``; a uint64 id would wrap when batches are cast to int32)."""
     path = Path(path)
     try:
         tokens = np.load(path, mmap_mode="r")
@@ -99,6 +116,7 @@ def token_file(path: str | Path, vocab_size: int, valid_fraction: float = 0.01) 
         raise ConfigError(f"--data: cannot read {path} as a .npy token array ({e})") from None
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ConfigError(f"--data: {path} must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+    check_token_range(tokens, vocab_size, str(path))
     cut = int(len(tokens) * (1 - valid_fraction))
     return TokenData(tokens[:cut], tokens[cut:], vocab_size, str(path))
 
@@ -106,7 +124,12 @@ def token_file(path: str | Path, vocab_size: int, valid_fraction: float = 0.01) 
 def load_data(spec: str | None, vocab_size: int) -> TokenData:
     """``None``/``"stdlib"``: the embedded corpus; a ``.npy`` path: token ids; else text files (comma-separated)."""
     if spec in (None, "", "stdlib"):
-        return stdlib_corpus()
-    if spec.endswith(".npy"):
+        data = stdlib_corpus()
+    elif spec.endswith(".npy"):
         return token_file(spec, vocab_size)
-    return text_files(spec.split(","))
+    else:
+        data = text_files(spec.split(","))
+    if vocab_size < data.vocab_size:  # byte tokens need a vocabulary of 256
+        for split in (data.train, data.valid):
+            check_token_range(split, vocab_size, data.source)
+    return data

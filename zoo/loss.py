@@ -26,6 +26,11 @@ def next_token_targets(
 ) -> tuple[Int[Array, "B S1"], Bool[Array, "B S1"] | None]:
     """Labels ``input_ids[:, 1:]`` for positions ``0..S-2``; with packed segments, the mask
     drops predictions across a segment boundary."""
+    if input_ids.ndim != 2 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"a next-token loss needs input_ids of [batch, sequence] with at least 2 positions "
+            f"(it predicts token t+1 from position t), got shape {tuple(input_ids.shape)}"
+        )
     labels = input_ids[:, 1:]
     if segment_ids is None:
         return labels, None
@@ -42,6 +47,6 @@ def lm_loss(
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy: predict token t+1 from position t over B·(S−1) terms
     (what ``transformers`` computes with ``labels=input_ids``)."""
-    logits = model(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
     labels, mask = next_token_targets(input_ids, segment_ids)
+    logits = model(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
     return cross_entropy(logits[:, :-1], labels, mask)

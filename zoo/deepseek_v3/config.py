@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.causal_lm import AxisRule, ModelConfig
+from zoo.causal_lm import AxisRule, ModelConfig, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
 from zoo.layers.rope import Rope
@@ -74,6 +74,7 @@ class DeepseekV3Config(ModelConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers", "num_heads",
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",

@@ -55,8 +55,8 @@ def deepseek_v3_loss(
     position t. ``balance_alpha`` defaults to the config's ``aux_loss_alpha``. The per-layer
     expert load in the metrics feeds :func:`zoo.deepseek_v3.update_router_bias`.
     """
-    out = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
     labels, mask = next_token_targets(input_ids, segment_ids)
+    out = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
     lm = cross_entropy(out.logits[:, :-1], labels, mask)
     mtp = jnp.zeros((), jnp.float32)
     if out.mtp_logits is not None:

@@ -1,11 +1,41 @@
 """Token embedding and output head (tied or untied)."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
+
+
+def check_ids_shape(ids, what: str = "input_ids") -> None:
+    """``ids`` must be a ``[batch, sequence]`` integer array (named in the error otherwise)."""
+    shape = tuple(getattr(ids, "shape", ()))
+    if len(shape) != 2:
+        raise ValueError(f"{what} must be [batch, sequence] token ids, got shape {shape}")
+    dtype = getattr(ids, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{what} must be integer token ids, got dtype {dtype}")
+
+
+def check_token_ids(ids, vocab_size: int, what: str = "input_ids") -> None:
+    """A clear error for ids a model cannot take: not ``[batch, sequence]`` integers, or (where
+    the values are known, outside ``jit``) an id outside ``0 .. vocab_size - 1``. Inside ``jit``
+    nothing checks the values: an id past the table would read garbage (JAX clamps gathers) and a
+    negative one wraps, so data is range-checked when it is loaded (:mod:`zoo.data`)."""
+    check_ids_shape(ids, what)
+    shape = tuple(ids.shape)
+    if isinstance(ids, jax.core.Tracer) or 0 in shape:
+        return
+    values = np.asarray(ids)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        where = tuple(int(i) for i in np.argwhere(values == bad)[0])
+        raise ValueError(f"{what}[{', '.join(map(str, where))}] = {bad} is outside the vocabulary 0..{vocab_size - 1}")
 
 
 def embed(table: Float[Array, "V D"], ids: Int[Array, "B S"], dtype) -> Float[Array, "B S D"]:
     """Rows of the embedding table, cast to the compute dtype."""
+    check_token_ids(ids, table.shape[0])
     return jnp.take(table, ids, axis=0).astype(dtype)
 
 

@@ -36,6 +36,22 @@ class Rope:
     attention_factor: float | None = None
     truncate: bool = True
 
+    def __post_init__(self):
+        # A theta of 0 or a negative factor loads and gives NaN logits: refuse, naming the field.
+        positive = ["theta", "factor", "original_max_position_embeddings"]
+        if self.kind == "llama3":
+            positive += ["low_freq_factor", "high_freq_factor"]
+        if self.kind == "yarn":
+            positive += ["beta_fast", "beta_slow"]
+        for name in positive:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"rope {name} must be a positive finite number, got {value!r}")
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})"
+            )
+
     def inv_freq(self, dim: int) -> np.ndarray:
         """Inverse frequencies for a rotary dimension ``dim`` (``dim // 2`` of them), float32."""
         exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)

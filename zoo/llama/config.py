@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.causal_lm import AxisRule, ModelConfig
+from zoo.causal_lm import AxisRule, ModelConfig, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
 from zoo.layers.rope import Rope
@@ -47,6 +47,7 @@ class LlamaConfig(ModelConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
-from zoo.causal_lm import AxisRule, ModelConfig
+from zoo.causal_lm import AxisRule, ModelConfig, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
 from zoo.layers.rope import Rope
@@ -80,6 +80,7 @@ class Qwen3Config(ModelConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
         name = "Qwen3Config"
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, f)

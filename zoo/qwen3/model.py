@@ -312,8 +312,8 @@ class Qwen3(CausalLM):
         from zoo.loss import cross_entropy, next_token_targets
 
         o = options_or_default(self, options)
-        out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
         labels, mask = next_token_targets(input_ids, segment_ids)
+        out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
         lm = cross_entropy(out.logits[:, :-1], labels, mask)
         if out.router is None:
             return lm, {"lm_loss": lm}
