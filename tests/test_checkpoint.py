@@ -1,7 +1,12 @@
 """Hugging Face checkpoint directories: round trips, sharding, FP8 blocks, atomic writes, clear errors."""
 
 import json
+import logging
+import os
 import shutil
+import struct
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -10,7 +15,8 @@ from conftest import FIXTURES
 from safetensors.numpy import load_file, save_file
 
 import zoo
-from zoo.hf import pretrained, safetensors as st
+from zoo.hf import pretrained
+from zoo.hf import safetensors as st
 from zoo.params import flatten
 
 LLAMA = FIXTURES / "llama3_1-tiny"
@@ -56,14 +62,35 @@ def test_sharded_save_and_load(tmp_path):
     _same_arrays(model, zoo.from_pretrained(tmp_path / "out"))
 
 
-def test_save_replaces_an_existing_directory_whole(tmp_path):
+def test_save_into_a_checkpoint_keeps_its_other_files(tmp_path):
+    """A save replaces the model's own files and keeps the tokenizer, README and subfolders beside them."""
     model = zoo.from_pretrained(LLAMA)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
+    zoo.save_pretrained(model, out, max_shard_bytes=40_000)
+    old_shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert old_shards
+    keep = {"tokenizer.json": b'{"a": 1}', "README.md": b"# tiny\n", "eval/x.json": b"[1]", "eval/deep/x.bin": b"\0\1"}
+    for name, data in keep.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    (out / "tokenizer.model").symlink_to("tokenizer.json")
     zoo.save_pretrained(model, out)
-    assert not (out / "stale.txt").exists()
+    for name, data in keep.items():
+        assert (out / name).read_bytes() == data, name
+    assert (out / "tokenizer.model").is_symlink() and (out / "tokenizer.model").read_bytes() == keep["tokenizer.json"]
+    assert not [p for p in out.iterdir() if p.name in old_shards or p.name == "model.safetensors.index.json"]
+    assert (out / "model.safetensors").exists()
     _same_arrays(model, zoo.from_pretrained(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_save_refuses_to_replace_a_file(tmp_path):
+    model = zoo.from_pretrained(LLAMA)
+    (tmp_path / "out").write_text("mine")
+    with pytest.raises(zoo.CheckpointError, match="out: exists and is not a directory"):
+        zoo.save_pretrained(model, tmp_path / "out")
+    assert (tmp_path / "out").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
@@ -219,3 +246,242 @@ def test_dtype_option_casts_parameters():
 
     model = zoo.from_pretrained(LLAMA, dtype=jnp.bfloat16)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model))
+
+
+# -- safetensors files are checked against what the format promises -------------------------
+
+
+def _raw(path, header, data_bytes=0, *, length=None):
+    """A safetensors file written byte by byte: ``header`` is a dict or raw header bytes, then zeros."""
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob) if length is None else length) + blob + b"\0" * data_bytes)
+    return path
+
+
+def _t(dtype, shape, begin, end):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+# case: (header, bytes of data after it, header length if not the real one, the error's text after the file)
+MALFORMED = {
+    "huge header length": (b"{}", 0, 2**62, r"safetensors header length 4611686018427387904 is above the format's cap"),
+    "header past the end": (b"{}", 0, 1000, r"truncated safetensors header \(it claims 1000 bytes, 2 follow\)"),
+    "not UTF-8": (b'{"\xff": 1}', 0, None, r"safetensors header is not UTF-8 \(byte 2\)"),
+    "a JSON list": (b"[1, 2]", 0, None, r"safetensors header is a JSON list, not an object"),
+    "entry not an object": ({"w": 5}, 0, None, r"tensor 'w': header entry is 5, not an object"),
+    "no offsets": ({"w": {"dtype": "F32", "shape": [1]}}, 4, None, r"tensor 'w': header entry has no 'data_offsets'"),
+    "no dtype": ({"w": {"shape": [1], "data_offsets": [0, 4]}}, 4, None, r"tensor 'w': header entry has no 'dtype'"),
+    "no shape": ({"w": {"dtype": "F32", "data_offsets": [0, 4]}}, 4, None, r"tensor 'w': header entry has no 'shape'"),
+    "unknown dtype": ({"w": _t("Q7", [4], 0, 4)}, 4, None, r"tensor 'w' has unsupported dtype 'Q7'"),
+    "bad shape": ({"w": _t("F32", [-1], 0, 4)}, 4, None, r"tensor 'w' has shape \[-1\], not a list"),
+    "reversed offsets": ({"w": _t("F32", [0], 4, 0)}, 4, None, r"tensor 'w' has data_offsets \[4, 0\]"),
+    "span not shape x dtype": (
+        {"w": _t("F32", [2], 0, 4)},
+        4,
+        None,
+        r"tensor 'w' has data_offsets \[0, 4\] \(4 bytes\), but shape \(2,\) of F32 is 8 bytes$",
+    ),
+    "overlapping spans": (
+        {"a": _t("F32", [2], 0, 8), "b": _t("F32", [1], 4, 8)},
+        8,
+        None,
+        r"tensor 'b' bytes \[4, 8\] overlap 'a'",
+    ),
+    "gap between spans": (
+        {"a": _t("F32", [1], 0, 4), "b": _t("F32", [1], 8, 12)},
+        12,
+        None,
+        r"tensor 'b': 4 unused bytes after tensor 'a'",
+    ),
+    "gap at the start": ({"a": _t("F32", [1], 4, 8)}, 8, None, r"tensor 'a': 4 unused bytes before the first tensor"),
+    "span past the end": ({"a": _t("F32", [4], 0, 16)}, 8, None, r"tensor 'a' runs past the end of the file"),
+    "bytes after the data": ({"a": _t("F32", [1], 0, 4)}, 12, None, r"8 bytes after the last tensor's data"),
+    "metadata not strings": ({"__metadata__": {"format": 1}}, 0, None, r"safetensors __metadata__ must map names to"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_safetensors_is_refused_naming_file_and_tensor(tmp_path, case):
+    from safetensors import SafetensorError, safe_open
+
+    header, data_bytes, length, message = MALFORMED[case]
+    path = _raw(tmp_path / "model.safetensors", header, data_bytes, length=length)
+    with pytest.raises(zoo.CheckpointError, match=f"^{path}: {message}"):
+        st.SafetensorsFile(path)
+    with pytest.raises(SafetensorError):  # the reference implementation refuses each one too
+        safe_open(path, framework="numpy")
+
+
+def test_header_above_the_cap_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:  # sparse: 150 MB of length-valid zeros, no disk used
+        f.write(struct.pack("<Q", 150_000_000))
+        f.truncate(8 + 150_000_000 + 16)
+    with pytest.raises(zoo.CheckpointError, match=r"big.safetensors: safetensors header length 150000000 is above the"):
+        st.SafetensorsFile(path)
+
+
+def test_malformed_shard_is_named_when_loading(tmp_path):
+    d = _copy(tmp_path)
+    f = st.SafetensorsFile(d / "model.safetensors")
+    header, data = f.header, (d / "model.safetensors").read_bytes()[f._data_start :]
+    del f
+    first, second = sorted(header, key=lambda k: header[k]["data_offsets"])[:2]
+    header[second]["data_offsets"] = [b - 4 for b in header[second]["data_offsets"]]  # over the first's last value
+    blob = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    with pytest.raises(zoo.CheckpointError, match=f"model.safetensors: tensor '{second}' bytes .* overlap '{first}'"):
+        zoo.from_pretrained(d)
+
+
+# -- loading refuses what a parameter cannot be, and says what looks wrong ----------------
+
+
+def _edit_tensors_zoo(d, fn):
+    """Like _edit_tensors, through zoo's own reader and writer (the reference numpy loader cannot hold FP8)."""
+    f = st.SafetensorsFile(d / "model.safetensors")
+    t = {k: np.array(f.get(k)) for k in f.header}
+    del f
+    fn(t)
+    st.write_safetensors(d / "model.safetensors", t.items())
+
+
+def test_integer_weight_is_refused_naming_key_file_and_dtypes(tmp_path):
+    d = _copy(tmp_path)
+    _edit_tensors(d, lambda t: t.update({"model.norm.weight": np.ones(64, np.int32)}))
+    with pytest.raises(
+        zoo.CheckpointError,
+        match=r"model.safetensors: tensor 'model.norm.weight' is stored as I32, but its parameter is floating point "
+        r"\(float32\)",
+    ):
+        zoo.from_pretrained(d)
+
+
+def test_integer_fp8_scale_is_refused(tmp_path):
+    d = _copy(tmp_path, "deepseek_v3-tiny-fp8")
+    key = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    _edit_tensors_zoo(d, lambda t: t.update({key: t[key].astype(np.int32)}))
+    with pytest.raises(zoo.CheckpointError, match=f"model.safetensors: scale tensor '{key}' is stored as I32"):
+        zoo.from_pretrained(d)
+
+
+def test_non_finite_weights_and_scales_are_reported(tmp_path, caplog):
+    d = _copy(tmp_path, "deepseek_v3-tiny-fp8")
+    weight, scale = "model.norm.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+    def poison(t):
+        t[weight][[1, 5, 9]] = [np.nan, np.inf, -np.inf]
+        t[scale][0, 0] = np.inf
+
+    _edit_tensors_zoo(d, poison)
+    with caplog.at_level(logging.WARNING, logger="zoo"):
+        zoo.from_pretrained(d)
+    messages = [r.getMessage() for r in caplog.records]
+    file = d / "model.safetensors"
+    assert f"{file}: tensor '{weight}' has 3 non-finite values (NaN or infinite) of 64" in messages
+    assert f"{file}: tensor '{scale}' has 1 non-finite values (NaN or infinite) of 8" in messages
+    assert len(messages) == 2
+
+
+# -- saves: the checkpoint's path always exists, leftovers are cleaned, modes follow the umask --
+
+
+def test_exchange_swaps_two_directories(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    (b / "y").write_text("from b")
+    if not pretrained._exchange(a, b):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this system")
+    assert (a / "y").read_text() == "from b" and (b / "x").read_text() == "from a"
+    assert sorted(p.name for p in a.iterdir()) == ["y"] and sorted(p.name for p in b.iterdir()) == ["x"]
+
+
+def test_save_over_a_checkpoint_never_leaves_its_path_missing(tmp_path, monkeypatch):
+    if not pretrained._exchange(tmp_path, tmp_path):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this system")
+    model = zoo.from_pretrained(LLAMA)
+    out = tmp_path / "out"
+    zoo.save_pretrained(model, out, max_shard_bytes=40_000)
+    seen = []
+
+    def watching(real):
+        def call(src, dst, **kw):
+            real(src, dst, **kw)
+            seen.append(out.is_dir() and any(out.glob("*.safetensors")))
+
+        return call
+
+    monkeypatch.setattr(os, "rename", watching(os.rename))
+    monkeypatch.setattr(os, "replace", watching(os.replace))
+    zoo.save_pretrained(model, out)
+    assert seen and all(seen)
+    _same_arrays(model, zoo.from_pretrained(out))
+
+
+def test_save_without_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):
+    model = zoo.from_pretrained(LLAMA)
+    out = tmp_path / "out"
+    zoo.save_pretrained(model, out, max_shard_bytes=40_000)
+    (out / "README.md").write_text("kept")
+    monkeypatch.setattr(pretrained, "_exchange", lambda a, b: False)
+    zoo.save_pretrained(model, out)
+    files = ["README.md", "config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_load_restores_a_checkpoint_a_killed_save_left_as_old(tmp_path, caplog):
+    model = zoo.from_pretrained(LLAMA)
+    out = tmp_path / "out"
+    zoo.save_pretrained(model, out)
+    (out / "README.md").write_text("kept")
+    out.rename(tmp_path / ".out.old")  # killed between the fallback's two renames
+    with caplog.at_level(logging.WARNING, logger="zoo"):
+        again = zoo.from_pretrained(out)
+    _same_arrays(model, again)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "README.md").read_text() == "kept"
+    old = tmp_path / ".out.old"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{out}: restored the checkpoint from {old}, where an interrupted save had left it"
+    ]
+
+
+def test_save_removes_temporary_directories_of_killed_saves(tmp_path, caplog):
+    model = zoo.from_pretrained(LLAMA)
+    out = tmp_path / "out"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / ".out.a1b2c3d4.tmp", tmp_path / f".out.{dead.pid}.e5f6g7h8.tmp", tmp_path / ".out.old"]
+    alive = tmp_path / f".out.{os.getppid()}.i9j0k1l2.tmp"  # a save still running in another process
+    others = [tmp_path / ".outer.m3n4o5p6.tmp", tmp_path / ".out.notatemp"]
+    zoo.save_pretrained(model, out)
+    for p in stale + [alive] + others:
+        p.mkdir()
+        (p / "model.safetensors").write_bytes(b"x" * 1000)
+        os.utime(p, (1_000_000_000, 1_000_000_000))
+    with caplog.at_level(logging.WARNING, logger="zoo"):
+        zoo.save_pretrained(model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", alive.name] + [p.name for p in others])
+    messages = sorted(r.getMessage() for r in caplog.records)
+    assert messages == sorted(
+        [f"{out}: removed {p}, a temporary directory left by an interrupted save" for p in stale[:2]]
+        + [f"{out}: removed {stale[2]}, the previous checkpoint left by an interrupted save"]
+    )
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_saved_checkpoint_follows_the_umask(tmp_path, mask):
+    model = zoo.from_pretrained(LLAMA)
+    before = os.umask(mask)
+    try:
+        zoo.save_pretrained(model, tmp_path / "out", max_shard_bytes=40_000)
+    finally:
+        os.umask(before)
+    out = tmp_path / "out"
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+    files = list(out.iterdir())
+    assert len(files) > 3
+    for p in files:
+        assert p.stat().st_mode & 0o777 == 0o666 & ~mask, p.name

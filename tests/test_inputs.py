@@ -93,5 +93,6 @@ def _with_config(tmp_path, name: str, **changes):
 def test_config_values_out_of_range_are_named(tmp_path, model_type, changes, message):
     """Before: ``rms_norm_eps`` -1 and ``rope_theta`` 0 loaded and gave NaN logits;
     ``max_position_embeddings`` -5 loaded."""
-    with pytest.raises(zoo.ConfigError, match=message):
-        zoo.from_pretrained(_with_config(tmp_path, CASES[model_type], **changes))
+    folder = _with_config(tmp_path, CASES[model_type], **changes)
+    with pytest.raises(zoo.ConfigError, match=rf"{folder / 'config.json'}: .*{message}"):
+        zoo.from_pretrained(folder)

@@ -6,11 +6,17 @@ which key holds each tensor, its stored layout, and which axis stacks layers or 
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fnmatch
+import functools
 import json
 import logging
 import math
 import os
+import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -21,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.errors import CheckpointError, ConfigError
-from zoo.hf.safetensors import DTYPES, CheckpointFiles, write_safetensors
+from zoo.hf.safetensors import DTYPES, FLOATS, CheckpointFiles, umask, write_safetensors
 from zoo.params import Param, flatten
 from zoo.registry import by_model_type, family_of
 
@@ -53,6 +59,10 @@ def read_config(path: str | Path, **options) -> tuple[type, Any, dict[str, Any]]
     family = by_model_type(model_type, str(cfg_path))
     try:
         config = family.config_cls.from_hf(raw, source=str(cfg_path), **options)
+    except ConfigError as e:
+        if str(cfg_path) in str(e):
+            raise
+        raise ConfigError(f"{cfg_path}: {e}") from None  # a range check of the typed config: name the file too
     except TypeError as e:
         raise TypeError(f"from_pretrained: option not understood for model_type {model_type!r}: {e}") from None
     return family, config, raw
@@ -69,6 +79,12 @@ def _block_dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, in
         )
     scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)[:rows, :cols]
     return w.astype(np.float32) * scale
+
+
+def _count_nonfinite(t: np.ndarray) -> int:
+    """How many values of ``t`` are NaN or infinite, counted in slices so no file-sized mask is made."""
+    flat, step = t.reshape(-1), 1 << 24
+    return sum(int(np.count_nonzero(~np.isfinite(flat[i : i + step]))) for i in range(0, flat.size, step))
 
 
 class _TensorSource:
@@ -93,8 +109,16 @@ class _TensorSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.files.shape(key)
 
-    def get(self, key: str) -> np.ndarray:
+    def _read(self, key: str) -> np.ndarray:
         t = self.files.get(key)
+        bad = _count_nonfinite(t)
+        if bad:
+            file = self.files.file_of(key)
+            log.warning("%s: tensor %r has %d non-finite values (NaN or infinite) of %d", file, key, bad, t.size)
+        return t
+
+    def get(self, key: str) -> np.ndarray:
+        t = self._read(key)
         if self.files.dtype_name(key).startswith("F8_"):
             scale_key = key + "_scale_inv"
             if self.block is None:
@@ -103,7 +127,13 @@ class _TensorSource:
                 )
             if scale_key not in self.files.keys():
                 raise CheckpointError(f"{self.files.file_of(key)}: FP8 weight {key} has no scale tensor {scale_key}")
-            return _block_dequantize(t, self.files.get(scale_key), self.block, key, self.files.file_of(key))
+            stored = self.files.dtype_name(scale_key)
+            if stored not in FLOATS or stored.startswith("F8_"):
+                raise CheckpointError(
+                    f"{self.files.file_of(scale_key)}: scale tensor {scale_key!r} is stored as {stored}, "
+                    f"but a block scale is floating point (F32, BF16, F16 or F64)"
+                )
+            return _block_dequantize(t, self._read(scale_key), self.block, key, self.files.file_of(key))
         return t
 
 
@@ -139,6 +169,12 @@ def load_arrays(
                 raise CheckpointError(
                     f"{files.file_of(key)}: tensor {key!r} has shape {tuple(files.shape(key))}, expected {want}"
                 )
+            stored = files.dtype_name(key)
+            if stored not in FLOATS:  # every parameter is floating point; integers would be cast silently
+                raise CheckpointError(
+                    f"{files.file_of(key)}: tensor {key!r} is stored as {stored}, but its parameter is "
+                    f"floating point ({np_dtype}); a float weight cannot be {stored}"
+                )
             buf[idx] = p.from_hf(source.get(key), sizes)
         out[path] = jax.device_put(buf)
         del buf
@@ -154,6 +190,7 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, **optio
     options: model-specific, e.g. ``mtp=True`` for DeepSeek-V3's multi-token-prediction layers.
     """
     path = Path(path)
+    _recover(path)
     family, config, raw = read_config(path, **options)
     if dtype is None:
         name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
@@ -198,7 +235,9 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
 
     Shards above ``max_shard_bytes`` go to numbered files with a ``model.safetensors.index.json``.
     The directory appears complete or not at all: it is written under a temporary name and
-    renamed into place (an existing directory is replaced only after the new one is complete).
+    swapped into place. Saving over an existing checkpoint replaces its model files (config,
+    generation config, safetensors, index) and keeps everything else in it (tokenizer, README,
+    subfolders).
     """
     try:
         family = family_of(model)
@@ -206,15 +245,23 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
         raise TypeError(f"save_pretrained: {e}") from None
     config = model.config
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()  # replace what the link names, keeping the link
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    _recover(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path}: exists and is not a directory; a checkpoint is one, so not replacing it")
+    # The pid in the name tells a later save whether the process writing it is still alive.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
     try:
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would outlive the rename
+        _remove_stale(path, tmp)
         hf_config = config.to_hf()
         hf_config["torch_dtype"] = str(np.dtype(model.embed.dtype))
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        _write_text(tmp / "config.json", json.dumps(hf_config, indent=2) + "\n")
         gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None}
         if gen:
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            _write_text(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
         # Stream: each shard is written as soon as it is full, so at most one is held in memory.
         shard_keys: list[list[str]] = []
         pending: list[tuple[str, np.ndarray]] = []
@@ -243,16 +290,155 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
                 os.replace(tmp / f"shard-{i}.tmp", tmp / name)
                 weight_map.update({k: name for k in keys})
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
+            _carry_over(path, tmp)
+        _fsync_dir(tmp)
+        if not path.exists():
+            os.rename(tmp, path)
+            retired = None
+        elif _exchange(tmp, path):
+            retired = tmp  # now the previous checkpoint
         else:
-            os.replace(tmp, path)
+            # No atomic exchange here: two renames, and a load finding only .NAME.old restores it.
+            retired = path.with_name(f".{path.name}.old")
+            os.rename(path, retired)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.rename(retired, path)
+                raise
+        _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if retired is not None:
+        try:
+            shutil.rmtree(retired)
+        except OSError as e:  # the new checkpoint is in place; the next save retries the removal
+            log.warning("%s: saved, but could not remove the previous checkpoint at %s (%s)", path, retired, e)
+
+
+# A checkpoint's own files: a save replaces them; everything else in its directory stays.
+_MODEL_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors.index.json"})
+# What save_pretrained's tempfile.mkdtemp names look like after ".NAME." (older saves had no pid).
+_TMP_NAME = re.compile(r"(?:(\d+)\.)?[a-z0-9_]{8}\.tmp")
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _is_model_file(name: str) -> bool:
+    return name in _MODEL_FILES or fnmatch.fnmatchcase(name, "model*.safetensors")
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _link_or_copy(src, dst) -> None:
+    """Hard-link ``src`` to ``dst`` (instant, no extra space); copy where the filesystem refuses."""
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the original is deleted after the swap
+        finally:
+            os.close(fd)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Put everything of ``old`` that is not the model's own (tokenizer, README, subfolders) into ``new``."""
+    for p in old.iterdir():
+        if _is_model_file(p.name):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.copytree(p, new / p.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(p, new / p.name)
+
+
+@functools.cache
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False where unsupported."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):  # old kernel, or the filesystem lacks it
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _recover(path: Path) -> None:
+    """Put back the checkpoint a save killed between its two renames left only as ``.NAME.old``."""
+    old = path.with_name(f".{path.name}.old")
+    if not os.path.lexists(path) and old.is_dir() and not old.is_symlink():
+        try:
+            os.rename(old, path)
+        except OSError as e:
+            raise CheckpointError(
+                f"{path}: missing; an interrupted save left it at {old}, which cannot be moved back ({e.strerror})"
+            ) from None
+        log.warning("%s: restored the checkpoint from %s, where an interrupted save had left it", path, old)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():  # not our own directory, so an earlier process's with our pid (containers reuse them)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale(path: Path, ours: Path) -> None:
+    """Remove what killed saves to ``path`` left beside it: temporary directories older than ours whose
+    process is gone, and a ``.NAME.old`` previous checkpoint (stale, since ``path`` exists)."""
+    since = ours.stat().st_mtime_ns
+    prefix = f".{path.name}."
+    for p in path.parent.iterdir():
+        if p == ours or not p.name.startswith(prefix) or p.is_symlink() or not p.is_dir():
+            continue
+        rest = p.name[len(prefix) :]
+        if rest == "old" and (path / "config.json").exists():  # path is the complete checkpoint that replaced it
+            why = "the previous checkpoint left by an interrupted save"
+        elif (m := _TMP_NAME.fullmatch(rest)) and p.stat().st_mtime_ns < since and not (m[1] and _alive(int(m[1]))):
+            why = "a temporary directory left by an interrupted save"
+        else:
+            continue
+        try:
+            shutil.rmtree(p)
+        except OSError as e:
+            log.warning("%s: could not remove %s, %s (%s)", path, p, why, e)
+        else:
+            log.warning("%s: removed %s, %s", path, p, why)

@@ -8,6 +8,7 @@ so a tensor is only read from disk when it is used.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
@@ -34,6 +35,9 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 NAMES = {v: k for k, v in DTYPES.items()}
+FLOATS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+# The reference implementation refuses longer headers; so do we, before allocating one.
+MAX_HEADER_BYTES = 100_000_000
 
 
 class SafetensorsFile:
@@ -43,29 +47,76 @@ class SafetensorsFile:
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 raw = f.read(8)
                 if len(raw) != 8:
-                    raise CheckpointError(f"{self.path}: not a safetensors file (shorter than its header length)")
+                    raise self._error("not a safetensors file (shorter than its header length)")
                 (n,) = struct.unpack("<Q", raw)
+                # Checked before reading: a corrupt length would otherwise ask for exabytes.
+                if n > MAX_HEADER_BYTES:
+                    raise self._error(f"safetensors header length {n} is above the format's cap of {MAX_HEADER_BYTES}")
+                if 8 + n > size:
+                    raise self._error(f"truncated safetensors header (it claims {n} bytes, {size - 8} follow)")
                 header = f.read(n)
         except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
+            raise self._error(f"cannot read ({e.strerror})") from None
         if len(header) != n:
-            raise CheckpointError(f"{self.path}: truncated safetensors header ({len(header)} of {n} bytes)")
+            raise self._error(f"truncated safetensors header ({len(header)} of {n} bytes)")
         try:
-            self.header: dict = json.loads(header)
+            self.header: dict = json.loads(header.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise self._error(f"safetensors header is not UTF-8 (byte {e.start})") from None
         except json.JSONDecodeError as e:
-            raise CheckpointError(f"{self.path}: safetensors header is not valid JSON ({e})") from None
+            raise self._error(f"safetensors header is not valid JSON ({e})") from None
+        if not isinstance(self.header, dict):
+            raise self._error(f"safetensors header is a JSON {type(self.header).__name__}, not an object")
         self.metadata = self.header.pop("__metadata__", None) or {}
+        if not (isinstance(self.metadata, dict) and all(isinstance(v, str) for v in self.metadata.values())):
+            raise self._error(f"safetensors __metadata__ must map names to strings, got {self.metadata!r}")
         self._data_start = 8 + n
-        size = self.path.stat().st_size
-        for name, info in self.header.items():
-            end = info["data_offsets"][1]
-            if self._data_start + end > size:
-                raise CheckpointError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
-            if info["dtype"] not in DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        self._check_layout(size - self._data_start)
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self._data_start else None
+
+    def _error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {message}")
+
+    def _check_layout(self, data_bytes: int) -> None:
+        """What the format promises: known dtypes, spans sized by their shapes that tile the data exactly."""
+        spans = []
+        for name, info in self.header.items():
+            if not isinstance(info, dict):
+                raise self._error(f"tensor {name!r}: header entry is {info!r}, not an object")
+            for field in ("dtype", "shape", "data_offsets"):
+                if field not in info:
+                    raise self._error(f"tensor {name!r}: header entry has no {field!r}")
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise self._error(f"tensor {name!r} has unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+            if not (isinstance(shape, list) and all(map(_is_count, shape))):
+                raise self._error(f"tensor {name!r} has shape {shape!r}, not a list of non-negative ints")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+                raise self._error(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")
+            want = math.prod(shape) * DTYPES[dtype].itemsize
+            if offsets[1] - offsets[0] != want:
+                raise self._error(
+                    f"tensor {name!r} has data_offsets {offsets} ({offsets[1] - offsets[0]} bytes), "
+                    f"but shape {tuple(shape)} of {dtype} is {want} bytes"
+                )
+            spans.append((offsets[0], offsets[1], name))
+        end, last = 0, None
+        for begin, stop, name in sorted(spans):
+            if begin < end:
+                raise self._error(f"tensor {name!r} bytes {[begin, stop]} overlap {last!r}'s (ending at {end})")
+            if begin > end:
+                where = "before the first tensor" if last is None else f"after tensor {last!r}"
+                raise self._error(f"tensor {name!r}: {begin - end} unused bytes {where} (spans must be contiguous)")
+            if stop > data_bytes:
+                raise self._error(
+                    f"tensor {name!r} runs past the end of the file (bytes {[begin, stop]} of {data_bytes}; truncated?)"
+                )
+            end, last = stop, name
+        if end != data_bytes:
+            raise self._error(f"{data_bytes - end} bytes after the last tensor's data (the format allows none)")
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -78,15 +129,17 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
-        begin, end = info["data_offsets"]
+        begin, end = info["data_offsets"]  # checked on opening
         dtype = DTYPES[info["dtype"]]
         shape = tuple(info["shape"])
-        if end - begin != int(np.prod(shape)) * dtype.itemsize:
-            raise CheckpointError(f"{self.path}: tensor {name!r} byte size does not match shape {shape}")
         if begin == end:
             return np.zeros(shape, dtype)
         raw = self._map[self._data_start + begin : self._data_start + end]
         return raw.view(dtype).reshape(shape)
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> None:
@@ -104,6 +157,7 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]
     blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes, as the reference writer does
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would outlive the rename
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
@@ -116,6 +170,20 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask alone must set it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class CheckpointFiles:
