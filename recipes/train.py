@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from pathlib import Path
@@ -45,7 +46,18 @@ def training_options(model, args: argparse.Namespace):
     return cls(**given)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def positive(text: str) -> float:
+    """A flag's value that must be a finite number > 0 (a learning rate, a clip norm)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default="llama", help="model type (default llama)")
@@ -60,11 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=250)
-    o.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
-    o.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
+    o.add_argument("--lr", type=positive, default=5e-3, help="peak learning rate (> 0)")
+    o.add_argument("--warmup", type=int, default=None,
+                   help="linear warm-up steps, then cosine decay (default min(20, steps // 10))")  # fmt: skip
     o.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (not on norms/biases)")
-    o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    o.add_argument("--clip", type=positive, default=1.0, help="global gradient-norm clip (> 0)")
     o.add_argument("--seed", type=int, default=0, help="init and data seed (batches depend on (seed, step) only)")
     _option_flags(o)
     x = p.add_argument_group("memory and parallelism")
@@ -78,18 +91,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     x.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
     r = p.add_argument_group("run")
     r.add_argument("--run-dir", default="runs/latest", help="metrics.jsonl, loss.png and checkpoints/ go here")
-    r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
+    run = r.add_mutually_exclusive_group()
+    run.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --run-dir")
+    run.add_argument("--overwrite", action="store_true",
+                     help="remove a previous run's metrics, checkpoints and loss.png from --run-dir first")  # fmt: skip
     r.add_argument("--log-every", type=int, default=25)
     r.add_argument("--eval-every", type=int, default=50)
     r.add_argument("--checkpoint-every", type=int, default=200)
-    r.add_argument("--keep-checkpoints", type=int, default=3)
+    r.add_argument("--keep-checkpoints", type=int, default=3, help="how many recent checkpoints to keep (>= 1)")
     r.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured matmul peak)")
     r.add_argument("--save-hf", default=None, help="also write the trained model as a Hugging Face checkpoint here")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser()
     args = p.parse_args(argv)
-    for name in ("batch_size", "seq_len", "grad_accum", "steps"):
+    for name in ("batch_size", "seq_len", "grad_accum", "steps", "log_every", "eval_every", "checkpoint_every",
+                 "keep_checkpoints"):  # fmt: skip
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup >= args.steps:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup is None:  # a short run gets a short warm-up, so --steps alone is always valid
+        args.warmup = min(20, args.steps // 10)
+    elif args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    elif args.warmup >= args.steps:
         p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     return args
 
@@ -99,6 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     from zoo.runtime import retain_host_memory
 
     retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
+    from zoo import train as ztrain
+
+    try:  # before any compiling: a run dir in use, or holding a run that is neither resumed nor replaced
+        ztrain.check_run_dir(args.run_dir, resume=args.resume, overwrite=args.overwrite)
+    except ztrain.RunDirError as e:
+        parser().error(str(e))
     import jax
 
     if args.cpu_devices:
@@ -110,7 +142,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import zoo
     from zoo import data as zdata
-    from zoo import train as ztrain
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     if args.checkpoint:
@@ -121,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(config, "num_nextn_predict_layers", 0) == 1:  # DeepSeek-V3 presets: train their MTP module
             config = dataclasses.replace(config, mtp=True)
         model = cls(config, key=jr.key(args.seed), param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])
+    if args.seq_len > model.config.max_position_embeddings:
+        parser().error(f"--seq-len {args.seq_len} is beyond the model's max_position_embeddings "
+                       f"{model.config.max_position_embeddings}")  # fmt: skip
     mesh = None
     if args.mesh or args.coordinator or args.num_processes:
         from zoo import parallel
@@ -143,10 +177,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{jax.device_count()} {jax.devices()[0].platform} device(s); matmul peak {peak / 1e12:.2f} TFLOP/s",
         flush=True,
     )
-    model, history = ztrain.train(
-        model, data, cfg, run_dir=args.run_dir, resume=args.resume, placement=args.placement, mesh=mesh,
-        param_memory=args.param_memory, opt_memory=args.opt_memory, peak_flops=peak, consume=True,
-    )  # fmt: skip
+    try:
+        model, history = ztrain.train(
+            model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,
+            placement=args.placement, mesh=mesh, param_memory=args.param_memory, opt_memory=args.opt_memory,
+            peak_flops=peak, consume=True,
+        )  # fmt: skip
+    except ztrain.RunDirError as e:  # a run that started into the dir since the check above
+        parser().error(str(e))
+    except (zoo.CheckpointError, ztrain.NonFiniteLoss) as e:  # the message names the step and the checkpoint
+        sys.exit(f"{parser().prog}: error: {e}")
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     if vals:
         print(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {args.run_dir}/metrics.jsonl, curve: {args.run_dir}/loss.png)")

@@ -1,7 +1,12 @@
-"""Training: data determinism, optimizer masks, accumulation, resume (also after SIGKILL), NaN stop."""
+"""Training: data determinism, optimizer masks, accumulation, resume (also after SIGKILL), NaN stop,
+run-dir guards, damaged checkpoints, flag checks."""
 
+import dataclasses
+import fcntl
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,12 +177,207 @@ def test_sigkill_mid_training_then_resume_matches(tmp_path):
     resumed = {r["step"]: r["loss"] for r in records if "loss" in r}  # later lines (the resumed run) win
     assert sorted(resumed) == list(range(1, 9))
     np.testing.assert_array_equal([resumed[s] for s in range(1, 9)], full)
+    again = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=600)
+    finished = f"run in {tmp_path / 'killed'} already finished at step 8; nothing to do"
+    assert again.returncode == 0 and finished in again.stdout
 
 
-def test_recipe_rejects_bad_flags():
-    args, env = _recipe("/tmp/unused")
-    out = subprocess.run([*args, "--warmup", "50"], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--warmup (50) must be smaller than --steps (8)" in out.stderr
+def _small_context_checkpoint(tmp_path) -> Path:
+    """The Llama fixture with max_position_embeddings 16 (beyond it: a --seq-len that is cheap to refuse)."""
+    path = shutil.copytree(ROOT / "tests" / "fixtures" / "llama3_1-tiny", tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--warmup", "50"], "--warmup (50) must be smaller than --steps (8)"),
+        (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1, got 0"),
+        (["--lr", "-1"], "argument --lr: must be > 0, got -1"),
+        (["--clip", "-1"], "argument --clip: must be > 0, got -1"),
+        (["--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
+        (["--checkpoint", "SMALL_CONTEXT", "--seq-len", "32"],
+         "--seq-len 32 is beyond the model's max_position_embeddings 16"),
+    ],
+)  # fmt: skip
+def test_recipe_rejects_bad_flags(tmp_path, flags, message):
+    """Each is refused by name before training starts (none had been: they trained, or deleted
+    every checkpoint at the end with --keep-checkpoints 0)."""
+    args, env = _recipe(tmp_path / "run")
+    flags = [str(_small_context_checkpoint(tmp_path)) if f == "SMALL_CONTEXT" else f for f in flags]
+    out = subprocess.run([*args, *flags], check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_default_warmup_follows_steps():
+    """``--steps 20`` alone was refused: the default warm-up (20) was not smaller than it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_recipe", ROOT / "recipes" / "train.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert recipe.parse_args(["--steps", "20"]).warmup == 2
+    assert recipe.parse_args(["--steps", "1"]).warmup == 0
+    assert recipe.parse_args([]).warmup == 20  # the default 250 steps: as before
+    assert recipe.parse_args(["--steps", "20", "--warmup", "5"]).warmup == 5
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("keep_checkpoints", 0, "keep_checkpoints must be >= 1"), ("lr", -1.0, "lr must be > 0"),
+     ("clip", -1.0, "clip must be > 0"), ("lr", float("nan"), "lr must be > 0")],
+)  # fmt: skip
+def test_train_config_refuses_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**{field: value})
+
+
+def _saved(run_dir: Path, model, cfg) -> dict[int, dict]:
+    """Every checkpoint in ``run_dir``, restored with orbax itself."""
+    import orbax.checkpoint as ocp
+
+    params = eqx.filter(model, eqx.is_inexact_array)
+    abstract = {"params": params, "opt_state": ztrain.optimizer(cfg, model).init(params)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
+    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute())
+    return {s: manager.restore(s, args=ocp.args.StandardRestore(abstract)) for s in manager.all_steps()}
+
+
+def _all_finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+@pytest.mark.parametrize("log_every", [1, 100])
+def test_nan_guard_never_writes_non_finite_values(corpus, tmp_path, log_every):
+    """At lr 1e3 the update of step 7 turns the parameters NaN while the loss it reports (of the
+    parameters before it) is finite. Neither the step-7 checkpoint nor a NaN metric may be
+    written, and the stop message names the last checkpoint, which is finite. With log_every 100
+    only the check before the save stands in the way."""
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))
+    cfg = _cfg(steps=12, lr=1e3, log_every=log_every, eval_every=100, checkpoint_every=3)
+    ztrain.train(model, corpus, cfg, run_dir=tmp_path, stop_after=3)  # a good checkpoint at step 3
+    with pytest.raises(ztrain.NonFiniteLoss) as err:
+        ztrain.train(model, corpus, dataclasses.replace(cfg, checkpoint_every=7), run_dir=tmp_path, resume=True)
+    saved = _saved(tmp_path, model, cfg)
+    assert all(_all_finite(tree) for tree in saved.values()), {s: _all_finite(t) for s, t in saved.items()}
+    assert f"last good checkpoint (step {max(saved)}," in str(err.value)
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text, text  # how json.dumps writes them (not JSON)
+
+
+def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(corpus, tmp_path):
+    """A second run into the same dir trained from scratch, appended to the first's metrics and
+    crashed at its first checkpoint."""
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))
+    cfg = _cfg(steps=3)
+    ztrain.train(model, corpus, cfg, run_dir=tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    message = f"run dir {tmp_path} holds a previous run (metrics.jsonl, loss.png, checkpoints)"
+    with pytest.raises(ztrain.RunDirError, match=re.escape(message) + ".*--resume.*--overwrite"):
+        ztrain.train(model, corpus, cfg, run_dir=tmp_path)
+    args, env = _recipe(tmp_path)
+    out = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr and out.stdout == ""  # before building anything
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    _, history = ztrain.train(model, corpus, cfg, run_dir=tmp_path, overwrite=True)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == history and [r["step"] for r in records] == [0, 1, 2, 3]
+
+
+def test_a_run_dir_in_use_is_refused(corpus, tmp_path):
+    """Two runs into one dir interleaved their metrics and checkpoints; the lock of a running
+    one (here: held by the test) refuses the second."""
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))
+    with open(tmp_path / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ztrain.RunDirError, match=re.escape(f"run dir {tmp_path} is in use by another run")):
+            ztrain.train(model, corpus, _cfg(), run_dir=tmp_path)
+        args, env = _recipe(tmp_path)
+        out = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and f"run dir {tmp_path} is in use by another run" in out.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_drops_the_metrics_after_the_checkpoint(corpus, tmp_path):
+    """Steps 4 and 5 ran after the step-3 checkpoint: the resumed run logs them again, once."""
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))
+    ztrain.train(model, corpus, _cfg(), run_dir=tmp_path, stop_after=5)
+    ztrain.train(model, corpus, _cfg(), run_dir=tmp_path, resume=True)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    """A finished run of ``_cfg()`` (checkpoints at steps 3 and 6) and its metric records."""
+    run = tmp_path_factory.mktemp("finished")
+    _, history = ztrain.train(zoo.Llama(preset("tiny"), key=jr.key(0)), corpus, _cfg(), run_dir=run)
+    return run, history
+
+
+def test_resume_of_a_finished_run_says_so(corpus, finished_run, tmp_path, capsys):
+    run = shutil.copytree(finished_run[0], tmp_path / "run")
+    _, history = ztrain.train(zoo.Llama(preset("tiny"), key=jr.key(0)), corpus, _cfg(), run_dir=run, resume=True)
+    assert history == [] and f"run in {run} already finished at step 6; nothing to do" in capsys.readouterr().out
+
+
+def _damage(step_dir: Path, how: str) -> None:
+    default = step_dir / "default"
+    data = max((default / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)  # array bytes
+    if how == "metadata removed":
+        (default / "_METADATA").unlink()
+    elif how == "data file removed":
+        data.unlink()
+    else:
+        raw = bytearray(data.read_bytes())
+        at, n, mask = len(raw) // 2, *((4096, 0xFF) if how == "4 KiB flipped" else (1, 0x01))
+        raw[at : at + n] = bytes(b ^ mask for b in raw[at : at + n])
+        data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["metadata removed", "data file removed", "4 KiB flipped", "one bit flipped"])
+def test_a_damaged_checkpoint_is_named_and_the_one_before_resumed(corpus, finished_run, tmp_path, capsys, how):
+    """Resuming failed with orbax internals, or (flipped bytes) trained on from damaged values.
+    One flipped bit leaves every value finite: the bit sums saved with the checkpoint catch it."""
+    run = shutil.copytree(finished_run[0], tmp_path / "run")
+    _damage(run / "checkpoints" / "6", how)
+    _, rest = ztrain.train(zoo.Llama(preset("tiny"), key=jr.key(0)), corpus, _cfg(), run_dir=run, resume=True)
+    err = capsys.readouterr().err
+    assert f"checkpoint step 6 ({run / 'checkpoints' / '6'}) is damaged: " in err and "falling back to step 3" in err
+    if how == "one bit flipped":
+        assert "does not match the checksum saved with it" in err
+    assert (run / "damaged-checkpoints" / "6" / "default").is_dir()  # kept, out of the way of the new step 6
+    assert [r["step"] for r in rest] == [4, 5, 6]
+    full = [r["loss"] for r in finished_run[1] if "loss" in r]
+    np.testing.assert_array_equal(full[3:], [r["loss"] for r in rest])
+
+
+def test_no_usable_checkpoint_is_an_error_naming_each(corpus, finished_run, tmp_path):
+    run = shutil.copytree(finished_run[0], tmp_path / "run")
+    _damage(run / "checkpoints" / "6", "metadata removed")
+    _damage(run / "checkpoints" / "3", "data file removed")
+    message = (f"no checkpoint in {run / 'checkpoints'} is usable: step 6 ({run / 'checkpoints' / '6'}) is damaged: "
+               f".*; step 3 ({run / 'checkpoints' / '3'}) is damaged: ")  # fmt: skip
+    with pytest.raises(zoo.CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ztrain.train(zoo.Llama(preset("tiny"), key=jr.key(0)), corpus, _cfg(), run_dir=run, resume=True)
+    assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]  # nothing moved: there is nothing to fall back to
+
+
+def test_a_checkpoint_of_another_preset_is_a_one_line_error(corpus, finished_run, tmp_path):
+    """It was orbax's shape error (262 lines of asyncio traceback from the recipe)."""
+    run = shutil.copytree(finished_run[0], tmp_path / "run")
+    with pytest.raises(zoo.CheckpointError) as err:
+        ztrain.train(zoo.Llama(preset("small"), key=jr.key(0)), corpus, _cfg(), run_dir=run, resume=True)
+    message = str(err.value)
+    assert "parameter embed has shape (256, 64) in the checkpoint, (256, 256) in the model" in message
+    assert f"checkpoint step 6 ({run / 'checkpoints' / '6'})" in message and "\n" not in message
+    args, env = _recipe(run, "--preset", "small", "--resume")
+    out = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"train.py: error: {message}"
 
 
 @pytest.mark.parametrize("model, flag", [("qwen3_moe", "--aux-loss-coef"), ("deepseek_v3", "--router-bias-rate")])

@@ -7,14 +7,18 @@ place with I/O (metrics lines, orbax checkpoints, the loss-curve PNG).
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
@@ -23,6 +27,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
+from zoo.errors import CheckpointError, ConfigError
 from zoo.params import Param, map_params
 
 
@@ -54,9 +59,13 @@ class TrainConfig:
     keep_checkpoints: int = 3
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "checkpoint_every",
+                     "keep_checkpoints"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.warmup < 0 or self.warmup > self.steps:
             raise ValueError(f"warmup must be in 0..steps ({self.steps}), got {self.warmup}")
 
@@ -263,7 +272,260 @@ def plot_losses(history: list[Mapping[str, Any]], path: Path) -> Path | None:
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is left untouched."""
+    """The loss, a metric, the parameters or the optimizer state became NaN or infinite.
+    Nothing non-finite is written: the last checkpoint is good and left untouched."""
+
+
+class RunDirError(ValueError):
+    """A run directory in use by a running run, or holding an earlier run's files."""
+
+
+def _named_leaves(tree) -> dict[str, Any]:
+    """The array leaves of ``tree`` (arrays, shape structs, orbax metadata) by dotted path."""
+
+    def name(key) -> str:
+        for attr in ("name", "key", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(map(name, path)): x for path, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")}
+
+
+def _params_first(names) -> list[str]:
+    """Leaf names with the parameters' first: an error names a parameter where one is at fault."""
+    return sorted(names, key=lambda name: not name.startswith("params."))
+
+
+def _describe(name: str) -> str:
+    """A leaf of ``{"params": ..., "opt_state": ...}`` as a person would name it."""
+    return f"parameter {name.removeprefix('params.')}" if name.startswith("params.") else f"optimizer state {name}"
+
+
+def _bit_sum(x: Array) -> Array:
+    """A wrapping uint32 sum of ``x``'s bits: changes with any damage to its stored bytes."""
+    if x.dtype == jnp.bool_:
+        return jnp.sum(x, dtype=jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)  # 8 bytes: two uint32 words
+    return jnp.sum(jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32), dtype=jnp.uint32)
+
+
+@functools.partial(jax.jit, static_argnames="to_device")
+def _audit(tree, to_device: bool = False) -> tuple[Array, Array]:
+    """Per array leaf of ``tree`` (in ``_named_leaves`` order): whether it is finite, and its
+    bit sum, in one pass: cheap enough to run before every save."""
+    if to_device:  # pinned_host trees: computing needs them on the device
+        from zoo.placement import tree_placement
+
+        tree = tree_placement(tree, "device")
+    leaves = list(_named_leaves(tree).values())
+    finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True) for x in leaves]
+    return jnp.stack(finite), jnp.stack([_bit_sum(x) for x in leaves])
+
+
+def _first_non_finite(tree, finite) -> str | None:
+    """The first leaf that ``_audit`` found non-finite, described (None: all finite)."""
+    bad = [name for name, ok in zip(_named_leaves(tree), np.asarray(finite)) if not ok]
+    return _describe(_params_first(bad)[0]) if bad else None
+
+
+def _short(e: BaseException) -> str:
+    """An exception in one short line (orbax's and TensorStore's messages run to pages); the
+    innermost cause is the one that names the array and the file."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    line = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return line if len(line) <= 240 else line[:237] + "..."
+
+
+def _flock(f, run_dir: Path) -> None:
+    """Take ``f``'s exclusive lock, or refuse: another run holds it."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RunDirError(
+            f"run dir {run_dir} is in use by another run (it holds {run_dir / '.lock'}): "
+            "wait for it to end or choose another run dir"
+        ) from None
+
+
+# What a run writes into its run dir (and ``overwrite`` clears).
+_RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints")
+
+
+def _previous_run(run_dir: Path) -> list[str]:
+    """The files of an earlier run that ``run_dir`` holds."""
+    found = []
+    for name in _RUN_FILES:
+        path = run_dir / name
+        if (path.is_dir() and any(path.iterdir())) or (path.is_file() and path.stat().st_size > 0):
+            found.append(name)
+    return found
+
+
+def check_run_dir(run_dir: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuse (``RunDirError``) a run dir that a running run holds, or that holds an earlier
+    run, unless ``resume`` (continue it) or ``overwrite`` (replace it). Reads only: the
+    recipe calls it before any compiling; ``train`` checks again and takes the lock."""
+    run_dir = Path(run_dir)
+    _refuse_a_file(run_dir)
+    if (run_dir / ".lock").is_file():
+        with open(run_dir / ".lock") as f:  # closing releases it
+            _flock(f, run_dir)
+    _refuse_previous_run(run_dir, resume, overwrite)
+
+
+def _refuse_a_file(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run dir {run_dir} is not a directory")
+
+
+def _refuse_previous_run(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    if resume and overwrite:
+        raise RunDirError("resume and overwrite exclude each other: continue the run or replace it")
+    found = _previous_run(run_dir) if run_dir.is_dir() else []
+    if found and not (resume or overwrite):
+        raise RunDirError(
+            f"run dir {run_dir} holds a previous run ({', '.join(found)}): "
+            "continue it with --resume or replace it with --overwrite"
+        )
+
+
+class _RunDirLock:
+    """The run dir, checked, cleared if ``overwrite``, and locked (``fcntl.flock`` on
+    ``run_dir/.lock``) while the run lasts, so that a second run into it is refused.
+    Only the first process of a multi-host run checks and locks (they share the dir)."""
+
+    def __init__(self, run_dir: Path, resume: bool, overwrite: bool):
+        self.run_dir, self.resume, self.overwrite, self.file = run_dir, resume, overwrite, None
+
+    def __enter__(self):
+        if jax.process_index() != 0:
+            return self
+        _refuse_a_file(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.run_dir / ".lock", "a")
+        _flock(self.file, self.run_dir)
+        try:
+            _refuse_previous_run(self.run_dir, self.resume, self.overwrite)
+            if self.overwrite and (found := _previous_run(self.run_dir)):
+                for name in found:
+                    path = self.run_dir / name
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                print(f"overwrite: removed the previous run's {', '.join(found)} from {self.run_dir}", flush=True)
+        except BaseException:
+            self.file.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            self.file.close()
+
+
+def _truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records of steps up to ``step`` (none when 0: the run starts over), rewritten
+    atomically; returns them. A resumed run then appends, and no step is logged twice."""
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if step > 0 and isinstance(record, dict) and record.get("step", math.inf) <= step:
+            kept.append(record)
+            lines.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(x + "\n" for x in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
+
+
+def _misfit(saved: Mapping[str, Any], abstract) -> str | None:
+    """How a checkpoint's arrays (orbax metadata) differ from the model's, or None."""
+    want = _named_leaves(abstract)
+    for name in _params_first(want):
+        leaf = want[name]
+        if name not in saved:
+            return f"{_describe(name)} {tuple(leaf.shape)} is not in the checkpoint"
+        if tuple(saved[name].shape) != tuple(leaf.shape):
+            return (f"{_describe(name)} has shape {tuple(saved[name].shape)} in the checkpoint, "
+                    f"{tuple(leaf.shape)} in the model")  # fmt: skip
+    extra = _params_first(name for name in saved if name not in want)
+    return f"{_describe(extra[0])} is in the checkpoint, not in the model" if extra else None
+
+
+def _try_restore(manager, step: int, path: Path, abstract, to_device: bool) -> tuple[str | None, Any]:
+    """``(None, tree)``, or ``(what is wrong, None)`` for a damaged checkpoint; raises
+    ``CheckpointError`` for a checkpoint of another model (falling back would not help)."""
+    import orbax.checkpoint as ocp
+
+    try:
+        meta = manager.item_metadata(step)
+    except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise plain Exceptions for damage)
+        return f"its metadata does not read ({_short(e)})", None
+    saved = _named_leaves(meta) if meta is not None else {}
+    if not saved:
+        return "its metadata is missing", None
+    if (misfit := _misfit(saved, abstract)) is not None:
+        raise CheckpointError(f"checkpoint step {step} ({path}) does not fit the model: {misfit} "
+                              "(a checkpoint of another preset or model?)")  # fmt: skip
+    try:
+        tree = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # noqa: BLE001  (as above)
+        return f"it does not restore ({_short(e)})", None
+    finite, sums = _audit(tree, to_device=to_device)
+    if (bad := _first_non_finite(tree, finite)) is not None:
+        return f"its {bad} is not finite", None
+    try:  # the bit sums saved with it (none in a checkpoint without its _CHECKPOINT_METADATA)
+        expected = (manager.metadata(step).custom_metadata or {}).get("zoo", {}).get("checksums", {})
+    except Exception:  # noqa: BLE001  (unreadable: unchecked, as for a checkpoint saved without them)
+        expected = {}
+    got = dict(zip(_named_leaves(tree), np.asarray(sums).tolist()))
+    for name in _params_first(got):
+        if name in expected and int(expected[name]) != got[name]:
+            return f"its {_describe(name)} does not match the checksum saved with it", None
+    return None, tree
+
+
+def _restore_latest(manager, run_dir: Path, abstract, to_device: bool) -> tuple[int, Any]:
+    """The newest checkpoint that restores and verifies: ``(step, tree)``; ``(0, None)`` if
+    there is none. Damaged newer ones are moved to ``run_dir/damaged-checkpoints`` (kept,
+    not deleted), saying so; with no good one left, ``CheckpointError`` names them all."""
+    ckpt_dir = run_dir / "checkpoints"
+    damaged: list[tuple[int, str]] = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        problem, tree = _try_restore(manager, step, ckpt_dir / str(step), abstract, to_device)
+        if problem is not None:
+            damaged.append((step, problem))
+            continue
+        for bad, why in damaged:
+            dest = run_dir / "damaged-checkpoints" / str(bad)
+            n = 1
+            while dest.exists():
+                dest, n = run_dir / "damaged-checkpoints" / f"{bad}.{n}", n + 1
+            dest.parent.mkdir(exist_ok=True)
+            shutil.move(ckpt_dir / str(bad), dest)  # a later save of this step would collide with it
+            print(f"checkpoint step {bad} ({ckpt_dir / str(bad)}) is damaged: {why}; moved it to {dest}; "
+                  f"falling back to step {step}", file=sys.stderr, flush=True)  # fmt: skip
+        if damaged:
+            manager.reload()
+        return step, tree
+    if damaged:
+        raise CheckpointError(
+            f"no checkpoint in {ckpt_dir} is usable: "
+            + "; ".join(f"step {s} ({ckpt_dir / str(s)}) is damaged: {why}" for s, why in damaged)
+            + ". Nothing to resume from: start over with --overwrite"
+        )
+    return 0, None
 
 
 def batches(data, cfg: TrainConfig, start: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -280,6 +542,7 @@ def train(
     *,
     run_dir: str | Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     placement=None,
     mesh=None,
     param_memory: str = "device",
@@ -291,14 +554,30 @@ def train(
     """Train ``model`` on ``data``; returns the trained model and the metric records.
 
     Checkpoints (orbax, asynchronous, atomic, last ``keep_checkpoints`` kept) go to
-    ``run_dir/checkpoints`` every ``checkpoint_every`` steps and at the end; ``resume``
-    continues from the latest. ``stop_after``: stop (without a final save) after that many
-    steps of this call — for tests that interrupt a run. ``consume``: let the steps reuse the
-    given model's buffers (no copy; the caller's ``model`` is unusable afterwards).
+    ``run_dir/checkpoints`` every ``checkpoint_every`` steps and at the end. A run dir that
+    holds an earlier run is refused unless ``resume`` (continue from its latest good
+    checkpoint) or ``overwrite`` (remove it first); a run holds ``run_dir/.lock`` while it
+    lasts. ``stop_after``: stop (without a final save) after that many steps of this call —
+    for tests that interrupt a run. ``consume``: let the steps reuse the given model's
+    buffers (no copy; the caller's ``model`` is unusable afterwards).
     """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
+    if run_dir is None:
+        return _train(model, data, cfg, None, False, placement, mesh, param_memory, opt_memory, peak_flops,
+                      stop_after, consume)  # fmt: skip
+    run_dir = Path(run_dir)
+    with _RunDirLock(run_dir, resume, overwrite):
+        return _train(model, data, cfg, run_dir, resume, placement, mesh, param_memory, opt_memory, peak_flops,
+                      stop_after, consume)  # fmt: skip
+
+
+def _train(model, data, cfg: TrainConfig, run_dir: Path | None, resume: bool, placement, mesh, param_memory: str,
+           opt_memory: str, peak_flops: float | None, stop_after: int | None, consume: bool):  # fmt: skip
+    """``train`` in a checked and locked run dir."""
     import orbax.checkpoint as ocp
 
-    run_dir = Path(run_dir) if run_dir is not None else None
     tx = optimizer(cfg, model)
     params = eqx.filter(model, eqx.is_inexact_array)
     if not consume:  # the steps donate their inputs
@@ -312,17 +591,41 @@ def train(
         opt_state = parallel.replicate_unplaced(tx.init(params), mesh)
     if opt_state is None:
         opt_state = tx.init(params)
+    primary = jax.process_index() == 0
     start = 0
     manager = None
+    previous: list[dict[str, Any]] = []  # the resumed run's metric records, for the loss curve
     if run_dir is not None:
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=True)
-        manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
-        if resume and manager.latest_step() is not None:
-            start = manager.latest_step()
+        manager = ocp.CheckpointManager(
+            (run_dir / "checkpoints").absolute(), options=options, item_handlers=ocp.StandardCheckpointHandler()
+        )
+    try:
+        if manager is not None and resume:
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
-            restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
-            params, opt_state = restored["params"], restored["opt_state"]
-            print(f"resumed from {run_dir / 'checkpoints'} at step {start}", flush=True)
+            start, restored = _restore_latest(manager, run_dir, abstract, to_device=False)
+            if restored is not None:
+                params, opt_state = restored["params"], restored["opt_state"]
+                print(f"resumed from {run_dir / 'checkpoints'} at step {start}", flush=True)
+            else:
+                print(f"no checkpoint in {run_dir / 'checkpoints'}: starting from step 0", flush=True)
+            if primary:
+                previous = _truncate_metrics(run_dir / "metrics.jsonl", start)
+            if start >= cfg.steps:
+                print(f"run in {run_dir} already finished at step {start}; nothing to do", flush=True)
+                return eqx.combine(params, static), []
+        return _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_state, static, placement,
+                     mesh, param_memory, opt_memory, peak_flops, stop_after)  # fmt: skip
+    finally:
+        if manager is not None:
+            manager.close()  # waits for a save in flight: an interrupted run keeps it
+
+
+def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_state, static, placement, mesh,
+          param_memory, opt_memory, peak_flops, stop_after):  # fmt: skip
+    """The steps from ``start``, with metrics, checks and checkpoints."""
+    import orbax.checkpoint as ocp
+
     from zoo.placement import tree_placement
 
     if param_memory != "device":
@@ -338,10 +641,28 @@ def train(
     log = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, cfg.steps)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * seq
     last_time, last_step, done = time.perf_counter(), start, start
+    on_host = param_memory != "device" or opt_memory != "device"
+
+    def stop(what: str) -> NoReturn:
+        if manager is not None:
+            manager.wait_until_finished()
+        last = manager.latest_step() if manager is not None else None
+        if last is not None:
+            kept = f"the last good checkpoint (step {last}, {run_dir / 'checkpoints' / str(last)}) is untouched"
+        else:
+            kept = "there is no checkpoint" if manager is not None else "nothing was saved (no run dir)"
+        raise NonFiniteLoss(f"step {done}: {what}; stopping. Nothing non-finite was written: {kept}.")
 
     def save(step: int) -> None:
-        if manager is not None:
-            manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+        if manager is None:
+            return
+        tree = {"params": params, "opt_state": opt_state}
+        finite, sums = _audit(tree, to_device=on_host)  # the update can break what the loss did not show
+        if (bad := _first_non_finite(tree, finite)) is not None:
+            stop(f"the {bad} is not finite after the update")
+        checksums = dict(zip(_named_leaves(tree), np.asarray(sums).tolist()))
+        manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata={"zoo": {"checksums": checksums}},
+                     force=True)  # fmt: skip
 
     def validation_loss(params) -> float:
         p = tree_placement(params, "device") if param_memory != "device" else params
@@ -358,14 +679,9 @@ def train(
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps
         is_save = done % cfg.checkpoint_every == 0
         if is_log or is_eval or is_save:
-            loss = float(metrics["loss"])  # also checked before every save: a NaN is never written
+            loss = float(metrics["loss"])
             if not math.isfinite(loss):
-                if manager is not None:
-                    manager.wait_until_finished()
-                raise NonFiniteLoss(
-                    f"step {done}: loss is {loss}; stopping. The last good checkpoint "
-                    f"(step {manager.latest_step() if manager else None}) is untouched."
-                )
+                stop(f"loss is {loss}")
             now = time.perf_counter()
             tps = tokens_per_step * (done - last_step) / (now - last_time)
             last_time, last_step = now, done
@@ -380,6 +696,9 @@ def train(
             if is_eval:
                 record["val_loss"] = validation_loss(params)
                 last_time = time.perf_counter()  # evaluation is not training throughput
+            for k, v in record.items():  # metrics.jsonl holds finite numbers only (JSON has no NaN)
+                if v is not None and not np.all(np.isfinite(np.asarray(v, dtype=float))):
+                    stop(f"{k} is {v}")
             log.write(record)
         if done % cfg.checkpoint_every == 0 and done != cfg.steps:
             save(done)
@@ -391,8 +710,8 @@ def train(
         if manager.latest_step() != done:
             save(done)
         manager.wait_until_finished()
-    if run_dir is not None and log.history:
-        plot_losses(log.history, run_dir / "loss.png")
+    if run_dir is not None and log.history and jax.process_index() == 0:
+        plot_losses(previous + log.history, run_dir / "loss.png")
     if param_memory != "device":
         params = tree_placement(params, "device")
     return eqx.combine(params, static), log.history
