@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import io
 import itertools
-from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,11 +23,12 @@ from conftest import FIXTURES, reference
 from helpers import global_norm
 from hypothesis import strategies as st
 from test_placement import FAST, placement_annotations, tensor_type
+from test_placement_maps import Body, layer_bodies, residual_of
 
 import zoo
 from zoo import DeepseekV3Placement, PlacementError
 from zoo.deepseek_v3 import deepseek_v3_loss, preset
-from zoo.placement import _subjaxprs, layer_policy, placement_map_for
+from zoo.placement import layer_policy, placement_map_for
 
 P = DeepseekV3Placement
 NAMES = P.names()
@@ -81,49 +81,9 @@ def maps() -> st.SearchStrategy[DeepseekV3Placement]:
 # -- where the names are ------------------------------------------------------------------
 
 
-class Body(NamedTuple):
-    """The named tensors of one layer body: a scan over ``length`` layers, or (``None``) the
-    unscanned MTP block; ``checkpointed``: every name inside it sits in a jax.checkpoint."""
-
-    length: int | None
-    names: collections.Counter  # name -> occurrences
-    shapes: dict  # name -> jax.ShapeDtypeStruct
-    checkpointed: bool
-
-
 @functools.cache
 def bodies_of(kind: str, placement="device") -> list[Body]:
     return layer_bodies(loss_of(kind), model_of(kind), tiny_ids(), placement)
-
-
-def layer_bodies(loss, model, ids, placement="device") -> list[Body]:
-    """Every ``checkpoint_name`` of the traced loss, grouped by the layer scan holding it
-    (in trace order: dense scan, MoE scan), then those outside any scan (the MTP block)."""
-    found: dict = {}
-
-    def walk(jaxpr, body, length, ckpt):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "name":
-                aval = eqn.outvars[0].aval
-                entry = found.setdefault(body, (length, collections.Counter(), {}, []))
-                entry[1][eqn.params["name"]] += 1
-                entry[2][eqn.params["name"]] = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-                entry[3].append(ckpt)
-            in_scan = body is None and eqn.primitive.name == "scan"
-            for sub in _subjaxprs(eqn):
-                walk(
-                    sub,
-                    id(eqn) if in_scan else body,
-                    eqn.params["length"] if in_scan else length,
-                    ckpt or eqn.primitive.name in ("remat2", "checkpoint"),  # jax.checkpoint's primitive
-                )
-
-    walk(jax.make_jaxpr(lambda m: loss(m, ids, placement))(model).jaxpr, None, None, False)
-    bodies = [Body(n, c, s, all(k)) for key, (n, c, s, k) in found.items() if key is not None]
-    if None in found:
-        n, c, s, k = found[None]
-        bodies.append(Body(n, c, s, all(k)))
-    return bodies
 
 
 @pytest.mark.parametrize("placement", [None, "device", "remat", "nvidia_offload"])
@@ -179,19 +139,6 @@ def residuals(loss, model, ids, placement) -> collections.Counter:
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(lambda m: loss(m, ids, placement), model)
     return collections.Counter(line.split(" ", 1)[0] for line in out.getvalue().splitlines())
-
-
-def residual_of(bodies: list[Body], name: str, *, host: bool = False) -> collections.Counter:
-    """The residuals one named tensor becomes: one per body holding it, stacked over the
-    scanned layers (the MTP block's unstacked)."""
-    out: collections.Counter = collections.Counter()
-    for body in bodies:
-        if name in body.names:
-            s = body.shapes[name]
-            shape = s.shape if body.length is None else (body.length, *s.shape)
-            dtype = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}[jnp.dtype(s.dtype)]
-            out[f"{dtype}{'<host>' if host else ''}[{','.join(map(str, shape))}]"] += 1
-    return out
 
 
 @functools.cache

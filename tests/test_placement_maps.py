@@ -163,7 +163,8 @@ def residual_of(bodies: list[Body], name: str, *, host: bool = False) -> collect
         if name in body.names:
             s = body.shapes[name]
             dtype = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}[jnp.dtype(s.dtype)]
-            out[f"{dtype}{'<host>' if host else ''}[{','.join(map(str, (body.length, *s.shape)))}]"] += body.names[name]
+            shape = s.shape if body.length is None else (body.length, *s.shape)  # a block outside the scans: unstacked
+            out[f"{dtype}{'<host>' if host else ''}[{','.join(map(str, shape))}]"] += body.names[name]
     return out
 
 

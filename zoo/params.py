@@ -135,6 +135,26 @@ def init_params(
     return out
 
 
+def init_with_stacks(
+    specs: Mapping[str, Param], sizes: Mapping[str, int], stacks: Mapping[str, str], *, key: PRNGKeyArray, std: float, dtype
+) -> dict[str, Array]:
+    """Fresh arrays for a model whose layers come in stacks (``{path prefix: stacked letter}``,
+    e.g. ``{"dense_layers": "Ld", "moe_layers": "Lm"}``): each stack built by ``filter_vmap``
+    over per-layer keys, the rest by :func:`init_params`. A stack of size 0 is left out."""
+    keys = dict(zip(["rest", *stacks], jr.split(key, len(stacks) + 1)))
+    rest = {p: s for p, s in specs.items() if p.split(".")[0] not in stacks}
+    arrays = init_params(rest, sizes, key=keys["rest"], std=std, dtype=dtype)
+    for prefix, axis in stacks.items():
+        if not sizes[axis]:
+            continue
+        layer_specs = strip_prefix(specs, prefix, axis)
+        stacked = eqx.filter_vmap(
+            lambda k, layer_specs=layer_specs: init_params(layer_specs, sizes, key=k, std=std, dtype=dtype)
+        )(jr.split(keys[prefix], sizes[axis]))
+        arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
+    return arrays
+
+
 def strip_prefix(specs: Mapping[str, Param], prefix: str, drop_axis: str) -> dict[str, Param]:
     """The specs under ``prefix.``, seen from inside one slice of the stacked axis ``drop_axis``."""
     out = {}

@@ -20,7 +20,6 @@ from typing import Any, ClassVar, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -34,7 +33,7 @@ from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_s
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
 from zoo.layers.stack import scan_layers
-from zoo.params import Param, build, flatten, init_params, strip_prefix
+from zoo.params import Param, build, flatten, init_with_stacks
 
 
 def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
@@ -318,21 +317,8 @@ class DeepseekV3(CausalLM):
 
     def _init(self, specs, key, dtype) -> dict[str, Array]:
         """Fresh weights; each layer stack is built by ``filter_vmap`` over per-layer keys."""
-        config, std = self.config, self.config.initializer_range
         stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
-        keys = dict(zip(["rest", *stacks], jr.split(key, 3)))
-        rest = {p: s for p, s in specs.items() if p.split(".")[0] not in stacks}
-        arrays = init_params(rest, config.sizes, key=keys["rest"], std=std, dtype=dtype)
-        for prefix, axis in stacks.items():
-            n = config.sizes[axis]
-            if not n:
-                continue
-            layer_specs = strip_prefix(specs, prefix, axis)
-            stacked = eqx.filter_vmap(
-                lambda k: init_params(layer_specs, config.sizes, key=k, std=std, dtype=dtype)  # noqa: B023
-            )(jr.split(keys[prefix], n))
-            arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
-        return arrays
+        return init_with_stacks(specs, self.config.sizes, stacks, key=key, std=self.config.initializer_range, dtype=dtype)
 
     def forward(
         self,
