@@ -50,6 +50,15 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests marked ``host_memory`` run last. They run programs that use pinned host memory in
+    this process, after which jaxlib 0.10's XLA:CPU may abort the next multi-device program
+    (printing nothing but "Fatal Python error: Aborted"; it happened to CI once in ~10 runs).
+    Multi-device programs with host memory run in a fresh process of their own
+    (``helpers.run_in_fresh_process``); none runs in this one after these."""
+    items.sort(key=lambda item: item.get_closest_marker("host_memory") is not None)  # stable
+
+
 @pytest.fixture(scope="session")
 def fixtures() -> Path:
     return FIXTURES

@@ -44,3 +44,29 @@ def supported_compile_options(options: dict) -> dict:
             continue
         known[name] = value
     return known
+
+
+def run_in_fresh_process(script: str, timeout: int = 600) -> str:
+    """Run ``script`` in a new Python (8 CPU devices, strict promotion, the tests folder on the
+    path, no persistent compilation cache) and return its stdout; its stderr on failure.
+
+    For multi-device programs that touch pinned host memory: jaxlib 0.10's XLA:CPU aborts or
+    deadlocks a multi-device program in a process where a host-memory program ran before, and
+    one loaded from the persistent compilation cache (see conftest.py's ``host_memory`` marker).
+    """
+    import os
+    import subprocess
+    import sys
+
+    tests = Path(__file__).parent
+    prelude = (
+        "import jax\n"
+        "jax.config.update('jax_num_cpu_devices', 8)\n"
+        "jax.config.update('jax_numpy_dtype_promotion', 'strict')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
+           "JAX_ENABLE_COMPILATION_CACHE": "false"}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", prelude + script], capture_output=True, text=True, env=env,
+                         timeout=timeout, check=False)  # fmt: skip
+    assert out.returncode == 0, f"exit code {out.returncode}:\n{out.stderr[-3000:]}"
+    return out.stdout

@@ -12,12 +12,8 @@ import contextlib
 import dataclasses
 import functools
 import io
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import equinox as eqx
@@ -27,7 +23,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from conftest import FIXTURES, reference
-from helpers import supported_compile_options
+from helpers import run_in_fresh_process, supported_compile_options
 from hypothesis import strategies as st
 
 import zoo
@@ -280,6 +276,7 @@ def test_layer_policy_checks_the_map_fits_the_model():
         zoo.lm_loss(model, tiny_ids(), placement=ToyPlacement())
 
 
+@pytest.mark.host_memory
 def test_placement_strings_reach_the_model():
     loss = zoo.lm_loss(tiny(), tiny_ids(), placement="save_matmuls+query=pinned_host")
     np.testing.assert_allclose(float(loss), float(reference("llama3_1-tiny")["loss"]), rtol=1e-5)
@@ -288,6 +285,18 @@ def test_placement_strings_reach_the_model():
 # -- parameters and optimizer state ----------------------------------------------------------
 
 
+SHARDED_TO_HOST = """
+import jax, jax.numpy as jnp
+from zoo.placement import tree_placement
+mesh = jax.make_mesh((8,), ("data",))
+sharded = jax.device_put(jnp.arange(16.0), jax.sharding.NamedSharding(mesh, jax.P("data")))
+moved = tree_placement(sharded, "pinned_host")
+assert moved.sharding == sharded.sharding.with_memory_kind("pinned_host"), moved.sharding
+print("ok")
+"""
+
+
+@pytest.mark.host_memory
 def test_tree_placement_moves_whole_trees():
     model = tiny()
     on_host = tree_placement(model, "pinned_host")
@@ -295,10 +304,8 @@ def test_tree_placement_moves_whole_trees():
     back = tree_placement(on_host, "device")
     assert memory_kinds(back) == {"device"}
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)))
-    mesh = jax.make_mesh((8,), ("data",))
-    sharded = jax.device_put(jnp.arange(16.0), jax.sharding.NamedSharding(mesh, jax.P("data")))
-    moved = tree_placement(sharded, "pinned_host")
-    assert moved.sharding == sharded.sharding.with_memory_kind("pinned_host")
+    # Sharded: the sharding is kept (in a fresh process: helpers.run_in_fresh_process).
+    assert run_in_fresh_process(SHARDED_TO_HOST).strip().endswith("ok")
     with pytest.raises(PlacementError, match="parameters cannot be 'remat': it is an input of the training step"):
         tree_placement(model, "remat", what="parameters")
     with pytest.raises((PlacementError, TypeError), match="'host'"):  # the Literal's check, or ours
@@ -332,6 +339,7 @@ def _steps(params: str, opt_state: str, n: int = 3, mesh=None, model=None):
     return weights, state, losses
 
 
+@pytest.mark.host_memory
 def test_train_step_with_params_and_optimizer_state_on_host_matches_device():
     ref_model, ref_state, ref_losses = _steps("device", "device")
     for params, opt_state in [("pinned_host", "pinned_host"), ("device", "pinned_host")]:
@@ -344,9 +352,7 @@ def test_train_step_with_params_and_optimizer_state_on_host_matches_device():
 
 
 HOST_UNDER_A_MESH = """
-import jax, jax.numpy as jnp, numpy as np
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_numpy_dtype_promotion", "strict")
+import jax.numpy as jnp, numpy as np
 import test_placement as t
 import zoo
 from zoo import parallel
@@ -380,11 +386,7 @@ def test_params_and_optimizer_state_on_host_under_a_mesh():
     with host-memory arguments (and so does one loaded from the persistent compilation cache).
     A training run is one process with one step, so this is how users meet it; measured.
     """
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
-           "JAX_ENABLE_COMPILATION_CACHE": "false"}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", HOST_UNDER_A_MESH], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert run_in_fresh_process(HOST_UNDER_A_MESH).strip().endswith("ok")
 
 
 def test_cuda_train_step_streams_params_and_optimizer_state():

@@ -30,6 +30,9 @@ from zoo import DeepseekV3Placement, PlacementError
 from zoo.deepseek_v3 import deepseek_v3_loss, preset
 from zoo.placement import layer_policy, placement_map_for
 
+# Its numerics tests run offloading maps in this process (conftest.py orders these last).
+pytestmark = pytest.mark.host_memory
+
 P = DeepseekV3Placement
 NAMES = P.names()
 PRESETS = P.preset_names()

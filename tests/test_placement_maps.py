@@ -31,6 +31,9 @@ import zoo
 from zoo import registry
 from zoo.placement import PlacementError, _subjaxprs, layer_policy, placement_map_for
 
+# Its numerics tests run offloading maps in this process (conftest.py orders these last).
+pytestmark = pytest.mark.host_memory
+
 
 def map_of(model_type: str):
     return placement_map_for(tiny(model_type))
