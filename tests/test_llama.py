@@ -52,7 +52,7 @@ def test_packed_segments_match_separate_sequences():
 def test_packed_loss_skips_boundary():
     model = _model()
     ids = jr.randint(jr.key(2), (2, 16), 0, 256)
-    seg = jnp.broadcast_to((jnp.arange(16) >= 10).astype(jnp.int32), (2, 16))
+    seg = jnp.broadcast_to(1 + (jnp.arange(16) >= 10).astype(jnp.int32), (2, 16))  # 0 would be padding
     pos = jnp.broadcast_to(jnp.where(jnp.arange(16) >= 10, jnp.arange(16) - 10, jnp.arange(16)), (2, 16)).astype(jnp.int32)
     packed = zoo.lm_loss(model, ids, positions=pos, segment_ids=seg)
     a = zoo.lm_loss(model, ids[:, :10])

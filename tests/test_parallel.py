@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import run_in_fresh_process
 
 import zoo
 from zoo import parallel, registry
@@ -252,8 +253,16 @@ def test_shard_places_every_array_and_passes_memory_kind():
     for path, x in flat(sharded).items():
         assert x.sharding.spec == jax.sharding.PartitionSpec(*expected_spec(LLAMA_LAYOUT[path], mesh)), path
         np.testing.assert_array_equal(np.asarray(x), np.asarray(flat(model)[path]))
-    host = parallel.shard(model, mesh, memory_kind="pinned_host")
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(host)} == {"pinned_host"}
+    # memory_kind= reaches every array (in a fresh process: helpers.run_in_fresh_process).
+    assert run_in_fresh_process(SHARD_TO_HOST).strip().endswith("ok")
+
+
+SHARD_TO_HOST = """
+import test_parallel as t
+host = t.parallel.shard(t.llama(), t.parallel.make_mesh("fsdp=4,tensor=2"), memory_kind="pinned_host")
+assert {x.sharding.memory_kind for x in jax.tree.leaves(host)} == {"pinned_host"}
+print("ok")
+"""
 
 
 # -- one step equals the single-device step -------------------------------------------------
@@ -323,9 +332,6 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
 
 
 OFFLOAD_UNDER_EP = """
-import jax
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_numpy_dtype_promotion", "strict")
 import test_parallel as t
 t.test_sharded_step_equals_single_device("deepseek_v3", "data=2,expert=4", t.parallel.BATCH_AXES, {"placement": "nvidia_offload"})
 print("ok")
@@ -341,11 +347,7 @@ def test_host_offload_under_expert_parallelism_equals_single_device():
     (see test_placement.test_params_and_optimizer_state_on_host_under_a_mesh); in the shared
     test process it once aborted a later multi-device test.
     """
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
-           "JAX_ENABLE_COMPILATION_CACHE": "false"}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", OFFLOAD_UNDER_EP], capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert run_in_fresh_process(OFFLOAD_UNDER_EP).strip().endswith("ok")
 
 
 def primitives(jaxpr) -> list[tuple[str, dict]]:
@@ -386,14 +388,19 @@ def test_expert_parallelism_moves_tokens_by_all_to_all(spec, batch_axes, dispatc
 
 
 def test_array_keyword_arguments_are_split_like_the_batch():
-    """``segment_ids=`` / ``positions=`` (keyword-only in the losses) reach every device's own
-    rows. Every row packs two segments at the same boundary, so each shard's masked mean
-    averages as many terms as the global one and the means agree."""
+    """``segment_ids=`` / ``positions=`` / ``loss_mask=`` (keyword-only in the losses) reach
+    every device's own rows. Each row packs two documents at its own boundary, then padding,
+    and masks some targets, so every shard counts a different number of predictions: the loss
+    is still the mean over all of them (not the mean of the shards' means)."""
     model = llama()
     ids = batch(model)
-    segment_ids = jnp.broadcast_to((jnp.arange(16) >= 6).astype(jnp.int32), ids.shape)
-    positions = jnp.broadcast_to(jnp.concatenate([jnp.arange(6), jnp.arange(10)]).astype(jnp.int32), ids.shape)
-    kw = {"segment_ids": segment_ids, "positions": positions}
+    rows, s = ids.shape
+    t = jnp.arange(s)
+    cut, pad = 3 + jnp.arange(rows)[:, None] % 5, 16 - jnp.arange(rows)[:, None] % 4
+    segment_ids = jnp.where(t < cut, 1, jnp.where(t < pad, 2, 0)).astype(jnp.int32)
+    positions = jnp.where(t < cut, t, t - cut).astype(jnp.int32)
+    loss_mask = (t + jnp.arange(rows)[:, None]) % 7 != 0
+    kw = {"segment_ids": segment_ids, "positions": positions, "loss_mask": loss_mask}
     ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, ids, **kw)
     mesh = parallel.make_mesh("data=2,fsdp=2,tensor=2")
     loss, grads = parallel.value_and_grad(zoo.lm_loss, mesh)(parallel.shard(model, mesh), ids, **kw)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from zoo.params import Param
 
@@ -127,9 +127,16 @@ class CausalLM(eqx.Module):
         segment_ids: Int[Array, "B S"] | None = None,
         placement: Any = None,
         return_hidden: bool = False,
+        head: bool = True,
     ) -> tuple[Any, ...]:
         """A tuple whose first entry is the float32 logits and second the hidden states as
-        ``transformers`` reports them (with ``return_hidden``; else ``None``)."""
+        ``transformers`` reports them (with ``return_hidden``; else ``None``). ``head=False``:
+        every logits entry holds the final-normed hidden states ``[B, S, D]`` instead, for a
+        loss that applies :meth:`unembedding` itself (``zoo.loss.chunked_cross_entropy``)."""
+
+    @abc.abstractmethod
+    def unembedding(self) -> Float[Array, "V D"]:
+        """The output head's matrix (the embedding where the head is tied)."""
 
     def __call__(
         self,
@@ -149,14 +156,17 @@ class CausalLM(eqx.Module):
         options: Any = None,
         positions: Int[Array, "B S"] | None = None,
         segment_ids: Int[Array, "B S"] | None = None,
+        loss_mask: Bool[Array, "B S"] | None = None,
         placement: Any = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """The training objective and what to log about it (``lm_loss`` at least). Floating
         metrics are averaged over micro-batches and devices, integer ones (counts) summed.
-        The default is the plain next-token loss."""
+        The default is the plain next-token loss (``loss_mask``: which targets count)."""
         from zoo.loss import lm_loss
 
-        loss = lm_loss(self, input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
+        loss = lm_loss(
+            self, input_ids, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask, placement=placement
+        )
         return loss, {"lm_loss": loss}
 
     def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> CausalLM:

@@ -1,16 +1,34 @@
-"""Language-model losses."""
+"""Language-model losses.
+
+Training never materialises the float32 logits ``[B, S, V]`` or their gradient:
+:func:`chunked_cross_entropy` applies the output head to a chunk of tokens at a time and
+computes the chunk's gradient in the same pass (a custom VJP), so the head's FLOPs are those
+of the plain loss (forward, and the two gradient products) and its memory is one chunk's
+logits. The mean is over every counted prediction of the whole batch, across devices too
+(:func:`zoo.hooks.global_sum`), so masks that count differently per row or per device weigh
+each prediction alike.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from zoo.hooks import global_sum, sum_to_varying_of, varying_like
+
+# Tokens per chunk: as many as keep one chunk's float32 logits near this many bytes (a 128K
+# vocabulary: 256 tokens, 128 MiB). Larger chunks gain nothing measurable on CPU or GPU.
+CHUNK_BYTES = 128 * 2**20
+
 
 def cross_entropy(
     logits: Float[Array, "B S V"], labels: Int[Array, "B S"], mask: Bool[Array, "B S"] | None = None
 ) -> Float[Array, ""]:
-    """Mean of ``-log softmax(logits)[label]`` over positions where ``mask`` is true."""
+    """Mean of ``-log softmax(logits)[label]`` over positions where ``mask`` is true (the
+    reference the chunked loss is tested against)."""
     logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
@@ -22,19 +40,127 @@ def cross_entropy(
 
 
 def next_token_targets(
-    input_ids: Int[Array, "B S"], segment_ids: Int[Array, "B S"] | None = None
+    input_ids: Int[Array, "B S"],
+    segment_ids: Int[Array, "B S"] | None = None,
+    loss_mask: Bool[Array, "B S"] | None = None,
+    *,
+    shift: int = 1,
 ) -> tuple[Int[Array, "B S1"], Bool[Array, "B S1"] | None]:
-    """Labels ``input_ids[:, 1:]`` for positions ``0..S-2``; with packed segments, the mask
-    drops predictions across a segment boundary."""
-    if input_ids.ndim != 2 or input_ids.shape[1] < 2:
+    """Labels ``input_ids[:, shift:]`` for positions ``0..S-1-shift``, and which of them count.
+
+    A prediction of token t+shift from position t counts when both lie in the same segment and
+    that segment is not 0 (padding), and the target's ``loss_mask`` is set (supervised
+    fine-tuning: the assistant's tokens only). ``None``: every prediction counts.
+    """
+    if input_ids.ndim != 2 or input_ids.shape[1] < shift + 1:
         raise ValueError(
-            f"a next-token loss needs input_ids of [batch, sequence] with at least 2 positions "
-            f"(it predicts token t+1 from position t), got shape {tuple(input_ids.shape)}"
+            f"a next-token loss needs input_ids of [batch, sequence] with at least {shift + 1} positions "
+            f"(it predicts token t+{shift} from position t), got shape {tuple(input_ids.shape)}"
         )
-    labels = input_ids[:, 1:]
-    if segment_ids is None:
-        return labels, None
-    return labels, segment_ids[:, 1:] == segment_ids[:, :-1]
+    for name, x in (("segment_ids", segment_ids), ("loss_mask", loss_mask)):
+        if x is not None and x.shape != input_ids.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, input_ids {tuple(input_ids.shape)}: they must match")
+    labels = input_ids[:, shift:]
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, shift:] == segment_ids[:, :-shift]) & (segment_ids[:, shift:] != 0)
+    if loss_mask is not None:
+        target = loss_mask[:, shift:].astype(jnp.bool_)
+        mask = target if mask is None else mask & target
+    return labels, mask
+
+
+def _chunk_tokens(n: int, vocab: int, chunk_tokens: int | None) -> int:
+    c = chunk_tokens if chunk_tokens is not None else max(16, CHUNK_BYTES // (4 * vocab))
+    return max(1, min(c, n))
+
+
+def _nll_chunks(x, w, labels, weights, chunk: int, with_grads: bool):
+    """Sum of ``weights · nll`` over tokens, a chunk at a time; with ``with_grads`` also its
+    gradients with respect to ``x`` and ``w`` and the per-token nll."""
+    n, d = x.shape
+    pad = -n % chunk
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        labels = jnp.pad(labels, (0, pad))
+        weights = jnp.pad(weights, (0, pad))
+    xs = x.reshape(-1, chunk, d)
+    ls, ws = labels.reshape(-1, chunk), weights.reshape(-1, chunk)
+
+    def body(carry, inputs):
+        total, dw = carry
+        xc, lc, wc = inputs
+        logits = jnp.einsum("cd,vd->cv", xc, w, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        nll = lse - jnp.take_along_axis(logits, lc[:, None], axis=-1)[:, 0]
+        total = total + jnp.sum(nll * wc)
+        if not with_grads:
+            return (total, dw), None
+        # d nll / d logits = softmax - onehot(label), weighted per token.
+        probs = jnp.exp(logits - lse[:, None])
+        dlogits = (probs - jax.nn.one_hot(lc, w.shape[0], dtype=jnp.float32)) * wc[:, None]
+        dlogits = dlogits.astype(x.dtype)
+        dxc = jnp.einsum("cv,vd->cd", dlogits, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        dw = dw + jnp.einsum("cv,cd->vd", dlogits, xc, preferred_element_type=jnp.float32)
+        return (total, dw), (dxc, nll)
+
+    def zeros(shape):  # a scan carry starts varying over the mesh axes it will vary over
+        return varying_like(varying_like(varying_like(jnp.zeros(shape, jnp.float32), xs), ws), w)
+
+    carry = (zeros(()), zeros(w.shape) if with_grads else None)
+    (total, dw), per_chunk = jax.lax.scan(body, carry, (xs, ls, ws))
+    if not with_grads:
+        return total
+    dx, nll = per_chunk
+    return total, dx.reshape(-1, d)[:n], dw.astype(w.dtype), nll.reshape(-1)[:n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _weighted_nll_sum(x, w, labels, weights, chunk):
+    return _nll_chunks(x, w, labels, weights, chunk, with_grads=False)
+
+
+def _weighted_nll_sum_fwd(x, w, labels, weights, chunk):
+    total, dx, dw, nll = _nll_chunks(x, w, labels, weights, chunk, with_grads=True)
+    return total, (dx, dw, nll, w)
+
+
+def _weighted_nll_sum_bwd(chunk, residuals, g):
+    dx, dw, nll, w = residuals
+    dx = (g * dx.astype(jnp.float32)).astype(dx.dtype)
+    # Inside the parallel step each device holds its tokens' share of the head's gradient;
+    # the head itself is replicated over the batch axes, so its cotangent is their sum.
+    dw = sum_to_varying_of(g * dw.astype(jnp.float32), w).astype(dw.dtype)
+    return dx, dw, None, g * nll
+
+
+_weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
+
+
+def chunked_cross_entropy(
+    x: Float[Array, "B S D"],
+    head: Float[Array, "V D"],
+    labels: Int[Array, "B S"],
+    mask: Bool[Array, "B S"] | None = None,
+    *,
+    chunk_tokens: int | None = None,
+) -> Float[Array, ""]:
+    """``cross_entropy(unembed(x, head), labels, mask)`` without the ``[B, S, V]`` logits.
+
+    The head applies to ``chunk_tokens`` tokens at a time (default: a chunk's float32 logits
+    near 128 MiB); the gradient is computed chunk by chunk in the same pass and only ``x``'s
+    and ``head``'s gradients are kept, so memory is linear in the tokens and the FLOPs are
+    those of the plain loss. Logits are float32 whatever ``x``'s dtype. Inside the parallel
+    step the mean is over the counted predictions of every device.
+    """
+    b, s, d = x.shape
+    w = head.astype(x.dtype)
+    # From the labels, not a constant: inside the parallel step the count must vary over the
+    # batch axes like the tokens do, so that global_sum adds up every device's count.
+    weights = (labels >= 0 if mask is None else mask).astype(jnp.float32)
+    chunk = _chunk_tokens(b * s, w.shape[0], chunk_tokens)
+    total = _weighted_nll_sum(x.reshape(b * s, d), w, labels.reshape(-1), weights.reshape(-1), chunk)
+    return global_sum(total) / jnp.maximum(global_sum(jnp.sum(weights)), 1.0)
 
 
 def lm_loss(
@@ -43,10 +169,13 @@ def lm_loss(
     *,
     positions: Int[Array, "B S"] | None = None,
     segment_ids: Int[Array, "B S"] | None = None,
+    loss_mask: Bool[Array, "B S"] | None = None,
     placement=None,
 ) -> Float[Array, ""]:
-    """Mean next-token cross-entropy: predict token t+1 from position t over B·(S−1) terms
-    (what ``transformers`` computes with ``labels=input_ids``)."""
-    labels, mask = next_token_targets(input_ids, segment_ids)
-    logits = model(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
-    return cross_entropy(logits[:, :-1], labels, mask)
+    """Mean next-token cross-entropy: predict token t+1 from position t over every counted
+    prediction (:func:`next_token_targets`; without masks all B·(S−1), what ``transformers``
+    computes with ``labels=input_ids``). Over packed rows it is the token-weighted mean of each
+    document's own loss."""
+    labels, mask = next_token_targets(input_ids, segment_ids, loss_mask)
+    features = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)[0]
+    return chunked_cross_entropy(features[:, :-1], model.unembedding(), labels, mask)

@@ -337,13 +337,14 @@ def value_and_grad(
     ``fsdp`` and ``expert``: the MoE layers move tokens to their experts by all-to-all; without
     ``"expert"`` the expert group shares its tokens and repeats the non-expert work on them,
     and the MoE layers combine by ``psum``). Parameters arrive with
-    their :func:`partition_specs` layout and the gradients leave with it. ``loss`` is the mean
-    of the per-device losses over the batch axes: the global mean whenever every device's
-    loss averages the same number of terms (always without ``segment_ids`` masks). ``aux``
+    their :func:`partition_specs` layout and the gradients leave with it. A loss already
+    reduced over the devices (``zoo.lm_loss`` sums its terms and count with
+    :func:`zoo.hooks.global_sum`: the exact mean over every counted prediction) is kept; what
+    still varies over the batch axes is averaged (``pmean``). ``aux``
     leaves are reduced over the batch axes too: integer leaves (counts such as
     ``expert_load``) summed, floating leaves averaged. Parameters with ``trainable=False``
     (the router bias) get zero gradients. Keyword arguments are passed to ``loss_fn``: arrays
-    (``positions=``, ``segment_ids=``) split like the batch, anything else (``placement=``)
+    (``positions=``, ``segment_ids=``, ``loss_mask=``) split like the batch, anything else (``placement=``)
     as a static value. The returned function is jitted with ``eqx.filter_jit``.
     """
     batch_axes = tuple(batch_axes)

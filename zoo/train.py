@@ -99,9 +99,29 @@ def optimizer(cfg: TrainConfig, model: eqx.Module) -> optax.GradientTransformati
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, lambda _: labels)
 
 
-def loss_and_metrics(model: eqx.Module, input_ids: Int[Array, "B S"], *, cfg: TrainConfig, placement=None):
-    """The model's training objective and what to log about it (``model.loss``)."""
-    return model.loss(input_ids, options=cfg.model_options, placement=placement)
+# What a batch may hold besides the token ids: packed rows' segments and positions, and which
+# targets count (zoo.data.pack_documents). Each is [B, S] like the ids (or [A, B, S] per step).
+BATCH_FIELDS = ("positions", "segment_ids", "loss_mask")
+
+
+def as_batch(batch) -> dict[str, Any]:
+    """A batch as a dict: ``{"input_ids": ...}`` plus any of :data:`BATCH_FIELDS`; a bare
+    token array is its ``input_ids``. Unknown keys are an error naming them."""
+    if not isinstance(batch, Mapping):
+        return {"input_ids": batch}
+    unknown = set(batch) - {"input_ids", *BATCH_FIELDS}
+    if "input_ids" not in batch or unknown:
+        raise ConfigError(
+            f"a batch is input_ids plus any of {list(BATCH_FIELDS)}; got keys {sorted(batch)}"
+            + (f" (unknown: {sorted(unknown)})" if unknown else "")
+        )
+    return dict(batch)
+
+
+def loss_and_metrics(model: eqx.Module, input_ids: Int[Array, "B S"], *, cfg: TrainConfig, placement=None, **fields):
+    """The model's training objective and what to log about it (``model.loss``); ``fields``:
+    the batch's positions / segment_ids / loss_mask."""
+    return model.loss(input_ids, options=cfg.model_options, placement=placement, **fields)
 
 
 def _global_norm(tree) -> Float[Array, ""]:
@@ -119,9 +139,11 @@ def make_train_step(
     param_memory: str = "device",
     opt_memory: str = "device",
 ) -> Callable:
-    """``step(params, opt_state, batch[A, B, S], index) -> (params, opt_state, metrics)``, jitted.
+    """``step(params, opt_state, batch, index) -> (params, opt_state, metrics)``, jitted.
 
-    ``A = grad_accum`` micro-batches are scanned and their gradients averaged. With a
+    ``batch``: token ids ``[A, B, S]``, or a dict of them with any of :data:`BATCH_FIELDS`
+    (packed rows, SFT masks), each ``[A, B, S]``. ``A = grad_accum`` micro-batches are scanned
+    and their gradients averaged. With a
     ``mesh`` the gradients come from :func:`zoo.parallel.value_and_grad` (shard_map); without,
     from ``eqx.filter_value_and_grad``. ``param_memory`` / ``opt_memory``: where parameters and
     optimizer state live between steps (``pinned_host`` trees are brought to device inside the
@@ -138,8 +160,8 @@ def make_train_step(
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     schedule = learning_rate(cfg)
 
-    def loss_fn(m, ids):
-        return loss_and_metrics(m, ids, cfg=cfg, placement=placement)
+    def loss_fn(m, ids, **fields):
+        return loss_and_metrics(m, ids, cfg=cfg, placement=placement, **fields)
 
     if mesh is not None and mesh.size > 1:
         from zoo import parallel
@@ -154,18 +176,23 @@ def make_train_step(
         if opt_memory != "device":
             opt_state = tree_placement(opt_state, "device")
 
-        def micro(acc, ids):
-            (loss, metrics), grads = grad_fn(eqx.combine(params, static), ids)
+        batch = as_batch(batch)
+
+        def grads_of(p, b):
+            fields = {k: v for k, v in b.items() if k != "input_ids"}
+            return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
+
+        def micro(acc, b):
+            (loss, metrics), grads = grads_of(params, b)
             grads = eqx.filter(grads, eqx.is_inexact_array)
             acc = jax.tree.map(jnp.add, acc, (loss, metrics, grads))
             return acc, None
 
-        zeros = jax.tree.map(
-            jnp.zeros_like, eqx.filter_eval_shape(lambda p: grad_fn(eqx.combine(p, static), batch[0]), params)
-        )
+        first = jax.tree.map(lambda x: x[0], batch)
+        zeros = jax.tree.map(jnp.zeros_like, eqx.filter_eval_shape(grads_of, params, first))
         zeros = (zeros[0][0], zeros[0][1], eqx.filter(zeros[1], eqx.is_inexact_array))
         (loss, metrics, grads), _ = jax.lax.scan(micro, zeros, batch)
-        n = batch.shape[0]
+        n = batch["input_ids"].shape[0]
         loss = loss / n
         # Counts (integer metrics, such as an expert load) add up over micro-batches; the rest average.
         metrics = {k: (v if jnp.issubdtype(v.dtype, jnp.integer) else v / n) for k, v in metrics.items()}
@@ -187,11 +214,18 @@ def make_train_step(
 
 
 def make_eval(model: eqx.Module, *, placement=None) -> Callable:
-    """``evaluate(params, batch[B, S]) -> mean next-token loss`` (the plain LM loss), jitted."""
+    """``evaluate(params, batch) -> mean next-token loss`` (the plain LM loss), jitted; ``batch``:
+    token ids ``[B, S]`` or a dict of them with any of :data:`BATCH_FIELDS`."""
     from zoo.loss import lm_loss
 
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
-    return jax.jit(lambda params, ids: lm_loss(eqx.combine(params, static), ids, placement=placement))
+
+    @jax.jit
+    def evaluate(params, batch):
+        b = as_batch(batch)
+        return lm_loss(eqx.combine(params, static), placement=placement, **b)
+
+    return evaluate
 
 
 def matmul_peak_flops(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
@@ -528,11 +562,12 @@ def _restore_latest(manager, run_dir: Path, abstract, to_device: bool) -> tuple[
     return 0, None
 
 
-def batches(data, cfg: TrainConfig, start: int) -> Iterator[tuple[int, np.ndarray]]:
-    """``(step, tokens[A, B, S])`` from ``start``: a function of (seed, step) only."""
+def batches(data, cfg: TrainConfig, start: int) -> Iterator[tuple[int, Any]]:
+    """``(step, batch)`` from ``start``, ``batch`` the ``[A, B, S]`` stack of the data's
+    micro-batches (token ids, or a dict of packed fields): a function of (seed, step) only."""
     for step in range(start, cfg.steps):
         micro = [data.batch(cfg.seed, step * cfg.grad_accum + i, cfg.batch_size, cfg.seq_len) for i in range(cfg.grad_accum)]
-        yield step, np.stack(micro)
+        yield step, jax.tree.map(lambda *xs: np.stack(xs), *micro)
 
 
 def train(
@@ -666,14 +701,17 @@ def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_s
 
     def validation_loss(params) -> float:
         p = tree_placement(params, "device") if param_memory != "device" else params
-        batches_ = (jnp.asarray(data.batch(cfg.seed, i, cfg.batch_size, seq, split="valid")) for i in range(cfg.eval_batches))
+        batches_ = (
+            jax.tree.map(jnp.asarray, data.batch(cfg.seed, i, cfg.batch_size, seq, split="valid"))
+            for i in range(cfg.eval_batches)
+        )
         return float(np.mean([float(evaluate(p, b)) for b in batches_]))
 
     if start == 0:  # where training starts from (about ln V for a fresh model)
         log.write({"step": 0, "val_loss": validation_loss(params)})
         last_time = time.perf_counter()
     for step, batch in batches(data, cfg, start):
-        params, opt_state, metrics = step_fn(params, opt_state, jnp.asarray(batch), jnp.int32(step))
+        params, opt_state, metrics = step_fn(params, opt_state, jax.tree.map(jnp.asarray, batch), jnp.int32(step))
         done = step + 1
         is_log = done % cfg.log_every == 0 or done == cfg.steps
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps

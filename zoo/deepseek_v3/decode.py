@@ -153,7 +153,7 @@ def mla_decode(
 
 def _head(model: DeepseekV3, x: Float[Array, "B S D"]) -> Float[Array, "B S V"]:
     x = rms_norm(x, model.final_norm, model.config.rms_norm_eps)
-    return unembed(x, model.embed if model.head is None else model.head)
+    return unembed(x, model.unembedding())
 
 
 def _cast(model: DeepseekV3, layer, moe: bool):

@@ -328,10 +328,12 @@ class DeepseekV3(CausalLM):
         segment_ids: Int[Array, "B S"] | None = None,
         placement=None,
         return_hidden: bool = False,
+        head: bool = True,
     ) -> DeepseekV3Output:
         """Logits, per-MoE-layer expert load, the summed balance loss, MTP logits (when the
         model has MTP; position t predicts token t+2), and with ``return_hidden`` the hidden
-        states as ``transformers`` reports them."""
+        states as ``transformers`` reports them. ``head=False``: both logits fields hold the
+        final-normed hidden states instead (the loss applies the head chunk by chunk)."""
         from zoo.placement import layer_policy
 
         config, dtype = self.config, self.compute_dtype
@@ -363,11 +365,11 @@ class DeepseekV3(CausalLM):
             outputs.append(ys)
         last = x
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
-        head = self.embed if self.head is None else self.head
-        logits = unembed(x, head)
+        w = self.unembedding() if head else None
+        logits = unembed(x, w) if head else x
         mtp_logits = None
         if self.mtp is not None:
-            mtp_logits = self._mtp(last, input_ids, head, cos, sin, segment_ids, dtype, policy)
+            mtp_logits = self._mtp(last, input_ids, w, cos, sin, segment_ids, dtype, policy)
         hidden = None
         if return_hidden:
             per_layer = jnp.concatenate([o for o in outputs[1:] if o is not None], axis=0)
@@ -381,7 +383,7 @@ class DeepseekV3(CausalLM):
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
         return eqx.tree_at(lambda l: (l.moe.router, l.moe.router_bias), layer, router)
 
-    def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype, policy=None) -> Float[Array, "B S V"]:
+    def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype, policy=None) -> Float[Array, "B S _"]:
         m, eps = self.mtp, self.config.rms_norm_eps
         next_ids = jnp.concatenate([input_ids[:, 1:], input_ids[:, -1:]], axis=1)
         e = rms_norm(embed(self.embed, next_ids, dtype), m.enorm, eps)
@@ -394,14 +396,19 @@ class DeepseekV3(CausalLM):
         if policy is not None:  # the placement map places the MTP block's tensors as a layer's
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
         x = block(x, self._cast_moe(m.block, dtype))
-        return unembed(rms_norm(x, m.final_norm, eps), head)
+        x = rms_norm(x, m.final_norm, eps)
+        return x if head is None else unembed(x, head)
+
+    def unembedding(self) -> Float[Array, "V D"]:
+        """The output head's matrix (the embedding where tied)."""
+        return self.embed if self.head is None else self.head
 
     @classmethod
     def param_specs(cls, config: DeepseekV3Config) -> dict[str, Param]:
         return deepseek_v3_params(config)
 
     # -- training (zoo/deepseek_v3/loss.py) ---------------------------------------------------
-    def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, placement=None):
+    def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, loss_mask=None, placement=None):
         """``deepseek_v3_loss`` with the options' MTP weight and balance α; logs its parts and
         the per-layer expert load (summed over micro-batches and devices)."""
         from zoo.causal_lm import options_or_default
@@ -409,7 +416,7 @@ class DeepseekV3(CausalLM):
 
         o = options_or_default(self, options)
         total, m = deepseek_v3_loss(
-            self, input_ids, positions=positions, segment_ids=segment_ids, placement=placement,
+            self, input_ids, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask, placement=placement,
             mtp_weight=o.mtp_weight, balance_alpha=o.balance_alpha,
         )  # fmt: skip
         metrics = {"lm_loss": m.lm_loss, "mtp_loss": m.mtp_loss, "balance_loss": m.balance_loss}

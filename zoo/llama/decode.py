@@ -38,7 +38,7 @@ def init_cache(model: Llama, batch: int, max_len: int, **options: Any) -> KVCach
 
 def _head(model: Llama, x: Float[Array, "B S D"]) -> Float[Array, "B S V"]:
     x = rms_norm(x, model.final_norm, model.config.rms_norm_eps)
-    return unembed(x, model.embed if model.head is None else model.head)
+    return unembed(x, model.unembedding())
 
 
 def _cast(model: Llama, layer):

@@ -178,6 +178,7 @@ class Llama(CausalLM):
         segment_ids: Int[Array, "B S"] | None = None,
         placement=None,
         return_hidden: bool = False,
+        head: bool = True,
     ) -> tuple[Float[Array, "B S V"], Float[Array, "L1 B S D"] | None]:
         """Logits, and with ``return_hidden`` the hidden states as ``transformers`` reports them:
         the embedding output, the outputs of layers 1..L-1, then the final norm of layer L's output."""
@@ -195,11 +196,15 @@ class Llama(CausalLM):
         x0 = x
         x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self))
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
-        logits = unembed(x, self.embed if self.head is None else self.head)
+        logits = unembed(x, self.unembedding()) if head else x
         hidden = None
         if return_hidden:
             hidden = jnp.concatenate([x0[None], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
         return logits, hidden
+
+    def unembedding(self) -> Float[Array, "V D"]:
+        """The output head's matrix (the embedding where tied)."""
+        return self.embed if self.head is None else self.head
 
     @classmethod
     def param_specs(cls, config: LlamaConfig) -> dict[str, Param]:

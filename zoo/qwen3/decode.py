@@ -37,7 +37,7 @@ def init_cache(model: Qwen3, batch: int, max_len: int, **options: Any) -> KVCach
 
 def _head(model: Qwen3, x: Float[Array, "B S D"]) -> Float[Array, "B S V"]:
     x = rms_norm(x, model.final_norm, model.config.rms_norm_eps)
-    return unembed(x, model.embed if model.head is None else model.head)
+    return unembed(x, model.unembedding())
 
 
 def _ffn(model: Qwen3, layer, h, kind: str):

@@ -251,6 +251,10 @@ class Qwen3(CausalLM):
         """The same weights with another expert path."""
         return Qwen3(self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl)
 
+    def unembedding(self) -> Float[Array, "V D"]:
+        """The output head's matrix (the embedding where tied)."""
+        return self.embed if self.head is None else self.head
+
     @classmethod
     def param_specs(cls, config: Qwen3Config) -> dict[str, Param]:
         return qwen3_params(config)
@@ -263,6 +267,7 @@ class Qwen3(CausalLM):
         segment_ids: Int[Array, "B S"] | None = None,
         placement=None,
         return_hidden: bool = False,
+        head: bool = True,
     ) -> Qwen3Output:
         """Logits, the router statistics summed over the MoE layers (for the balance loss and the
         expert load), and with ``return_hidden`` the hidden states as ``transformers`` reports them."""
@@ -296,7 +301,7 @@ class Qwen3(CausalLM):
             if return_hidden:
                 outputs.append(ys.reshape(-1, *ys.shape[2:]))
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
-        logits = unembed(x, self.embed if self.head is None else self.head)
+        logits = unembed(x, self.unembedding()) if head else x
         hidden = None
         if return_hidden:
             per_layer = jnp.concatenate(outputs[1:], axis=0)
@@ -305,15 +310,15 @@ class Qwen3(CausalLM):
         return Qwen3Output(logits, hidden, stats)
 
     # -- training (zoo/qwen3/loss.py) ---------------------------------------------------------
-    def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, placement=None):
+    def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, loss_mask=None, placement=None):
         """Next-token loss plus ``aux_loss_coef`` times the Switch-style balance loss of the
         MoE layers (``transformers``' ``router_aux_loss_coef``); logs both and the expert load."""
-        from zoo.loss import cross_entropy, next_token_targets
+        from zoo.loss import chunked_cross_entropy, next_token_targets
 
         o = options_or_default(self, options)
-        labels, mask = next_token_targets(input_ids, segment_ids)
-        out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement)
-        lm = cross_entropy(out.logits[:, :-1], labels, mask)
+        labels, mask = next_token_targets(input_ids, segment_ids, loss_mask)
+        out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)
+        lm = chunked_cross_entropy(out.logits[:, :-1], self.unembedding(), labels, mask)
         if out.router is None:
             return lm, {"lm_loss": lm}
         coef = self.config.router_aux_loss_coef if o.aux_loss_coef is None else o.aux_loss_coef
