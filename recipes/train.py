@@ -5,9 +5,11 @@ Hugging Face checkpoint.
     python recipes/train.py --model deepseek_v3 --preset small --mesh expert=8 --cpu-devices 8
     python recipes/train.py --model qwen3_moe --preset small
     python recipes/train.py --checkpoint path/to/Llama-3.2-1B --data my.txt --steps 200
+    python recipes/train.py --checkpoint path/to/Llama-3.2-1B-Instruct --data chats.jsonl   # loss on the assistant's turns
 
 The embedded corpus is byte-level text of the Python standard library's own sources (vocab 256),
-so the byte-level presets (tiny, small) train with no download. Every flag: --help.
+so the byte-level presets (tiny, small) train with no download. A checkpoint's tokenizer.json
+tokenizes the data (once, into a cache); documents are packed into rows. Every flag: --help.
 """
 
 from __future__ import annotations
@@ -66,7 +68,14 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
     d = p.add_argument_group("data")
-    d.add_argument("--data", default="stdlib", help="'stdlib' (embedded), text files (comma-separated) or a .npy token file")
+    d.add_argument("--data", default="stdlib",
+                   help="'stdlib' (embedded), a .npy token file, or comma-separated text files, JSON lines (.jsonl), "
+                        "Parquet files and saved Hugging Face dataset directories (see docs/data.md)")  # fmt: skip
+    d.add_argument("--text-field", default="text", help="the field of a JSON-lines/Parquet/dataset record that holds its text")
+    d.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto",
+                   help="auto: a record with 'messages' is a chat (loss on the assistant's turns), with 'prompt' and "
+                        "'completion' a pair (loss on the completion), else text")  # fmt: skip
+    d.add_argument("--data-cache", default=None, help="where tokenized data is cached (default $ZOO_CACHE_DIR/data or ~/.cache/zoo/data)")
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--seq-len", type=int, default=128)
     d.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
@@ -120,6 +129,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def load_training_data(args: argparse.Namespace, vocab_size: int):
+    """The data of ``--data``, tokenized with the checkpoint's tokenizer.json (bytes without one);
+    says which tokenizer it uses. Bad data is a usage error before anything compiles."""
+    from zoo import data as zdata
+    from zoo.errors import ConfigError
+
+    try:
+        tokenizer = zdata.load_tokenizer(args.checkpoint)
+        print(f"tokenizer: {tokenizer.describe()}", flush=True)
+        return zdata.load_data(args.data, vocab_size, tokenizer=tokenizer, text_field=args.text_field,
+                               data_format=args.data_format, cache_dir=args.data_cache)  # fmt: skip
+    except ConfigError as e:
+        parser().error(str(e))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from zoo.runtime import retain_host_memory
@@ -141,7 +165,6 @@ def main(argv: list[str] | None = None) -> None:
     import jax.random as jr
 
     import zoo
-    from zoo import data as zdata
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     if args.checkpoint:
@@ -162,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
         mesh = parallel.make_mesh(args.mesh)
         parallel.validate_mesh(mesh, model.config)
-    data = zdata.load_data(args.data, model.config.vocab_size)
+    data = load_training_data(args, model.config.vocab_size)
     cfg = ztrain.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
@@ -173,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     n = model.config.num_params()
     print(
         f"{type(model).__name__} {args.preset if not args.checkpoint else args.checkpoint}: {n / 1e6:.1f}M parameters; "
-        f"data {data.source} ({len(data.train) / 1e6:.1f}M train tokens); "
+        f"data {data.source} ({data.num_tokens('train') / 1e6:.1f}M train tokens); "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s); matmul peak {peak / 1e12:.2f} TFLOP/s",
         flush=True,
     )
@@ -192,6 +215,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {args.run_dir}/metrics.jsonl, curve: {args.run_dir}/loss.png)")
     if args.save_hf:
         zoo.save_pretrained(model, args.save_hf)
+        if args.checkpoint:  # the tokenizer goes with the weights
+            from zoo.data import copy_tokenizer_files
+
+            copy_tokenizer_files(args.checkpoint, args.save_hf)
         print(f"saved {args.save_hf}")
 
 

@@ -248,14 +248,24 @@ def device_memory_in_use() -> int | None:
 
 
 class MetricsLog:
-    """Metrics as JSON lines, and on the terminal a progress line (plain lines when not a TTY)."""
+    """Metrics as JSON lines and TensorBoard event files (beside each other, written by process
+    0), and on the terminal a progress line (plain lines when not a TTY)."""
 
     def __init__(self, path: Path | None, total_steps: int):
+        from zoo.metrics_log import TensorBoardWriter
+
         self.path, self.total = path, total_steps
         self.tty = sys.stdout.isatty()
         self.history: list[dict[str, Any]] = []
+        self.tensorboard = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                self.tensorboard = TensorBoardWriter(path.parent)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def write(self, record: Mapping[str, Any]) -> None:
         record = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in record.items()}
@@ -263,6 +273,8 @@ class MetricsLog:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.scalars(record["step"], {k: v for k, v in record.items() if k != "step"})
         parts = [f"step {record['step']}/{self.total}"]
         for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("tokens_per_s", ".0f"), ("mfu", ".1%"),
                          ("grad_norm", ".3f"), ("lr", ".2e")):  # fmt: skip
@@ -386,14 +398,15 @@ def _flock(f, run_dir: Path) -> None:
         ) from None
 
 
-# What a run writes into its run dir (and ``overwrite`` clears).
+# What a run writes into its run dir (and ``overwrite`` clears), besides TensorBoard's
+# ``events.out.tfevents.*`` files.
 _RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints")
 
 
 def _previous_run(run_dir: Path) -> list[str]:
     """The files of an earlier run that ``run_dir`` holds."""
     found = []
-    for name in _RUN_FILES:
+    for name in (*_RUN_FILES, *sorted(p.name for p in run_dir.glob("events.out.tfevents.*"))):
         path = run_dir / name
         if (path.is_dir() and any(path.iterdir())) or (path.is_file() and path.stat().st_size > 0):
             found.append(name)
@@ -743,11 +756,13 @@ def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_s
         if stop_after is not None and done - start >= stop_after:
             if manager is not None:
                 manager.wait_until_finished()
+            log.close()
             return eqx.combine(params, static), log.history
     if manager is not None:
         if manager.latest_step() != done:
             save(done)
         manager.wait_until_finished()
+    log.close()
     if run_dir is not None and log.history and jax.process_index() == 0:
         plot_losses(previous + log.history, run_dir / "loss.png")
     if param_memory != "device":

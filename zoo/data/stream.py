@@ -1,4 +1,5 @@
-"""Training data: token arrays, deterministic splits, and batches that depend only on (seed, step).
+"""Token streams: byte-level text and ``.npy`` token files, batches of random windows that depend
+only on (seed, step).
 
 The embedded default needs no download: byte-level tokens (vocabulary 256) of the Python
 standard library's own source files, which every machine that runs zoo has.
@@ -36,6 +37,10 @@ class TokenData:
         starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
         return np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int32) for s in starts])
 
+    def num_tokens(self, split: str = "train") -> int:
+        """Tokens in ``split`` ("train" or "valid")."""
+        return len(self.train if split == "train" else self.valid)
+
 
 def _split_by_name(names: list[str], valid_fraction: float) -> tuple[list[int], list[int]]:
     """Validation = the files whose name hashes below ``valid_fraction`` (stable across runs)."""
@@ -52,23 +57,30 @@ def _concat(chunks: list[bytes]) -> UInt8[np.ndarray, " N"]:
     return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
 
 
-def stdlib_corpus(max_bytes: int = 48 * 2**20, valid_fraction: float = 0.05) -> TokenData:
-    """Bytes of the standard library's ``.py`` files (sorted; no site-packages, no tests)."""
+def stdlib_files(max_bytes: int = 48 * 2**20) -> tuple[Path, list[Path]]:
+    """The standard library's root and the ``.py`` files of the embedded corpus (sorted; no
+    site-packages, no tests; the first ``max_bytes`` of them)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
         p for p in root.rglob("*.py")
         if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
     )  # fmt: skip
-    chunks, names, total = [], [], 0
+    chosen, total = [], 0
     for p in files:
-        data = p.read_bytes()
-        chunks.append(data)
-        names.append(str(p.relative_to(root)))
-        total += len(data)
+        chosen.append(p)
+        total += p.stat().st_size
         if total >= max_bytes:
             break
-    if not chunks:
+    if not chosen:
         raise ConfigError(f"no Python source files found under {root}")
+    return root, chosen
+
+
+def stdlib_corpus(max_bytes: int = 48 * 2**20, valid_fraction: float = 0.05) -> TokenData:
+    """Bytes of the standard library's ``.py`` files (sorted; no site-packages, no tests)."""
+    root, files = stdlib_files(max_bytes)
+    chunks = [p.read_bytes() for p in files]
+    names = [str(p.relative_to(root)) for p in files]
     train, valid = _split_by_name(names, valid_fraction)
     return TokenData(_concat([chunks[i] for i in train]), _concat([chunks[i] for i in valid]), 256, f"stdlib:{root}")
 
@@ -119,17 +131,3 @@ def token_file(path: str | Path, vocab_size: int, valid_fraction: float = 0.01) 
     check_token_range(tokens, vocab_size, str(path))
     cut = int(len(tokens) * (1 - valid_fraction))
     return TokenData(tokens[:cut], tokens[cut:], vocab_size, str(path))
-
-
-def load_data(spec: str | None, vocab_size: int) -> TokenData:
-    """``None``/``"stdlib"``: the embedded corpus; a ``.npy`` path: token ids; else text files (comma-separated)."""
-    if spec in (None, "", "stdlib"):
-        data = stdlib_corpus()
-    elif spec.endswith(".npy"):
-        return token_file(spec, vocab_size)
-    else:
-        data = text_files(spec.split(","))
-    if vocab_size < data.vocab_size:  # byte tokens need a vocabulary of 256
-        for split in (data.train, data.valid):
-            check_token_range(split, vocab_size, data.source)
-    return data

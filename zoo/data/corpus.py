@@ -1,0 +1,277 @@
+"""Tokenize a corpus once into a cache directory; later runs memory-map it at once.
+
+The cache key is a hash of the tokenizer's files, every data file's path, size and
+modification time, and the options that change the tokens (format, text field, held-out
+fraction), so editing a data file or changing the tokenizer tokenizes again. A cache entry is
+written under a temporary name and renamed when complete: an interrupted run leaves none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zoo.data.packing import Documents, valid_by_hash
+from zoo.data.sources import Source, messages_of, record_format, records, text_of
+from zoo.data.tokenizer import ByteTokenizer, ChatEncoder, DataError, HFTokenizer
+
+CACHE_VERSION = 1
+BATCH = 512  # records tokenized per call (the tokenizers library runs a batch on every core)
+
+
+def default_cache_dir() -> Path:
+    """``$ZOO_CACHE_DIR`` or ``~/.cache/zoo``, plus ``data``."""
+    return Path(os.environ.get("ZOO_CACHE_DIR") or Path.home() / ".cache" / "zoo") / "data"
+
+
+def cache_key(sources: Sequence[Source], tokenizer: HFTokenizer | ByteTokenizer, options: dict[str, Any]) -> str:
+    files = []
+    for src in sources:
+        for f in src.files():
+            st = f.stat()
+            files.append([str(f.resolve()), st.st_size, st.st_mtime_ns, src.kind, src.split])
+    blob = json.dumps({"version": CACHE_VERSION, "tokenizer": tokenizer.fingerprint, "files": files, **options}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+class _Progress:
+    """``tokenizing NAME: 42% (1,234 documents, 5.6M tokens)`` on stderr, at most once a second
+    (rewritten in place on a terminal)."""
+
+    def __init__(self, total_bytes: int, label: str, enabled: bool):
+        self.total, self.label, self.enabled = max(1, total_bytes), label, enabled
+        self.done, self.docs, self.tokens = 0, 0, 0
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= (1.0 if self.tty else 10.0):
+            self.last = now
+            self._print("\r" if self.tty else "", "" if self.tty else "\n")
+
+    def _print(self, head: str, tail: str) -> None:
+        pct = min(100.0, 100.0 * self.done / self.total)
+        sys.stderr.write(f"{head}tokenizing {self.label}: {pct:.0f}% ({self.docs:,} documents, {self.tokens / 1e6:.2f}M tokens){tail}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty and self.last != self.start:
+            sys.stderr.write("\n")
+
+
+class _Writer:
+    """Appends documents to ``tokens.bin`` / ``mask.bin`` in a directory."""
+
+    def __init__(self, directory: Path, dtype: np.dtype):
+        self.dir, self.dtype = directory, dtype
+        self.tokens = open(directory / "tokens.bin", "wb")  # noqa: SIM115 (closed by close())
+        self.mask = open(directory / "mask.bin", "wb")  # noqa: SIM115
+        self.lengths: list[int] = []
+        self.nbytes: list[int] = []
+        self.valid: list[bool] = []
+        self.masked = False
+
+    def add(self, ids: np.ndarray, mask: np.ndarray | None, nbytes: int, valid: bool) -> None:
+        self.tokens.write(np.asarray(ids).astype(self.dtype).tobytes())
+        self.mask.write((np.ones(len(ids), np.uint8) if mask is None else mask.astype(np.uint8)).tobytes())
+        self.masked |= mask is not None
+        self.lengths.append(len(ids))
+        self.nbytes.append(nbytes)
+        self.valid.append(valid)
+
+    def close(self) -> None:
+        self.tokens.close()
+        self.mask.close()
+
+
+def _encode_pending(pending: list, tokenizer, writer: _Writer, fraction: float, progress: _Progress) -> None:
+    """Tokenize a batch of ``(format, payload, split)`` and append the documents."""
+    bos = [tokenizer.bos_id] if tokenizer.add_bos else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    texts = [p for f, p, _ in pending if f == "text"]
+    pairs = [p for f, p, _ in pending if f == "completion"]
+    encoded_texts = iter(tokenizer.encode_batch(texts)) if texts else iter(())
+    flat = [s for pair in pairs for s in pair]
+    encoded_pairs = iter(tokenizer.encode_batch(flat)) if flat else iter(())
+    keys, docs = [], []
+    for fmt, payload, split in pending:
+        if fmt == "text":
+            body = next(encoded_texts)
+            ids = np.concatenate([np.asarray(bos, np.int32), body, np.asarray(eos, np.int32)])
+            docs.append((ids, None, len(payload.encode("utf-8")), split))
+            keys.append(payload.encode("utf-8"))
+        elif fmt == "completion":
+            prompt, completion = next(encoded_pairs), next(encoded_pairs)
+            ids = np.concatenate([np.asarray(bos, np.int32), prompt, completion, np.asarray(eos, np.int32)])
+            mask = np.zeros(len(ids), bool)
+            mask[len(bos) + len(prompt) :] = True  # the completion and the end of sequence
+            docs.append((ids, mask, len(payload[1].encode("utf-8")), split))
+            keys.append(json.dumps(payload).encode("utf-8"))
+        else:
+            ids, mask, nbytes, key = payload
+            docs.append((ids, mask, nbytes, split))
+            keys.append(key)
+    held = valid_by_hash(keys, fraction)
+    for (ids, mask, nbytes, split), h in zip(docs, held.tolist()):
+        writer.add(ids, mask, nbytes, h if split is None else split == "valid")
+        progress.docs += 1
+        progress.tokens += len(ids)
+
+
+def tokenize_to(
+    directory: Path,
+    sources: Sequence[Source],
+    tokenizer: HFTokenizer | ByteTokenizer,
+    *,
+    text_field: str,
+    data_format: str,
+    valid_fraction: float,
+    progress: bool,
+) -> dict[str, Any]:
+    """Tokenize every record of ``sources`` into ``directory``; returns the metadata."""
+    dtype = np.dtype(np.uint8 if tokenizer.vocab_size <= 256 else np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
+    writer = _Writer(directory, dtype)
+    label = sources[0].name + (f" and {len(sources) - 1} more" if len(sources) > 1 else "")
+    meter = _Progress(sum(s.size() for s in sources), label, progress)
+    chat = None
+    pending: list = []
+    formats: dict[str, int] = {}
+    try:
+        for src in sources:
+            fmt = None if data_format == "auto" else data_format
+            for record, where, split in records(src, meter):
+                if src.kind == "text":
+                    this, field = "text", "text"
+                else:
+                    this, field = fmt or record_format(record, text_field), text_field
+                    fmt = this
+                if this == "text":
+                    pending.append(("text", text_of(record, where, field), split))
+                elif this == "completion":
+                    pending.append(("completion", (text_of(record, where, "prompt"), text_of(record, where, "completion")), split))  # fmt: skip
+                else:
+                    messages = messages_of(record, where)
+                    try:
+                        chat = chat or ChatEncoder(tokenizer)
+                        ids, mask, nbytes = chat.encode(messages)
+                    except DataError as e:
+                        raise DataError(f"{where}: {e}") from None
+                    key = json.dumps(messages, sort_keys=True).encode("utf-8")
+                    pending.append(("chat", (ids, mask, nbytes, key), split))
+                formats[this] = formats.get(this, 0) + 1
+                if len(pending) >= BATCH:
+                    _encode_pending(pending, tokenizer, writer, valid_fraction, meter)
+                    pending = []
+        if pending:
+            _encode_pending(pending, tokenizer, writer, valid_fraction, meter)
+    finally:
+        writer.close()
+        meter.close()
+    names = ", ".join(s.name for s in sources)
+    if not writer.lengths:
+        raise DataError(f"--data {names}: no records (an empty dataset)")
+    lengths = np.asarray(writer.lengths, np.int64)
+    if not np.any(lengths >= 2):
+        raise DataError(f"--data {names}: {len(lengths)} records but no document of 2 or more tokens: nothing to predict")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    np.save(directory / "offsets.npy", offsets)
+    np.save(directory / "nbytes.npy", np.asarray(writer.nbytes, np.int64))
+    np.save(directory / "valid.npy", np.asarray(writer.valid, bool))
+    if not writer.masked:
+        (directory / "mask.bin").unlink()
+    meta = {
+        "version": CACHE_VERSION, "dtype": dtype.name, "documents": len(lengths), "tokens": int(offsets[-1]),
+        "masked": writer.masked, "formats": formats, "tokenizer": tokenizer.describe(), "sources": names,
+        "seconds": round(time.perf_counter() - meter.start, 3),
+    }  # fmt: skip
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def open_documents(directory: Path) -> tuple[Documents, dict[str, Any]]:
+    """A cache entry's documents, memory-mapped."""
+    meta = json.loads((directory / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    n = meta["tokens"]
+    tokens = np.memmap(directory / "tokens.bin", dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+    mask = None
+    if meta["masked"]:
+        mask = np.memmap(directory / "mask.bin", dtype=np.bool_, mode="r", shape=(n,)) if n else np.zeros(0, bool)
+    docs = Documents(
+        tokens, np.load(directory / "offsets.npy"), mask, np.load(directory / "nbytes.npy"), np.load(directory / "valid.npy")
+    )
+    return docs, meta
+
+
+def ensure_both_splits(docs: Documents) -> Documents:
+    """At least one held-out and one training document: with none held out the last document
+    is; a single document is cut at 95% of its tokens (the tail validates)."""
+    valid = np.array(docs.valid, dtype=bool)
+    usable = docs.lengths() >= 2
+    if np.any(valid & usable) and np.any(~valid & usable):
+        return docs
+    idx = np.flatnonzero(usable)
+    if len(idx) >= 2:
+        if not np.any(valid & usable):
+            valid[idx[-1]] = True
+        else:
+            valid[idx[0]] = False
+        return Documents(docs.tokens, docs.offsets, docs.loss_mask, docs.nbytes, valid)
+    d = int(idx[0])  # the only document that can be predicted: cut it in two, drop the rest
+    a, b = int(docs.offsets[d]), int(docs.offsets[d + 1])
+    if b - a < 4:
+        raise DataError(f"one document of {b - a} tokens: too little data for a training and a validation split")
+    cut = min(max(2, int((b - a) * 0.95)), b - a - 2)
+    mask = None if docs.loss_mask is None else np.asarray(docs.loss_mask[a:b])
+    nb = int(docs.nbytes[d]) if docs.nbytes is not None else b - a
+    share = round(nb * cut / (b - a))
+    offsets = np.array([0, cut, b - a], np.int64)
+    return Documents(np.asarray(docs.tokens[a:b]), offsets, mask, np.array([share, nb - share], np.int64), np.array([False, True]))
+
+
+def load_documents(
+    sources: Sequence[Source],
+    tokenizer: HFTokenizer | ByteTokenizer,
+    *,
+    text_field: str = "text",
+    data_format: str = "auto",
+    valid_fraction: float = 0.05,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> tuple[Documents, dict[str, Any]]:
+    """The documents of ``sources`` from the cache, tokenizing them first if needed."""
+    options = {"text_field": text_field, "format": data_format, "valid_fraction": valid_fraction}
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / cache_key(sources, tokenizer, options)
+    if not (final / "meta.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            meta = tokenize_to(tmp, sources, tokenizer, text_field=text_field, data_format=data_format,
+                               valid_fraction=valid_fraction, progress=progress)  # fmt: skip
+            try:
+                os.replace(tmp, final)
+            except OSError:  # another process finished the same entry first
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if progress:
+            print(f"tokenized {meta['documents']:,} documents ({meta['tokens']:,} tokens) in {meta['seconds']:.1f} s "
+                  f"into {final}", file=sys.stderr, flush=True)  # fmt: skip
+    docs, meta = open_documents(final)
+    meta["cache"] = str(final)
+    return ensure_both_splits(docs), meta

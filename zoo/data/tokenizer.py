@@ -1,0 +1,280 @@
+"""Tokenizers: a checkpoint's ``tokenizer.json`` (through the ``tokenizers`` library) or bytes,
+and how a record becomes tokens: plain text (BOS as the checkpoint says, EOS after every
+document), prompt/completion pairs and chat conversations rendered with the checkpoint's chat
+template, with the loss mask on what the model should learn to write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from jaxtyping import Bool, Int
+
+from zoo.errors import ConfigError
+
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(ConfigError):
+    """Training or evaluation data that cannot be used: names the file, line or row, and field."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (vocabulary 256): no BOS, no EOS, no chat template."""
+
+    name = "bytes"
+    vocab_size = 256
+    bos_id: int | None = None
+    eos_id: int | None = None
+    add_bos = False
+    chat_template: str | None = None
+    special_tokens: ClassVar[dict[str, str]] = {}
+    fingerprint = "bytes"
+    path: Path | None = None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def describe(self) -> str:
+        return "bytes (vocabulary 256: no tokenizer.json)"
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` with the special tokens and chat template of the
+    checkpoint's ``tokenizer_config.json`` (and ``generation_config.json``)."""
+
+    def __init__(self, directory: str | Path):
+        try:
+            import tokenizers
+        except ImportError:
+            raise ConfigError("reading tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
+        directory = Path(directory)
+        self.path = directory / "tokenizer.json"
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001 (the library raises a bare Exception)
+            raise ConfigError(f"{self.path}: cannot be read by `tokenizers` ({e})") from None
+        config = _read_json(directory / "tokenizer_config.json")
+        generation = _read_json(directory / "generation_config.json")
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.bos_id = self._special(config, generation, "bos")
+        self.eos_id = self._special(config, generation, "eos")
+        add_bos = config.get("add_bos_token")
+        if add_bos is None and self.bos_id is not None:  # what the tokenizer.json's post-processor does
+            with_special = self.tok.encode("a").ids
+            add_bos = bool(with_special) and with_special[0] == self.bos_id and self.tok.encode("a", add_special_tokens=False).ids[:1] != [self.bos_id]  # fmt: skip
+        self.add_bos = bool(add_bos) and self.bos_id is not None
+        self.special_tokens = {
+            f"{k}_token": t for k in ("bos", "eos", "pad", "unk") if (t := _token_text(config.get(f"{k}_token")))
+        }
+        if "eos_token" not in self.special_tokens and self.eos_id is not None:
+            self.special_tokens["eos_token"] = self.tok.id_to_token(self.eos_id)
+        if "bos_token" not in self.special_tokens and self.bos_id is not None:
+            self.special_tokens["bos_token"] = self.tok.id_to_token(self.bos_id)
+        self.chat_template = _chat_template(directory, config)
+        h = hashlib.sha256()
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+            f = directory / name
+            h.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+        self.fingerprint = h.hexdigest()
+        self.name = str(self.path)
+
+    def _special(self, config: dict, generation: dict, kind: str) -> int | None:
+        text = _token_text(config.get(f"{kind}_token"))
+        if text is not None:
+            i = self.tok.token_to_id(text)
+            if i is None:
+                raise ConfigError(f"{self.path.parent / 'tokenizer_config.json'}: {kind}_token {text!r} is not in {self.path}")
+            return i
+        i = generation.get(f"{kind}_token_id")
+        if isinstance(i, list):
+            i = i[0] if i else None
+        return i if isinstance(i, int) else None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids of each text, without special tokens (added here by the caller)."""
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encode(list(texts), add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        e = self.tok.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, dtype=np.int32), e.offsets
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def describe(self) -> str:
+        bos = f"BOS {self.bos_id}" if self.add_bos else "no BOS"
+        eos = f"EOS {self.eos_id} after each document" if self.eos_id is not None else "no EOS"
+        return f"{self.path} (vocabulary {self.vocab_size}; {bos}; {eos})"
+
+
+def _chat_template(directory: Path, config: dict) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    jt = _read_json(directory / "chat_template.json").get("chat_template")
+    return jt if isinstance(jt, str) else None
+
+
+def load_tokenizer(checkpoint: str | Path | None) -> HFTokenizer | ByteTokenizer:
+    """The checkpoint's ``tokenizer.json``; bytes without a checkpoint or without that file."""
+    if checkpoint is None or not (Path(checkpoint) / "tokenizer.json").is_file():
+        return ByteTokenizer()
+    return HFTokenizer(checkpoint)
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def copy_tokenizer_files(source: str | Path, target: str | Path) -> list[str]:
+    """Copy a checkpoint's tokenizer files next to a model saved from it (``save_pretrained``
+    writes the model only), so the saved checkpoint tokenizes as the original did."""
+    import shutil
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(target) / name)
+            copied.append(name)
+    return copied
+
+
+def check_vocabulary(tokenizer: HFTokenizer | ByteTokenizer, vocab_size: int) -> None:
+    """A tokenizer whose ids reach past the model's embedding table is an error naming both."""
+    if tokenizer.vocab_size > vocab_size:
+        where = tokenizer.path or "the byte-level tokenizer"
+        raise ConfigError(
+            f"{where}: the tokenizer's ids go up to {tokenizer.vocab_size - 1} (vocabulary {tokenizer.vocab_size}) "
+            f"but the model's vocab_size is {vocab_size} (config.json): a token past the embedding table"
+        )
+
+
+# --- chat templates, rendered as transformers renders them ---------------------------------
+
+
+def _compile_template(template: str):
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError("chat templates need the `jinja2` package: pip install jinja2") from None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
+
+
+class ChatEncoder:
+    """Renders conversations with a checkpoint's chat template and marks the assistant's tokens."""
+
+    def __init__(self, tokenizer: HFTokenizer | ByteTokenizer):
+        if not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None:
+            where = tokenizer.path.parent if tokenizer.path is not None else "the byte-level tokenizer (no checkpoint)"
+            raise DataError(
+                f"chat data needs a chat template, and {where} has none (looked for tokenizer_config.json's "
+                "chat_template, chat_template.jinja and chat_template.json)"
+            )
+        self.tokenizer = tokenizer
+        self.template = _compile_template(tokenizer.chat_template)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        import jinja2
+
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.tokenizer.special_tokens
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise DataError(f"the chat template failed: {e}") from None
+
+    def spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
+        """Character spans of ``text`` (the whole conversation rendered) that the model learns:
+        each assistant message from its first character through the template's end-of-turn
+        markup (trailing whitespace excluded). Found by rendering the conversation up to the
+        message with the generation prompt (where the reply starts) and through it (where the
+        turn ends); for a template that rewrites earlier turns, the message's content itself."""
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            try:
+                before = self.render(messages[:i], add_generation_prompt=True)
+                through = self.render(messages[: i + 1])
+            except DataError:  # a template that refuses a partial conversation
+                before = through = None
+            if before is not None and text.startswith(through) and through.startswith(before) and len(before) >= cursor:
+                start, end = len(before), len(through.rstrip())
+            else:
+                content = m["content"]
+                start = text.find(content, cursor)
+                if start < 0 and content.strip():
+                    content = content.strip()
+                    start = text.find(content, cursor)
+                if start < 0:
+                    raise DataError(f"message {i}: the assistant's content is not in the rendered conversation")
+                end = start + len(content)
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    def encode(self, messages: list[dict]) -> tuple[Int[np.ndarray, " T"], Bool[np.ndarray, " T"], int]:
+        """Tokens of the rendered conversation, the mask of the assistant's tokens (a token
+        counts when it starts inside an assistant span) and the UTF-8 bytes of those spans."""
+        text = self.render(messages)
+        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        starts = np.array([o[0] for o in offsets], dtype=np.int64)
+        mask = np.zeros(len(ids), dtype=bool)
+        nbytes = 0
+        for a, b in self.spans(messages, text):
+            mask |= (starts >= a) & (starts < b)
+            nbytes += len(text[a:b].encode("utf-8"))
+        return ids.astype(np.int32), mask, nbytes
