@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory to fine-tune (overrides --model/--preset)")
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
+    m.add_argument("--attention", choices=["auto", "xla", "blockwise", "cudnn"], default="auto",
+                   help="attention path: auto picks cuDNN (GPU, bf16, unpacked), blockwise (long sequences, "
+                        "context parallelism) or dense XLA (see docs/models.md)")  # fmt: skip
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib",
                    help="'stdlib' (embedded), a .npy token file, or comma-separated text files, JSON lines (.jsonl), "
@@ -93,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--placement", default=None, help="activation placement: a preset name or 'name=where,...' (see docs/placement.md)")
     x.add_argument("--param-memory", choices=["device", "pinned_host"], default="device")
     x.add_argument("--opt-memory", choices=["device", "pinned_host"], default="device")
-    x.add_argument("--mesh", default="", help="e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, tensor, expert)")
+    x.add_argument("--mesh", default="", help="e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, context, tensor, expert; "
+                   "context splits the sequence)")
     x.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
     x.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
     x.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
@@ -168,10 +172,11 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     if args.checkpoint:
-        model = zoo.from_pretrained(args.checkpoint, dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])
+        model = zoo.from_pretrained(args.checkpoint, dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype],
+                                    attention=args.attention)  # fmt: skip
     else:
         cls = registry.by_model_type(args.model, "--model")
-        config = cls.config_cls.preset(args.preset, args.model)
+        config = dataclasses.replace(cls.config_cls.preset(args.preset, args.model), attention=args.attention)
         if getattr(config, "num_nextn_predict_layers", 0) == 1:  # DeepSeek-V3 presets: train their MTP module
             config = dataclasses.replace(config, mtp=True)
         model = cls(config, key=jr.key(args.seed), param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])

@@ -282,7 +282,23 @@ LAYOUTS = [
     # The Switch balance loss is a product of means: it equals one device's only from global counts.
     ("qwen3_moe", "fsdp=2,expert=4", parallel.BATCH_AXES, {}),
     ("qwen3_moe", "data=2,expert=2,tensor=2", ("data", "fsdp"), {"placement": "save_matmuls"}),
+    # Context parallelism: the sequence split over devices, keys and values gathered; both
+    # attention paths (blockwise: each half of the local queries at its offset).
+    ("llama", "context=2,fsdp=2,tensor=2", parallel.BATCH_AXES, {"attention": "blockwise"}),
+    ("llama", "context=4,data=2", parallel.BATCH_AXES, {"attention": "xla", "placement": "save_matmuls"}),
+    ("deepseek_v3", "context=2,expert=4", parallel.BATCH_AXES, {"attention": "blockwise"}),  # MTP, balance loss
+    ("qwen3", "context=2,data=2,tensor=2", parallel.BATCH_AXES, {"attention": "xla"}),
+    ("qwen3_moe", "context=2,fsdp=2,expert=2", parallel.BATCH_AXES, {"attention": "blockwise"}),
 ]
+
+
+def with_attention(model, attention: str):
+    """The same weights on another attention path (``config.attention``)."""
+    from zoo.params import flatten
+
+    extra = {"expert_impl": model.expert_impl} if hasattr(model, "expert_impl") else {}
+    config = dataclasses.replace(model.config, attention=attention)
+    return type(model)(config, arrays=flatten(model), compute_dtype=model.compute_dtype, **extra)
 
 
 @pytest.mark.parametrize(
@@ -292,9 +308,11 @@ LAYOUTS = [
 )
 def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
     model, loss_fn, has_aux = MODELS[name]()
+    kwargs = dict(kwargs)
     if "expert_impl" in kwargs:
-        kwargs = dict(kwargs)
         model = model.with_expert_impl(kwargs.pop("expert_impl"))
+    if "attention" in kwargs:
+        model = with_attention(model, kwargs.pop("attention"))
     layout = LAYOUT[name]
     mesh = parallel.make_mesh(spec)
     sharded = parallel.shard(model, mesh)
@@ -387,12 +405,25 @@ def test_expert_parallelism_moves_tokens_by_all_to_all(spec, batch_axes, dispatc
         assert not over_expert("all_to_all")
 
 
-def test_array_keyword_arguments_are_split_like_the_batch():
+PACKED = [
+    ("llama", "data=2,fsdp=2,tensor=2", None),
+    ("llama", "context=2,data=2,tensor=2", "blockwise"),
+    ("deepseek_v3", "context=2,expert=4", "xla"),
+    ("qwen3", "context=4,fsdp=2", "blockwise"),
+    ("qwen3_moe", "context=2,expert=2,fsdp=2", "xla"),
+]
+
+
+@pytest.mark.parametrize("name, spec, attention", PACKED, ids=[f"{n}-{s}-{a}" for n, s, a in PACKED])
+def test_array_keyword_arguments_are_split_like_the_batch(name, spec, attention):
     """``segment_ids=`` / ``positions=`` / ``loss_mask=`` (keyword-only in the losses) reach
-    every device's own rows. Each row packs two documents at its own boundary, then padding,
-    and masks some targets, so every shard counts a different number of predictions: the loss
-    is still the mean over all of them (not the mean of the shards' means)."""
-    model = llama()
+    every device's own rows (and, under context parallelism, its own chunks of them). Each row
+    packs two documents at its own boundary, then padding, and masks some targets, so every
+    shard counts a different number of predictions: the loss is still the mean over all of
+    them (not the mean of the shards' means), and the gradients equal one device's."""
+    model, loss_fn, has_aux = MODELS[name]()
+    if attention is not None:
+        model = with_attention(model, attention)
     ids = batch(model)
     rows, s = ids.shape
     t = jnp.arange(s)
@@ -401,16 +432,23 @@ def test_array_keyword_arguments_are_split_like_the_batch():
     positions = jnp.where(t < cut, t, t - cut).astype(jnp.int32)
     loss_mask = (t + jnp.arange(rows)[:, None]) % 7 != 0
     kw = {"segment_ids": segment_ids, "positions": positions, "loss_mask": loss_mask}
-    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))(model, ids, **kw)
-    mesh = parallel.make_mesh("data=2,fsdp=2,tensor=2")
-    loss, grads = parallel.value_and_grad(zoo.lm_loss, mesh)(parallel.shard(model, mesh), ids, **kw)
+    ref_value, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=has_aux))(model, ids, **kw)
+    mesh = parallel.make_mesh(spec)
+    value, grads = parallel.value_and_grad(loss_fn, mesh, has_aux=has_aux)(parallel.shard(model, mesh), ids, **kw)
+    loss, ref_loss = (value[0], ref_value[0]) if has_aux else (value, ref_value)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    assert abs(float(loss) - float(reference("llama")[0])) > 1e-3  # the masks changed the loss
+    plain = reference(name)[0]
+    assert abs(float(ref_loss) - float(plain[0] if has_aux else plain)) > 1e-3  # the masks changed the loss
     for path, g in flat(grads).items():
         r = np.asarray(flat(ref_grads)[path])
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
-    with pytest.raises(MeshError, match=r"keyword argument segment_ids=: leading size 6 is not divisible by"):
-        parallel.value_and_grad(zoo.lm_loss, mesh)(model, ids, segment_ids=segment_ids[:6])
+    if has_aux:  # the metrics too: expert loads summed, balance losses over whole sequences
+        aux, ref_aux = (a._asdict() if hasattr(a, "_asdict") else a for a in (value[1], ref_value[1]))
+        for field, got in aux.items():
+            if got is not None:
+                np.testing.assert_allclose(np.asarray(got), np.asarray(ref_aux[field]), rtol=1e-5, err_msg=field)
+    with pytest.raises(MeshError, match=r"keyword argument segment_ids=: leading size 5 is not divisible by"):
+        parallel.value_and_grad(loss_fn, mesh)(model, ids, segment_ids=segment_ids[:5])
 
 
 def test_fsdp_holds_one_layer_of_full_weights():

@@ -190,7 +190,7 @@ def test_presets():
     remat = LlamaPlacement.preset("remat")
     assert remat.placed("device") == ("layer_input",) and len(remat.placed("remat")) == len(NAMES) - 1
     save = LlamaPlacement.preset("save_matmuls")
-    matmuls = ("query", "key", "value", "context", "attn_out", "mlp_gate", "mlp_up")
+    matmuls = ("query", "key", "value", "context", "attn_lse", "attn_out", "mlp_gate", "mlp_up")
     assert save.placed("device") == ("layer_input", *matmuls)
     offload = LlamaPlacement.preset("offload_attn")
     assert offload.placed("pinned_host") == ("layer_input", "query", "key", "value")

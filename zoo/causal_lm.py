@@ -91,6 +91,18 @@ def check_positive(config: Any, *fields: str) -> None:
             raise ConfigError(f"{type(config).__name__}.{name} must be a positive finite number, got {value!r}")
 
 
+def check_attention(config: Any) -> None:
+    """``config.attention`` one of :data:`zoo.layers.attention.IMPLEMENTATIONS`, else a
+    :class:`~zoo.errors.ConfigError` naming the field and the choices."""
+    from zoo.errors import ConfigError
+    from zoo.layers.attention import IMPLEMENTATIONS
+
+    if config.attention not in IMPLEMENTATIONS:
+        raise ConfigError(
+            f"{type(config).__name__}.attention must be one of {list(IMPLEMENTATIONS)}, got {config.attention!r}"
+        )
+
+
 @dataclass(frozen=True)
 class NoTrainingOptions:
     """A family whose training objective is the plain next-token loss has no options."""
@@ -226,10 +238,12 @@ def options_or_default(model: CausalLM, options: Any) -> Any:
 
 
 def positions_for(input_ids: Int[Array, "B S"], positions: Int[Array, "B S"] | None) -> Int[Array, "B S"]:
-    """``positions`` or ``0..S-1`` for every row (a clear error for ids that are not ``[B, S]``)."""
+    """``positions`` or ``0..S-1`` for every row (a clear error for ids that are not ``[B, S]``);
+    under context parallelism the local tokens' places in the whole sequence."""
+    from zoo.hooks import context_positions
     from zoo.layers.embed import check_ids_shape
 
     check_ids_shape(input_ids)
     if positions is not None:
         return positions
-    return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+    return jnp.broadcast_to(context_positions(input_ids.shape[1]), input_ids.shape)

@@ -7,7 +7,9 @@ A model's forward pass runs unchanged on one device and under :func:`zoo.paralle
 - :func:`tensor_psum`: Megatron-style reduction after a head- or hidden-split projection;
 - :func:`varying_like` / :func:`sum_to_varying_of`: keep ``shard_map``'s varying-axis types
   right for scan carries and hand-written gradients;
-- :func:`remat_policy`: re-gather FSDP weights in the backward pass instead of saving them.
+- :func:`remat_policy`: re-gather FSDP weights in the backward pass instead of saving them;
+- :func:`context_positions` / :func:`context_gather`: context parallelism, where the
+  ``"context"`` axis splits the sequence (see :func:`context_order`).
 
 The expert-parallel dispatch (:func:`zoo.layers.moe.routed_experts`) builds on the same state.
 This module knows nothing of meshes' construction or of the step: :mod:`zoo.parallel` enters
@@ -23,9 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, PyTree, Shaped
+from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from zoo.errors import MeshError
 
@@ -102,6 +106,60 @@ def gather_fsdp(x, dims: Sequence[int]):
     for d in dims:
         x = jax.lax.all_gather(x, "fsdp", axis=d, tiled=True)
     return x
+
+
+# -- context parallelism ----------------------------------------------------------------------
+
+CONTEXT = "context"
+
+
+def context_order(seq_len: int, n: int) -> np.ndarray:
+    """The order a sequence is laid out in over ``n`` context devices: cut into ``2n`` chunks,
+    device i holds chunks i and 2n-1-i (Llama 3's layout), so every device has as much causal
+    attention work as the others. ``x[:, order]`` puts device i's tokens at ``[i·S/n, (i+1)·S/n)``."""
+    if seq_len % (2 * n):
+        raise MeshError(f"context={n} cuts a sequence into {2 * n} equal chunks: seq_len {seq_len} is not divisible by {2 * n}")
+    c = seq_len // (2 * n)
+    chunks = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def context_size() -> int:
+    """How many devices split the sequence in the current step (1 outside it)."""
+    step = _STEP.get()
+    return 1 if step is None else axis_size(step.mesh, CONTEXT)
+
+
+def context_positions(seq_len: int) -> Int[Array, " S"]:
+    """Each local position's index in the whole sequence: ``0..S-1`` outside context
+    parallelism; inside, the indices of this device's two chunks (:func:`context_order`)."""
+    n = context_size()
+    if n == 1:
+        return jnp.arange(seq_len, dtype=jnp.int32)
+    i = jax.lax.axis_index(CONTEXT)
+    c = seq_len // 2
+    j = jnp.arange(seq_len, dtype=jnp.int32)
+    chunk = jnp.where(j < c, i, 2 * n - 1 - i)
+    return (chunk * c + j % c).astype(jnp.int32)
+
+
+def context_sum(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
+    """A per-sequence statistic of the local tokens summed over the devices holding the
+    sequence's other chunks (outside context parallelism, ``x``)."""
+    if context_size() == 1:
+        return x
+    return _psum(x, (CONTEXT,))
+
+
+def context_gather(x: Shaped[Array, "B S *rest"]) -> Shaped[Array, "B T *rest"]:
+    """The whole sequence of ``x`` (axis 1) in natural order, from every context device's
+    chunks: an all-gather whose transpose (autodiff) reduce-scatters the gradients back.
+    Outside context parallelism, ``x``."""
+    n = context_size()
+    if n == 1:
+        return x
+    full = jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+    return jnp.take(full, np.argsort(context_order(full.shape[1], n)), axis=1)
 
 
 def remat_policy(policy: Callable[..., Any] | None) -> Callable[..., Any] | None:
@@ -188,6 +246,7 @@ def psum_varying(x, axes: Sequence[str]):
 
 
 __all__ = [
-    "GATHERED", "axis_size", "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
+    "CONTEXT", "GATHERED", "axis_size", "context_gather", "context_order", "context_positions", "context_size", "context_sum",
+    "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
     "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
 ]  # fmt: skip

@@ -70,6 +70,38 @@ def next_token_targets(
     return labels, mask
 
 
+def shifted_targets(
+    input_ids: Int[Array, "B S"],
+    segment_ids: Int[Array, "B S"] | None = None,
+    loss_mask: Bool[Array, "B S"] | None = None,
+    *,
+    shift: int = 1,
+) -> tuple[Int[Array, "B S"], Bool[Array, "B S"]]:
+    """:func:`next_token_targets` for every position: position t's target is token t+shift
+    (0 where there is none) and the mask says which count. Under context parallelism the
+    target may live on another device: the ids (and segments and masks) of the whole sequence
+    are gathered (integers, a few bytes a token) and each device reads its own targets."""
+    from zoo.hooks import context_gather, context_positions
+
+    if input_ids.ndim != 2:
+        raise ValueError(f"a next-token loss needs input_ids of [batch, sequence], got shape {tuple(input_ids.shape)}")
+    for name, x in (("segment_ids", segment_ids), ("loss_mask", loss_mask)):
+        if x is not None and x.shape != input_ids.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, input_ids {tuple(input_ids.shape)}: they must match")
+    full = context_gather(input_ids)
+    target = context_positions(input_ids.shape[1]) + shift
+    valid = target < full.shape[1]
+    target = jnp.minimum(target, full.shape[1] - 1)
+    labels = jnp.where(valid, jnp.take(full, target, axis=1), 0)
+    mask = jnp.broadcast_to(valid, input_ids.shape)
+    if segment_ids is not None:
+        seg = jnp.take(context_gather(segment_ids), target, axis=1)
+        mask = mask & (seg == segment_ids) & (seg != 0)
+    if loss_mask is not None:
+        mask = mask & jnp.take(context_gather(loss_mask.astype(jnp.bool_)), target, axis=1)
+    return labels, mask
+
+
 def _chunk_tokens(n: int, vocab: int, chunk_tokens: int | None) -> int:
     c = chunk_tokens if chunk_tokens is not None else max(16, CHUNK_BYTES // (4 * vocab))
     return max(1, min(c, n))
@@ -122,16 +154,16 @@ def _weighted_nll_sum(x, w, labels, weights, chunk):
 
 def _weighted_nll_sum_fwd(x, w, labels, weights, chunk):
     total, dx, dw, nll = _nll_chunks(x, w, labels, weights, chunk, with_grads=True)
-    return total, (dx, dw, nll, w)
+    return total, (dx, dw, nll, w, weights)
 
 
 def _weighted_nll_sum_bwd(chunk, residuals, g):
-    dx, dw, nll, w = residuals
+    dx, dw, nll, w, weights = residuals
     dx = (g * dx.astype(jnp.float32)).astype(dx.dtype)
     # Inside the parallel step each device holds its tokens' share of the head's gradient;
     # the head itself is replicated over the batch axes, so its cotangent is their sum.
     dw = sum_to_varying_of(g * dw.astype(jnp.float32), w).astype(dw.dtype)
-    return dx, dw, None, g * nll
+    return dx, dw, None, sum_to_varying_of(g * nll, weights)
 
 
 _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
@@ -155,9 +187,10 @@ def chunked_cross_entropy(
     """
     b, s, d = x.shape
     w = head.astype(x.dtype)
-    # From the labels, not a constant: inside the parallel step the count must vary over the
-    # batch axes like the tokens do, so that global_sum adds up every device's count.
-    weights = (labels >= 0 if mask is None else mask).astype(jnp.float32)
+    # Typed as varying like the labels (a mask may be built from positions alone): inside the
+    # parallel step the count must vary over the batch axes, so that global_sum adds up every
+    # device's count.
+    weights = varying_like(jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32), labels)
     chunk = _chunk_tokens(b * s, w.shape[0], chunk_tokens)
     total = _weighted_nll_sum(x.reshape(b * s, d), w, labels.reshape(-1), weights.reshape(-1), chunk)
     return global_sum(total) / jnp.maximum(global_sum(jnp.sum(weights)), 1.0)
@@ -176,6 +209,8 @@ def lm_loss(
     prediction (:func:`next_token_targets`; without masks all B·(S−1), what ``transformers``
     computes with ``labels=input_ids``). Over packed rows it is the token-weighted mean of each
     document's own loss."""
-    labels, mask = next_token_targets(input_ids, segment_ids, loss_mask)
+    if input_ids.ndim == 2 and input_ids.shape[1] < 2:
+        next_token_targets(input_ids)  # its error: a loss over fewer than 2 positions
+    labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
     features = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)[0]
-    return chunked_cross_entropy(features[:, :-1], model.unembedding(), labels, mask)
+    return chunked_cross_entropy(features, model.unembedding(), labels, mask)

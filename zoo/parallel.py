@@ -1,6 +1,6 @@
-"""Data, FSDP, tensor and expert parallelism: one device mesh, one ``jax.shard_map`` step.
+"""Data, FSDP, tensor, expert and context parallelism: one device mesh, one ``jax.shard_map`` step.
 
-The mesh always has the four axes of :data:`AXES` (size 1 when unused). Where each parameter
+The mesh always has the five axes of :data:`AXES` (size 1 when unused). Where each parameter
 lives is *derived* from the model's own parameter description (:mod:`zoo.params`): every
 dimension letter of a :class:`~zoo.params.Param` maps to at most one mesh axis by its family's
 ``config.axis_rules`` (:class:`zoo.causal_lm.AxisRule`), so a new model gets its layout from
@@ -31,7 +31,9 @@ from jaxtyping import PyTree
 
 from zoo.errors import MeshError
 from zoo.hooks import (
+    CONTEXT,
     GATHERED,
+    context_order,
     gather_fsdp,
     gather_layer,
     in_step,
@@ -45,7 +47,9 @@ from zoo.hooks import (
 from zoo.layers.moe import routed_experts
 from zoo.registry import family_of, is_model
 
-AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
+# "context" splits the sequence (the batch arrays' second axis), in Llama 3's balanced order
+# (zoo.hooks.context_order); attention gathers keys and values over it.
+AXES: tuple[str, ...] = ("data", "fsdp", "context", "tensor", "expert")
 # The expert group splits the batch too: its devices would otherwise repeat the same attention
 # and dense work on the same tokens; the MoE layers then move tokens by all-to-all.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
@@ -91,7 +95,7 @@ def _check_axis(name: str, where: str) -> None:
 
 
 def make_mesh(spec: str | Mapping[str, int], *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with the four axes of :data:`AXES`, in that order, over ``devices`` (default all).
+    """A mesh with the five axes of :data:`AXES`, in that order, over ``devices`` (default all).
 
     The axis sizes must multiply to the device count: a silently idle device is a bug.
     Axis types are ``Auto`` so jitted code outside the step may still reshard freely.
@@ -304,6 +308,7 @@ def _layer_plans(model, mesh: Mesh) -> tuple[dict[Any, list], list]:
 
 def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: Mesh, axes: tuple[str, ...]) -> None:
     n = math.prod(_size(mesh, a) for a in axes)
+    context = _size(mesh, CONTEXT)
     named = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
     for key, arg in named:
         what = f"batch argument {key}" if isinstance(key, int) else f"keyword argument {key}="
@@ -314,6 +319,11 @@ def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: Mesh, axes: tup
                 raise MeshError(
                     f"{what}: leading size {leaf.shape[0]} is not divisible by "
                     f"{' x '.join(f'{a}={_size(mesh, a)}' for a in axes)} = {n}"
+                )
+            if context > 1 and (leaf.ndim < 2 or leaf.shape[1] % (2 * context)):
+                raise MeshError(
+                    f"{what}: context={context} splits the sequence (axis 1) into {2 * context} equal chunks; "
+                    f"got shape {tuple(leaf.shape)}"
                 )
 
 
@@ -366,6 +376,11 @@ def value_and_grad(
         plans, rest = _layer_plans(model, mesh)
         trainable = _trainable_mask(model)
         bspec = PartitionSpec(axes if axes else None)
+        if (context := _size(mesh, CONTEXT)) > 1:
+            # Each device gets two of the sequence's 2N chunks (i and 2N-1-i): equal causal work.
+            bspec = PartitionSpec(axes if axes else None, CONTEXT)
+            order = context_order(jax.tree.leaves((batch, arrays))[0].shape[1], context)
+            batch, arrays = jax.tree.map(lambda x: jnp.take(x, order, axis=1), (batch, arrays))
 
         def body(params, local_arrays, *local_batch):
             with step_context(mesh, plans) as ctx:
@@ -388,7 +403,7 @@ def value_and_grad(
                 missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
                 if missing and _size(mesh, "fsdp") > 1:
                     raise MeshError("the model's forward never called zoo.hooks.gather_layer on a layer stack")
-            aux = jax.tree.map(lambda a: _reduce_aux(a, axes), aux)
+            aux = jax.tree.map(lambda a: _reduce_aux(a, (*axes, CONTEXT)), aux)
             grads = jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
             return (loss, aux) if has_aux else loss, grads
 

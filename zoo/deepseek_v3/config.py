@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.causal_lm import AxisRule, ModelConfig, check_positive
+from zoo.causal_lm import AxisRule, ModelConfig, check_attention, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
 from zoo.layers.rope import Rope
@@ -72,8 +72,11 @@ class DeepseekV3Config(ModelConfig):
     aux_loss_alpha: float = 0.0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Not architecture: which attention path runs (zoo.layers.attention; never in config.json).
+    attention: str = "auto"
 
     def __post_init__(self):
+        check_attention(self)
         check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers", "num_heads",

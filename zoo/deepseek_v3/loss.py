@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from zoo.loss import chunked_cross_entropy, next_token_targets
+from zoo.loss import chunked_cross_entropy, next_token_targets, shifted_targets
 
 if TYPE_CHECKING:
     from zoo.deepseek_v3.model import DeepseekV3
@@ -56,14 +56,15 @@ def deepseek_v3_loss(
     position t. ``balance_alpha`` defaults to the config's ``aux_loss_alpha``. The per-layer
     expert load in the metrics feeds :func:`zoo.deepseek_v3.update_router_bias`.
     """
-    labels, mask = next_token_targets(input_ids, segment_ids, loss_mask)
+    next_token_targets(input_ids)  # a clear error for fewer than 2 positions
+    labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
     out = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)
     head = model.unembedding()
-    lm = chunked_cross_entropy(out.logits[:, :-1], head, labels, mask)
+    lm = chunked_cross_entropy(out.logits, head, labels, mask)
     mtp = jnp.zeros((), jnp.float32)
     if out.mtp_logits is not None:
-        labels2, mask2 = next_token_targets(input_ids, segment_ids, loss_mask, shift=2)
-        mtp = chunked_cross_entropy(out.mtp_logits[:, :-2], head, labels2, mask2)
+        labels2, mask2 = shifted_targets(input_ids, segment_ids, loss_mask, shift=2)
+        mtp = chunked_cross_entropy(out.mtp_logits, head, labels2, mask2)
     alpha = model.config.aux_loss_alpha if balance_alpha is None else balance_alpha
     total = lm + mtp_weight * mtp + alpha * out.balance_loss
     return total, DeepseekV3Metrics(lm, mtp, out.balance_loss, out.expert_load)

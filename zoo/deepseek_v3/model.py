@@ -28,11 +28,12 @@ from zoo.deepseek_v3.config import DeepseekV3Config
 from zoo.deepseek_v3.loss import DeepseekV3Training
 from zoo.deepseek_v3.moe import MoE, route, sequence_balance_loss
 from zoo.deepseek_v3.placement import DeepseekV3Placement
-from zoo.hooks import gather_layer, tensor_psum, varying_like
+from zoo.hooks import context_positions, context_size, gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
 from zoo.layers.stack import scan_layers
+from zoo.loss import shifted_targets
 from zoo.params import Param, build, flatten, init_with_stacks
 
 
@@ -152,7 +153,7 @@ def mla(
     normalised kv latent; RoPE on the decoupled rope part only, shared by all heads for keys."""
     q, kv_latent, k_rope = mla_project(config, p, h, cos, sin)
     k, v = mla_expand(config, p, kv_latent, k_rope)
-    ctx = checkpoint_name(causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids), "context")
+    ctx = causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids, implementation=config.attention)
     return tensor_psum(jnp.einsum("bshu,hud->bsd", ctx, p.wo))
 
 
@@ -351,17 +352,20 @@ class DeepseekV3(CausalLM):
 
             x, ys = scan_layers(dense_body, x, self.dense_layers, policy=policy)
             outputs.append(ys)
-        load, balance = None, varying_like(jnp.zeros((), jnp.float32), x)
+        load, balance = None, jnp.zeros((), jnp.float32)
         if self.moe_layers is not None:
 
-            def moe_body(carry, layer):
-                h, total = carry
+            def moe_body(h, layer):
                 h, layer_load, layer_balance = moe_layer(
                     config, gather_layer(self._cast_moe(layer, dtype)), h, cos, sin, segment_ids, self.expert_impl
                 )
-                return (h, total + layer_balance), (layer_load, h if return_hidden else None)
+                return h, (layer_load, layer_balance, h if return_hidden else None)
 
-            (x, balance), (load, ys) = scan_layers(moe_body, (x, balance), self.moe_layers, policy=policy)
+            # Per-layer balance losses as scan outputs, not a carry: a carry starts typed as varying
+            # over every axis the tokens do, while a sequence's balance loss is the same on all the
+            # context devices that hold its chunks.
+            x, (load, balances, ys) = scan_layers(moe_body, x, self.moe_layers, policy=policy)
+            balance = jnp.sum(balances)
             outputs.append(ys)
         last = x
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
@@ -385,7 +389,11 @@ class DeepseekV3(CausalLM):
 
     def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype, policy=None) -> Float[Array, "B S _"]:
         m, eps = self.mtp, self.config.rms_norm_eps
-        next_ids = jnp.concatenate([input_ids[:, 1:], input_ids[:, -1:]], axis=1)
+        # Token t+1 for position t (the last repeats: its prediction is masked out); under
+        # context parallelism it may be on another device.
+        next_ids = shifted_targets(input_ids)[0]
+        next_ids = jnp.where(context_positions(input_ids.shape[1]) + 1 < context_size() * input_ids.shape[1],
+                             next_ids, input_ids)  # fmt: skip
         e = rms_norm(embed(self.embed, next_ids, dtype), m.enorm, eps)
         h = rms_norm(last, m.hnorm, eps)
         x = jnp.einsum("bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))

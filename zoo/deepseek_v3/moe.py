@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from zoo.hooks import context_size, context_sum
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import (  # noqa: F401  (re-exported: their home before the MoE layer was shared)
     EXPERT_IMPLS,
@@ -85,12 +86,14 @@ def sequence_balance_loss(
 ) -> Float[Array, ""]:
     """DeepSeek-V3's sequence-wise balance loss, before its α: per sequence,
     ``Σ_e f_e · P_e`` with ``f_e = E/(K·S) · #tokens choosing e`` and ``P_e`` the mean of the
-    scores normalised over experts; averaged over the batch."""
+    scores normalised over experts; averaged over the batch. Under context parallelism a
+    sequence's statistics add up over the devices holding its chunks."""
     _, s, e = scores.shape
     k = experts.shape[-1]
-    counts = jax.vmap(lambda ex: expert_load(ex, e))(experts)
+    s = s * context_size()
+    counts = context_sum(jax.vmap(lambda ex: expert_load(ex, e))(experts))
     f = counts.astype(jnp.float32) * (e / (k * s))
-    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)
+    p = context_sum(jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)) / s
     return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
 
 

@@ -31,6 +31,8 @@ class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"
     - ``query`` [B S H K] (rope part rotated), ``key`` [B S H K] (the shared rope key
       broadcast to every head), ``value`` [B S H U].
     - ``context`` [B S H U]: attention output, input of the output projection.
+    - ``attn_lse`` [B H S] float32: each query's log-sum-exp over its keys; with the output, what
+      the backward pass of blockwise attention needs (``zoo.layers.attention``).
     - ``attn_out`` [B S D]: output projection; the residual add's result feeds the MLP norm.
     - ``mlp_norm`` [B S D]: RMSNorm before the MLP or MoE.
     - ``mlp_gate``, ``mlp_up``, ``mlp_hidden`` [B S F]: the dense layers' SwiGLU.
@@ -49,7 +51,7 @@ class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"
 
     presets: ClassVar[Mapping[str, str]] = {
         # Keep every matmul output; recompute the norms and the SwiGLU products.
-        "save_matmuls": "remat+q_a=device,kv_a=device,query=device,key=device,value=device,context=device,"
+        "save_matmuls": "remat+q_a=device,kv_a=device,query=device,key=device,value=device,context=device,attn_lse=device,"
         "attn_out=device,mlp_gate=device,mlp_up=device,router_logits=device,moe_gate=device,moe_up=device,"
         "moe_out=device,shared_gate=device,shared_up=device",
         # NVIDIA's DeepSeek-V3 host-offloading policy: the MLA query and key/value projection
@@ -73,6 +75,7 @@ class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"
     key: Placement = "device"
     value: Placement = "device"
     context: Placement = "device"
+    attn_lse: Placement = "device"
     attn_out: Placement = "device"
     mlp_norm: Placement = "device"
     mlp_gate: Placement = "device"

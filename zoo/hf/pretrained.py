@@ -6,6 +6,8 @@ which key holds each tensor, its stored layout, and which axis stacks layers or 
 
 from __future__ import annotations
 
+import dataclasses
+
 import ctypes
 import errno
 import fnmatch
@@ -181,17 +183,20 @@ def load_arrays(
     return out
 
 
-def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, **options):
+def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attention: str | None = None, **options):
     """Load a Hugging Face checkpoint directory (``config.json`` + safetensors) as a zoo model.
 
     dtype: parameter dtype; default the checkpoint's own (``torch_dtype`` / ``dtype`` in
         config.json), float32 if it names none. FP8 weights are dequantized to it.
     compute_dtype: activations' dtype; default ``dtype``.
+    attention: the attention path (``zoo.layers.attention``: "auto", "xla", "blockwise", "cudnn").
     options: model-specific, e.g. ``mtp=True`` for DeepSeek-V3's multi-token-prediction layers.
     """
     path = Path(path)
     _recover(path)
     family, config, raw = read_config(path, **options)
+    if attention is not None:
+        config = dataclasses.replace(config, attention=attention)
     if dtype is None:
         name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         dtype = _DTYPE_NAMES.get(name, jnp.float32)

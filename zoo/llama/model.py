@@ -84,8 +84,8 @@ def llama_layer(
     """
     x = checkpoint_name(x, "layer_input")
     q, k, v = llama_qkv(config, layer, x, cos, sin)
-    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids)
-    return llama_post_attention(config, layer, x, checkpoint_name(ctx, "context"))
+    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids, implementation=config.attention)
+    return llama_post_attention(config, layer, x, ctx)  # causal_attention names "context" and "attn_lse"
 
 
 def llama_qkv(

@@ -19,6 +19,8 @@ class LlamaPlacement(PlacementMap, model="zoo.llama.model.Llama"):
     - ``attn_norm`` [B S D]: RMSNorm before attention, input of the q/k/v projections.
     - ``query`` [B S H K], ``key`` [B S G K] (after RoPE), ``value`` [B S G K].
     - ``context`` [B S H K]: attention output, input of the output projection.
+    - ``attn_lse`` [B H S] float32: each query's log-sum-exp over its keys; with the output, what
+      the backward pass of blockwise attention needs (``zoo.layers.attention``).
     - ``attn_out`` [B S D]: output projection; the residual add's result feeds the MLP norm.
     - ``mlp_norm`` [B S D]: RMSNorm before the MLP.
     - ``mlp_gate``, ``mlp_up`` [B S F]: the two SwiGLU input projections.
@@ -30,7 +32,7 @@ class LlamaPlacement(PlacementMap, model="zoo.llama.model.Llama"):
 
     presets: ClassVar[Mapping[str, str]] = {
         # Keep every matmul output (attention's context included); recompute norms and SwiGLU.
-        "save_matmuls": "remat+query=device,key=device,value=device,context=device,attn_out=device,"
+        "save_matmuls": "remat+query=device,key=device,value=device,context=device,attn_lse=device,attn_out=device,"
         "mlp_gate=device,mlp_up=device",
         # save_matmuls, with the layer input and the q/k/v projections in pinned host memory.
         "offload_attn": "save_matmuls+layer_input=pinned_host,query=pinned_host,key=pinned_host,value=pinned_host",
@@ -42,6 +44,7 @@ class LlamaPlacement(PlacementMap, model="zoo.llama.model.Llama"):
     key: Placement = "device"
     value: Placement = "device"
     context: Placement = "device"
+    attn_lse: Placement = "device"
     attn_out: Placement = "device"
     mlp_norm: Placement = "device"
     mlp_gate: Placement = "device"

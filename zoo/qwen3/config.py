@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
-from zoo.causal_lm import AxisRule, ModelConfig, check_positive
+from zoo.causal_lm import AxisRule, ModelConfig, check_attention, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
 from zoo.layers.rope import Rope
@@ -78,8 +78,11 @@ class Qwen3Config(ModelConfig):
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Not architecture: which attention path runs (zoo.layers.attention; never in config.json).
+    attention: str = "auto"
 
     def __post_init__(self):
+        check_attention(self)
         check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
         name = "Qwen3Config"
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):

@@ -150,8 +150,8 @@ def qwen3_layer(config, layer, x, cos, sin, segment_ids, kind: str, impl: str):
     """One decoder layer: pre-norm attention, then the dense or MoE MLP (with router stats)."""
     x = checkpoint_name(x, "layer_input")
     q, k, v = qwen3_qkv(config, layer, x, cos, sin)
-    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids)
-    x = qwen3_attention_out(layer, x, checkpoint_name(ctx, "context"))
+    ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids, implementation=config.attention)
+    x = qwen3_attention_out(layer, x, ctx)  # causal_attention names "context" and "attn_lse"
     if kind == "dense":
         return dense_ffn(config, layer, x), None
     return moe_ffn(config, layer, x, impl)
@@ -313,12 +313,12 @@ class Qwen3(CausalLM):
     def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, loss_mask=None, placement=None):
         """Next-token loss plus ``aux_loss_coef`` times the Switch-style balance loss of the
         MoE layers (``transformers``' ``router_aux_loss_coef``); logs both and the expert load."""
-        from zoo.loss import chunked_cross_entropy, next_token_targets
+        from zoo.loss import chunked_cross_entropy, shifted_targets
 
         o = options_or_default(self, options)
-        labels, mask = next_token_targets(input_ids, segment_ids, loss_mask)
+        labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
         out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)
-        lm = chunked_cross_entropy(out.logits[:, :-1], self.unembedding(), labels, mask)
+        lm = chunked_cross_entropy(out.logits, self.unembedding(), labels, mask)
         if out.router is None:
             return lm, {"lm_loss": lm}
         coef = self.config.router_aux_loss_coef if o.aux_loss_coef is None else o.aux_loss_coef

@@ -25,6 +25,8 @@ class Qwen3Placement(PlacementMap, model="zoo.qwen3.model.Qwen3"):
       per-head RMSNorm (whose backward needs them).
     - ``query`` [B S H K], ``key`` [B S G K] (normed, after RoPE), ``value`` [B S G K].
     - ``context`` [B S H K]: attention output, input of the output projection.
+    - ``attn_lse`` [B H S] float32: each query's log-sum-exp over its keys; with the output, what
+      the backward pass of blockwise attention needs (``zoo.layers.attention``).
     - ``attn_out`` [B S D]: output projection; the residual add's result feeds the MLP norm.
     - ``mlp_norm`` [B S D]: RMSNorm before the MLP or MoE.
     - ``mlp_gate``, ``mlp_up``, ``mlp_hidden`` [B S F]: the dense layers' SwiGLU.
@@ -37,7 +39,7 @@ class Qwen3Placement(PlacementMap, model="zoo.qwen3.model.Qwen3"):
 
     presets: ClassVar[Mapping[str, str]] = {
         # Keep every matmul output; recompute the norms, RoPE and the SwiGLU products.
-        "save_matmuls": "remat+q_proj=device,k_proj=device,value=device,context=device,attn_out=device,"
+        "save_matmuls": "remat+q_proj=device,k_proj=device,value=device,context=device,attn_lse=device,attn_out=device,"
         "mlp_gate=device,mlp_up=device,router_logits=device,moe_gate=device,moe_up=device,moe_out=device",
         # poolside's Qwen3-30B-A3B recipe: the MLP activations in pinned host memory, the rest
         # as save_matmuls.
@@ -52,6 +54,7 @@ class Qwen3Placement(PlacementMap, model="zoo.qwen3.model.Qwen3"):
     key: Placement = "device"
     value: Placement = "device"
     context: Placement = "device"
+    attn_lse: Placement = "device"
     attn_out: Placement = "device"
     mlp_norm: Placement = "device"
     mlp_gate: Placement = "device"
