@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     import jax.random as jr
 
     import zoo
+    from zoo import parallel
 
+    # Before anything touches a device: jax.distributed must start before the backends do.
+    parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     if args.checkpoint:
         model = zoo.from_pretrained(args.checkpoint, dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype],
@@ -184,10 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         parser().error(f"--seq-len {args.seq_len} is beyond the model's max_position_embeddings "
                        f"{model.config.max_position_embeddings}")  # fmt: skip
     mesh = None
-    if args.mesh or args.coordinator or args.num_processes:
-        from zoo import parallel
-
-        parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    if args.mesh or jax.process_count() > 1:
         mesh = parallel.make_mesh(args.mesh)
         parallel.validate_mesh(mesh, model.config)
     data = load_training_data(args, model.config.vocab_size)

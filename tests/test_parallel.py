@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import socket
@@ -543,3 +544,38 @@ def test_two_processes_match_one():
     for worker_loss, worker_norm in results:
         np.testing.assert_allclose(worker_loss, float(loss), rtol=1e-6)
         np.testing.assert_allclose(worker_norm, norm, rtol=1e-6)
+
+
+def test_two_processes_train_on_a_text_file_like_one(tmp_path):
+    """The training recipe on a real text file: 2 processes x 2 CPU devices (each puts only its
+    rows of every batch on its devices) log the losses of 1 process x 4, step for step."""
+    text = tmp_path / "corpus.txt"
+    text.write_text((ROOT / "zoo" / "train.py").read_text() + (ROOT / "zoo" / "parallel.py").read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+
+    def recipe(run: str, devices: int, *extra: str) -> list[str]:
+        return [sys.executable, str(ROOT / "recipes" / "train.py"), "--preset", "tiny", "--data", str(text),
+                "--steps", "3", "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--eval-every", "3",
+                "--mesh", "data=2,fsdp=2", "--cpu-devices", str(devices), "--run-dir", str(tmp_path / run),
+                "--peak-tflops", "1", *extra]  # fmt: skip
+
+    port = _free_port()
+    two = [
+        subprocess.Popen(recipe("two", 2, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    one = subprocess.run(recipe("one", 4), env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    for p in two:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:]
+
+    def losses(run: str) -> list[tuple[int, float]]:
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+    one, two = losses("one"), losses("two")
+    assert [s for s, _ in one] == [s for s, _ in two] == [1, 2, 3]  # one metrics file, written once
+    np.testing.assert_allclose([x for _, x in two], [x for _, x in one], rtol=1e-5)

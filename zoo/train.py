@@ -118,6 +118,29 @@ def as_batch(batch) -> dict[str, Any]:
     return dict(batch)
 
 
+def place_batch(batch, mesh=None, *, micro: bool = True) -> Any:
+    """A host batch (arrays ``[A, B, S]``, or ``[B, S]`` with ``micro=False``; or a dict of
+    them) as device arrays. With a mesh,
+    global arrays whose rows are split over the batch axes the step splits them over: each
+    process puts on its own devices only their rows (``jax.make_array_from_callback``), so the
+    same code runs on one host and on many, where every process computes the same batch from
+    (seed, step)."""
+    if mesh is None or mesh.size == 1:
+        return jax.tree.map(jnp.asarray, batch)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from zoo import parallel
+
+    axes = tuple(a for a in parallel.BATCH_AXES if mesh.shape[a] > 1)
+    sharding = NamedSharding(mesh, PartitionSpec(*([None] if micro else []), axes or None))
+
+    def place(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(place, batch)
+
+
 def loss_and_metrics(model: eqx.Module, input_ids: Int[Array, "B S"], *, cfg: TrainConfig, placement=None, **fields):
     """The model's training objective and what to log about it (``model.loss``); ``fields``:
     the batch's positions / segment_ids / loss_mask."""
@@ -686,7 +709,8 @@ def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_s
     evaluate = make_eval(model, placement=placement)
     seq = cfg.seq_len
     flops_per_token = model.config.flops_per_token(seq)
-    log = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, cfg.steps)
+    # Process 0 writes the metrics (every process computes the same ones).
+    log = MetricsLog(run_dir / "metrics.jsonl" if run_dir and jax.process_index() == 0 else None, cfg.steps)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * seq
     last_time, last_step, done = time.perf_counter(), start, start
     on_host = param_memory != "device" or opt_memory != "device"
@@ -715,7 +739,7 @@ def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_s
     def validation_loss(params) -> float:
         p = tree_placement(params, "device") if param_memory != "device" else params
         batches_ = (
-            jax.tree.map(jnp.asarray, data.batch(cfg.seed, i, cfg.batch_size, seq, split="valid"))
+            place_batch(data.batch(cfg.seed, i, cfg.batch_size, seq, split="valid"), mesh, micro=False)
             for i in range(cfg.eval_batches)
         )
         return float(np.mean([float(evaluate(p, b)) for b in batches_]))
@@ -724,7 +748,7 @@ def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_s
         log.write({"step": 0, "val_loss": validation_loss(params)})
         last_time = time.perf_counter()
     for step, batch in batches(data, cfg, start):
-        params, opt_state, metrics = step_fn(params, opt_state, jax.tree.map(jnp.asarray, batch), jnp.int32(step))
+        params, opt_state, metrics = step_fn(params, opt_state, place_batch(batch, mesh), jnp.int32(step))
         done = step + 1
         is_log = done % cfg.log_every == 0 or done == cfg.steps
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps
