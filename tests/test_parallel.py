@@ -475,6 +475,11 @@ def test_step_errors_name_the_culprit():
         step(model, jnp.zeros((6, 4), jnp.int32))
     with pytest.raises(MeshError, match=r"'tensor' cannot split the batch"):
         parallel.value_and_grad(zoo.lm_loss, mesh, batch_axes=("data", "tensor"))
+    context = parallel.value_and_grad(zoo.lm_loss, parallel.make_mesh("context=2,data=4"))
+    with pytest.raises(MeshError, match=r"batch argument 0: context=2 splits the sequence \(axis 1\) into 4 equal chunks; got shape \(8, 6\)"):
+        context(model, jnp.zeros((8, 6), jnp.int32))
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'contxt' \(did you mean 'context'\?\); axes: data, fsdp, context, tensor, expert"):
+        parallel.make_mesh("contxt=2,data=4")
 
 
 # -- multi-host ---------------------------------------------------------------------------
