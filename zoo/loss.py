@@ -81,10 +81,13 @@ def shifted_targets(
     (0 where there is none) and the mask says which count. Under context parallelism the
     target may live on another device: the ids (and segments and masks) of the whole sequence
     are gathered (integers, a few bytes a token) and each device reads its own targets."""
-    from zoo.hooks import context_gather, context_positions
+    from zoo.hooks import context_gather, context_positions, context_size
 
-    if input_ids.ndim != 2:
-        raise ValueError(f"a next-token loss needs input_ids of [batch, sequence], got shape {tuple(input_ids.shape)}")
+    if input_ids.ndim != 2 or input_ids.shape[1] * context_size() < shift + 1:
+        raise ValueError(
+            f"a next-token loss needs input_ids of [batch, sequence] with at least {shift + 1} positions "
+            f"(it predicts token t+{shift} from position t), got shape {tuple(input_ids.shape)}"
+        )
     for name, x in (("segment_ids", segment_ids), ("loss_mask", loss_mask)):
         if x is not None and x.shape != input_ids.shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)}, input_ids {tuple(input_ids.shape)}: they must match")
@@ -209,8 +212,6 @@ def lm_loss(
     prediction (:func:`next_token_targets`; without masks all B·(S−1), what ``transformers``
     computes with ``labels=input_ids``). Over packed rows it is the token-weighted mean of each
     document's own loss."""
-    if input_ids.ndim == 2 and input_ids.shape[1] < 2:
-        next_token_targets(input_ids)  # its error: a loss over fewer than 2 positions
     labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
     features = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)[0]
     return chunked_cross_entropy(features, model.unembedding(), labels, mask)

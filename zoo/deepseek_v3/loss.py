@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from zoo.loss import chunked_cross_entropy, next_token_targets, shifted_targets
+from zoo.loss import chunked_cross_entropy, shifted_targets
 
 if TYPE_CHECKING:
     from zoo.deepseek_v3.model import DeepseekV3
@@ -56,7 +56,6 @@ def deepseek_v3_loss(
     position t. ``balance_alpha`` defaults to the config's ``aux_loss_alpha``. The per-layer
     expert load in the metrics feeds :func:`zoo.deepseek_v3.update_router_bias`.
     """
-    next_token_targets(input_ids)  # a clear error for fewer than 2 positions
     labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
     out = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)
     head = model.unembedding()
