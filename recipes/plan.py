@@ -1,0 +1,84 @@
+"""Plan a training run's memory: the placement map and batch that train fastest on a hardware.
+
+    python recipes/plan.py --model llama --preset llama3.1-405b --mesh fsdp=8,tensor=8 --hardware gb200 --seq-len 8192
+    python recipes/plan.py --model deepseek_v3 --preset deepseek-v3-671b --mesh data=9,expert=8 --hardware gb200 --seq-len 4096
+    python recipes/plan.py --model llama --preset small --seq-len 256 --device-budget-gib 0.1   # this machine's CPU
+
+Everything is traced from shapes on an abstract mesh of any size: nothing is allocated and no
+accelerator is needed. Prints the candidates (no map, full remat, each preset, the plan) with
+device and host memory per device, step time, MFU and the largest batch each fits, then the
+plan's map, verified by a full estimate and by the CUDA export (offloaded names reach host).
+Exits 1 with the table and what dominates the smallest peak when nothing fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zoo import registry
+from zoo.plan.hardware import HARDWARE
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama", choices=registry.model_types(), help="model type")
+    p.add_argument("--preset", default="small", help="a named config of the model type (llama3.1-405b, small, ...)")
+    p.add_argument("--mesh", default="", help="axis=size pairs: data, fsdp, tensor, expert (default: one device)")
+    p.add_argument("--hardware", default="cpu", help=f"one of {', '.join(HARDWARE)}")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the largest that fits)")
+    p.add_argument("--device-budget-gib", type=float, default=None, help="per device (default: the hardware's HBM)")
+    p.add_argument(
+        "--host-budget-gib", type=float, default=None, help="per device (default: the hardware's host memory)"
+    )
+    p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="activations and matmuls (parameters stay float32)")  # fmt: skip
+    p.add_argument("--no-verify", action="store_true", help="skip the CUDA export check of the offloaded names")
+    p.add_argument("--estimate", action="store_true", help="also print the plan's estimate, part by part")
+    args = p.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    from zoo import plan as planning
+    from zoo.errors import ConfigError, MeshError
+
+    start = time.perf_counter()
+    try:
+        hw = planning.hardware(args.hardware)
+        config = registry.by_model_type(args.model, "--model").config_cls.preset(args.preset, args.model)
+        gib = 2**30
+        result = planning.plan(
+            config,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            mesh=args.mesh or None,
+            hardware=hw,
+            device_budget=None if args.device_budget_gib is None else args.device_budget_gib * gib,
+            host_budget=None if args.host_budget_gib is None else args.host_budget_gib * gib,
+            compute_dtype=getattr(jnp, args.compute_dtype),
+            verify=not args.no_verify,
+        )
+    except planning.NothingFits as e:
+        print(planning.candidate_table(e.candidates))
+        print(f"\n{e}\n({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+        return 1
+    except (ConfigError, MeshError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result)
+    if args.estimate:
+        print()
+        print(result.estimate)
+    print(f"({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""What recomputing a named tensor costs, counted on the traced layer.
+
+One forward trace of the model (one device's tokens, no mesh) gives each layer kind's
+checkpointed body. Remat'ing a set of names makes the backward pass rerun, per layer, the
+forward work that rebuilds them from what is still saved: the union of the names' *backward
+slices* in the body's dataflow, cut at the saved names and the body's inputs. Its FLOPs are the
+matmuls in it. The count is taken on the dense-attention, ``ragged_dot`` spelling of the layer
+(the flash and grouped kernels loop a data-dependent number of times, which a trace cannot
+count); a matmul over a [S, S] square of scores counts half (the causal mask's work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+
+from zoo.plan._liveness import CALLS, _call_jaxpr, _closed
+
+
+def _dot_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        out = eqn.outvars[0].aval
+        flops = 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+        shapes = [tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars)]
+        if seq_len > 1 and any(sum(1 for d in s if d == seq_len) >= 2 for s in shapes):
+            flops *= 0.5  # scores or probabilities over [S, S]: causal
+        return flops
+    if name in ("ragged_dot", "ragged_dot_general"):
+        lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+        return 2.0 * math.prod(lhs.shape) * rhs.shape[-1]
+    return 0.0
+
+
+@dataclass
+class _Node:
+    flops: float
+    ins: list[Any]
+    name: str | None = None  # a checkpoint_name equation's name
+
+
+@dataclass
+class Body:
+    """One checkpointed layer body: ``layers`` of them per step; its forward FLOPs per token,
+    and per node what it reads, to slice."""
+
+    layers: int
+    tokens: int
+    nodes: list[_Node] = field(default_factory=list)
+    producer: dict[int, int] = field(default_factory=dict)  # value id -> node index
+    named: dict[str, list[int]] = field(default_factory=dict)  # name -> node indices
+    _memo: dict[frozenset, float] = field(default_factory=dict)
+    _cache: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.named)
+
+    def forward_flops(self) -> float:
+        if "forward" not in self._cache:
+            self._cache["forward"] = sum(n.flops for n in self.nodes)
+        return self._cache["forward"]
+
+    def recompute_flops(self, remat: Iterable[str]) -> float:
+        """FLOPs the backward pass reruns per layer when ``remat`` are recomputed (the other
+        names saved or offloaded)."""
+        remat = frozenset(remat) & self.names
+        if not remat:
+            return 0.0
+        if remat not in self._memo:
+            self._memo[remat] = self._slice_flops(remat)
+        return self._memo[remat]
+
+    def _slice_flops(self, remat: frozenset) -> float:
+        seen: set[int] = set()
+        stack = [i for n in remat for i in self.named[n]]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            node = self.nodes[i]
+            if node.name is not None and node.name not in remat:
+                continue  # saved: the slice stops here
+            seen.add(i)
+            stack.extend(self.producer[v] for v in node.ins if v in self.producer)
+        return sum(self.nodes[i].flops for i in seen)
+
+
+def _flatten(jaxpr: core.Jaxpr, env: dict[Any, int], body: Body, seq_len: int, scale: float) -> None:
+    """Nodes of ``jaxpr`` into ``body``; ``env``: var -> value id. Calls inline; a scan's
+    body counts ``length`` times as one node, a while loop's once."""
+    for eqn in jaxpr.eqns:
+        ins = [env[v] for v in eqn.invars if isinstance(v, core.Var) and v in env]
+        name = eqn.primitive.name
+        sub = _call_jaxpr(eqn) if name in CALLS else None
+        if sub is not None:
+            inner = _closed(sub)
+            inner_env = dict(zip(inner.invars, [env.get(v) if isinstance(v, core.Var) else None for v in eqn.invars]))
+            inner_env = {k: v for k, v in inner_env.items() if v is not None}
+            _flatten(inner, inner_env, body, seq_len, scale)
+            for ov, iv in zip(eqn.outvars, inner.outvars):
+                if isinstance(iv, core.Var) and iv in inner_env:
+                    env[ov] = inner_env[iv]
+            continue
+        flops = _dot_flops(eqn, seq_len) * scale
+        if name in ("scan", "while", "cond"):
+            flops = _loop_flops(eqn, seq_len) * scale
+        node = _Node(flops, ins, eqn.params["name"] if name == "name" else None)
+        index = len(body.nodes)
+        body.nodes.append(node)
+        if node.name is not None:
+            body.named.setdefault(node.name, []).append(index)
+        for ov in eqn.outvars:
+            vid = id(ov)
+            env[ov] = vid
+            body.producer[vid] = index
+
+
+def _loop_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
+    name = eqn.primitive.name
+    if name == "scan":
+        inner = Body(1, 1)
+        j = _closed(eqn.params["jaxpr"])
+        _flatten(j, {v: id(v) for v in j.invars}, inner, seq_len, 1.0)
+        return inner.forward_flops() * eqn.params["length"]
+    if name == "while":
+        inner = Body(1, 1)
+        j = _closed(eqn.params["body_jaxpr"])
+        _flatten(j, {v: id(v) for v in j.invars}, inner, seq_len, 1.0)
+        return inner.forward_flops()
+    best = 0.0
+    for b in eqn.params["branches"]:
+        inner = Body(1, 1)
+        j = _closed(b)
+        _flatten(j, {v: id(v) for v in j.invars}, inner, seq_len, 1.0)
+        best = max(best, inner.forward_flops())
+    return best
+
+
+def counting_model(model: Any) -> Any:
+    """The model spelled for counting: dense attention, experts as ``ragged_dot`` (abstract)."""
+    config = model.config
+    if any(f.name == "attention" for f in dataclasses.fields(config)):
+        config = dataclasses.replace(config, attention="xla")
+    cls = type(model)
+    kwargs: dict[str, Any] = {"compute_dtype": model.compute_dtype}
+    if "expert_impl" in inspect.signature(cls.__init__).parameters:
+        kwargs["expert_impl"] = "ragged_dot"
+    return jax.eval_shape(lambda: cls(config, key=jax.random.key(0), **kwargs))
+
+
+def layer_bodies(model: Any, seq_len: int) -> list[Body]:
+    """Each checkpointed body of the forward pass (one per layer kind, and a block outside the
+    scans), from one trace of one sequence's loss under the all-``device`` map."""
+    counting = counting_model(model)
+    cls = type(model).placement_map
+    everything = cls.preset("device")
+    ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda m, x: m.loss(x, placement=everything)[0])(counting, ids)
+    bodies: list[Body] = []
+
+    def walk(j: Any, length: int) -> None:
+        for eqn in j.eqns:
+            if eqn.primitive.name in ("remat2", "checkpoint"):
+                inner = _closed(eqn.params["jaxpr"])
+                body = Body(length, seq_len)
+                _flatten(inner, {v: id(v) for v in inner.invars}, body, seq_len, 1.0)
+                if body.named:
+                    bodies.append(body)
+                continue
+            n = eqn.params["length"] if eqn.primitive.name == "scan" else length
+            from zoo.placement import _subjaxprs
+
+            for sub in _subjaxprs(eqn):
+                walk(sub, n)
+
+    walk(jaxpr.jaxpr, 1)
+    return bodies

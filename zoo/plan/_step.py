@@ -1,0 +1,373 @@
+"""The training step the planner reasons about: built from abstract shapes, traced per device.
+
+Everything here works on ``jax.ShapeDtypeStruct`` trees and a ``jax.sharding.AbstractMesh``:
+no array is allocated and no device is needed, whatever the model's size or the mesh's. The
+step is ``zoo.train.make_train_step``'s own (AdamW, one micro-batch), so the traced program is
+the one training runs; ``compile`` lowers the same step onto the devices present.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from zoo import parallel, train
+from zoo.errors import ConfigError, MeshError
+from zoo.placement import PlacementMap, _subjaxprs, memory_space, resolve
+from zoo.registry import family_of, is_model
+
+SDS = jax.ShapeDtypeStruct
+
+
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """Axis sizes of ``mesh``: ``None`` (one device), a spec ``"data=9,fsdp=8"``, a mapping, or
+    a ``Mesh`` / ``AbstractMesh`` with zoo's axes."""
+    if mesh is None:
+        return dict.fromkeys(parallel.AXES, 1)
+    if isinstance(mesh, str):
+        return parallel.parse_mesh(mesh)
+    if isinstance(mesh, Mapping):
+        sizes = dict.fromkeys(parallel.AXES, 1)
+        for name, size in mesh.items():
+            parallel._check_axis(name, "mesh")
+            sizes[name] = int(size)
+        return sizes
+    shape = dict(mesh.shape)
+    missing = [a for a in parallel.AXES if a not in shape]
+    if missing:
+        raise MeshError(
+            f"mesh has no axis {missing[0]!r}; build it with zoo.parallel.make_mesh (axes: {', '.join(parallel.AXES)})"
+        )
+    return {a: int(shape[a]) for a in parallel.AXES}
+
+
+def abstract_mesh(sizes: Mapping[str, int]) -> AbstractMesh:
+    return AbstractMesh(
+        tuple(sizes[a] for a in parallel.AXES), parallel.AXES, axis_types=(AxisType.Auto,) * len(parallel.AXES)
+    )
+
+
+def mesh_spec(sizes: Mapping[str, int]) -> str:
+    """``"data=9,fsdp=8"`` (axes of size 1 left out; ``""`` for one device)."""
+    return ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
+
+
+def _is_sds(x: Any) -> bool:
+    return isinstance(x, SDS)
+
+
+def abstract_model(model_or_config: Any, compute_dtype: Any = None) -> eqx.Module:
+    """The model as shapes only: a config is built under ``jax.eval_shape`` (its weights never
+    exist); a model has its arrays replaced by their shapes."""
+    if is_model(model_or_config):
+        model = model_or_config
+        if compute_dtype is not None and jnp.dtype(compute_dtype) != model.compute_dtype:
+            raise ConfigError(
+                f"compute_dtype={jnp.dtype(compute_dtype).name} for a model that computes in "
+                f"{model.compute_dtype.name}; give its config to plan another compute dtype"
+            )
+        return jax.tree.map(
+            lambda x: SDS(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray, SDS)) else x, model
+        )
+    cls = family_of(model_or_config)  # a TypeError naming the families for anything else
+    dtype = jnp.float32 if compute_dtype is None else compute_dtype
+    return jax.eval_shape(lambda: cls(model_or_config, key=jax.random.key(0), compute_dtype=dtype))
+
+
+@dataclass
+class Step:
+    """One training step of ``model`` (abstract) at a global batch, on a mesh of ``sizes``."""
+
+    model: Any
+    sizes: dict[str, int]
+    batch_size: int
+    seq_len: int
+    placement: PlacementMap | None
+    param_memory: str
+    opt_memory: str
+
+    def __post_init__(self) -> None:
+        memory_space(self.param_memory, "parameters")
+        memory_space(self.opt_memory, "optimizer state")
+        self.config = self.model.config
+        self.mesh = abstract_mesh(self.sizes)
+        with abstract_mesh_ok():
+            parallel.validate_mesh(self.mesh, self.config)
+        self.axes = tuple(a for a in parallel.BATCH_AXES if self.sizes[a] > 1)
+        shards = math.prod(self.sizes[a] for a in self.axes)
+        if self.batch_size < 1 or self.batch_size % shards:
+            raise MeshError(
+                f"batch size {self.batch_size} is not divisible by the batch axes "
+                f"{' x '.join(f'{a}={self.sizes[a]}' for a in parallel.BATCH_AXES)} = {shards}"
+            )
+        if self.seq_len < 2:
+            raise ConfigError(f"seq_len must be >= 2 (a next-token loss), got {self.seq_len}")
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and self.seq_len > limit:
+            raise ConfigError(f"seq_len {self.seq_len} is beyond the model's max_position_embeddings {limit}")
+        self.local_batch = self.batch_size // shards
+        self.skeleton = jax.tree.map(lambda s: np.zeros((), s.dtype) if _is_sds(s) else s, self.model, is_leaf=_is_sds)
+        self.tc = train.TrainConfig(steps=2, batch_size=self.batch_size, seq_len=self.seq_len, warmup=0)
+        self.tx = train.optimizer(self.tc, self.skeleton)
+        self.params = eqx.filter(self.model, _is_sds, is_leaf=_is_sds)
+        self.opt = jax.eval_shape(self.tx.init, self.params)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    # -- layout ---------------------------------------------------------------------------
+    def specs(self, tree: Any) -> Any:
+        """A ``PartitionSpec`` per array leaf of ``tree`` (a model, or a tree holding models:
+        the optimizer's moments), from the parameter description; other leaves replicated."""
+        cls = type(self.model)
+        described = cls.param_specs(self.config)
+        rules = type(self.config).axis_rules
+
+        def of_model(m: Any) -> Any:
+            def leaf(path, x):
+                if not _is_sds(x):
+                    return x
+                name = ".".join(str(getattr(p, "name", p)) for p in path)
+                with abstract_mesh_ok():
+                    return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules))
+
+            return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=_is_sds)
+
+        def sub(x: Any) -> Any:
+            if is_model(x):
+                return of_model(x)
+            return PartitionSpec() if _is_sds(x) else x
+
+        return jax.tree.map(sub, tree, is_leaf=lambda x: is_model(x) or _is_sds(x))
+
+    def divisor(self, spec: PartitionSpec) -> int:
+        n = 1
+        for entry in spec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                n *= self.sizes[axis]
+        return n
+
+    def per_device(self, tree: Any) -> int:
+        """Bytes one device holds of ``tree``'s arrays under their layout."""
+        leaves = jax.tree.leaves(tree, is_leaf=_is_sds)
+        specs = jax.tree.leaves(self.specs(tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return sum(_nbytes(x) // self.divisor(s) for x, s in zip(leaves, specs))
+
+    def arguments(self) -> tuple[Any, ...]:
+        return (self.params, self.opt, SDS((1, self.batch_size, self.seq_len), jnp.int32), SDS((), jnp.int32))
+
+    def arg_divisors(self) -> list[int]:
+        out = []
+        for tree in (self.params, self.opt):
+            specs = jax.tree.leaves(self.specs(tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
+            out += [self.divisor(s) for s in specs]
+        shards = self.batch_size // self.local_batch
+        return out + [shards, 1]
+
+    def shape_divisors(self) -> dict[tuple[int, ...], int]:
+        leaves = jax.tree.leaves(self.params, is_leaf=_is_sds)
+        specs = jax.tree.leaves(self.specs(self.params), is_leaf=lambda x: isinstance(x, PartitionSpec))
+        out: dict[tuple[int, ...], int] = {}
+        for x, s in zip(leaves, specs):
+            out.setdefault(tuple(x.shape), self.divisor(s))
+        return out
+
+    # -- the step -------------------------------------------------------------------------
+    def function(self, mesh: Any = None) -> Any:
+        mesh = self.mesh if mesh is None else mesh
+        return train.make_train_step(
+            self.skeleton, self.tc, self.tx, placement=self.placement, mesh=mesh if self.devices > 1 else None,
+            param_memory=self.param_memory, opt_memory=self.opt_memory,
+        )  # fmt: skip
+
+    def trace(self) -> Any:
+        """The step's jaxpr on the abstract mesh (per-device shapes inside ``shard_map``)."""
+        with abstract_mesh_ok():
+            return jax.make_jaxpr(self.function())(*self.arguments())
+
+    def compile(self, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+        """The step traced once on the devices present (a mesh of ``sizes`` over them) and
+        compiled: ``(jaxpr, compiled)``."""
+        fn, args = self._concrete()
+        traced = fn.trace(*args)
+        return traced.jaxpr, traced.lower().compile(dict(compiler_options or {}))
+
+    def _concrete(self) -> tuple[Any, tuple[Any, ...]]:
+        n = self.devices
+        if n > len(jax.devices()):
+            raise MeshError(
+                f"mesh {mesh_spec(self.sizes)} has {n} devices; {len(jax.devices())} are present to compile for"
+            )
+        if n > 1:
+            mesh = parallel.make_mesh(self.sizes, devices=jax.devices()[:n])
+
+            def put(tree, kind):
+                specs = self.specs(tree)
+                return jax.tree.map(
+                    lambda x, s: SDS(x.shape, x.dtype, sharding=NamedSharding(mesh, s, memory_kind=kind)),
+                    tree, specs, is_leaf=_is_sds,
+                )  # fmt: skip
+
+            batch = NamedSharding(mesh, PartitionSpec(None, self.axes if self.axes else None))
+            index = NamedSharding(mesh, PartitionSpec())
+        else:
+            mesh, device = None, jax.devices()[0]
+
+            def put(tree, kind):
+                sharding = SingleDeviceSharding(device, memory_kind=kind)
+                return jax.tree.map(lambda x: SDS(x.shape, x.dtype, sharding=sharding), tree, is_leaf=_is_sds)
+
+            batch = index = SingleDeviceSharding(device)
+        params, opt, ids, idx = self.arguments()
+        args = (
+            put(params, self.param_memory),
+            put(opt, self.opt_memory),
+            SDS(ids.shape, ids.dtype, sharding=batch),
+            SDS(idx.shape, idx.dtype, sharding=index),
+        )
+        return self.function(mesh), args
+
+
+@contextlib.contextmanager
+def abstract_mesh_ok() -> Iterator[None]:
+    """zoo.parallel and zoo.hooks take an ``AbstractMesh`` wherever they take a mesh (they read
+    its axis names and sizes only), but annotate ``Mesh``; under the test suite's runtime type
+    checks (the jaxtyping import hook) their checked wrappers are set aside while the
+    planner traces on an abstract mesh. Outside the suite this changes nothing."""
+    from zoo import hooks
+
+    def checked(fn: Any) -> bool:
+        code = getattr(fn, "__code__", None)
+        return getattr(fn, "__wrapped__", None) is not None and code is not None and "jaxtyping" in code.co_filename
+
+    saved = []
+    for module in (parallel, hooks):
+        owners = [module] + [
+            c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__
+        ]
+        for owner in owners:
+            for name, fn in list(vars(owner).items()):
+                if checked(fn):
+                    saved.append((owner, name, fn))
+                    setattr(owner, name, fn.__wrapped__)
+        for name, fn in list(vars(module).items()):
+            if checked(getattr(fn, "__wrapped__", None)):  # a @contextmanager over a checked generator
+                saved.append((module, name, fn))
+                setattr(module, name, contextlib.contextmanager(fn.__wrapped__.__wrapped__))
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def _nbytes(x: Any) -> int:
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
+
+
+def make_step(
+    model_or_config: Any,
+    *,
+    batch_size: int,
+    seq_len: int,
+    placement: Any = None,
+    mesh: Any = None,
+    param_memory: str = "device",
+    opt_memory: str = "device",
+    compute_dtype: Any = None,
+) -> Step:
+    model = abstract_model(model_or_config, compute_dtype)
+    if placement is not None:
+        placement = resolve(placement, model)
+    return Step(model, mesh_sizes(mesh), int(batch_size), int(seq_len), placement, param_memory, opt_memory)
+
+
+# -- reading the traced program -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The named tensors of one layer stack (a scanned body run ``length`` times, or a block
+    outside any scan: ``length`` 1): name -> (occurrences per body, per-device shape)."""
+
+    length: int
+    names: dict[str, tuple[int, SDS]]
+
+
+def layer_stacks(jaxpr: Any) -> list[Stack]:
+    """The forward pass's layer stacks in a traced training step, each once.
+
+    After autodiff the forward scans come first, then the backward ones, whose remat bodies
+    recompute a subset of the same names: a scan whose names are a subset of an earlier scan
+    of the same length is a backward copy, and named tensors outside any scan are counted
+    only before the first backward scan."""
+    scans: list[tuple[int, collections.Counter, dict]] = []
+    outside: list[tuple[int, str, SDS]] = []  # (position, name, shape)
+    counter = [0]
+
+    def walk(j: Any, scan: tuple | None) -> None:
+        for eqn in j.eqns:
+            counter[0] += 1
+            if eqn.primitive.name == "name":
+                aval = eqn.outvars[0].aval
+                s = SDS(aval.shape, aval.dtype)
+                if scan is None:
+                    outside.append((counter[0], eqn.params["name"], s))
+                else:
+                    scan[1][eqn.params["name"]] += 1
+                    scan[2][eqn.params["name"]] = s
+            inner = scan
+            if scan is None and eqn.primitive.name == "scan" and eqn.params["length"] > 1:
+                inner = (eqn.params["length"], collections.Counter(), {}, counter[0])
+                scans.append(inner)
+            for sub in _subjaxprs(eqn):
+                walk(sub, inner)
+
+    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr, None)
+    stacks: list[Stack] = []
+    named = [sc for sc in scans if sc[1]]
+    k = len(named) // 2
+    mirrored = len(named) % 2 == 0 and k and [sc[0] for sc in named[k:]] == [sc[0] for sc in named[:k]][::-1]
+    if mirrored:  # forward stacks, then their backward copies in reverse order
+        forward, first_backward = named[:k], named[k][3]
+    else:  # some backward bodies recompute nothing named: a copy shares its stack's names
+        forward, first_backward = [], math.inf
+        for sc in named:
+            if any(sc[0] == f[0] and len(set(sc[1]) & set(f[1])) * 2 >= len(sc[1]) for f in forward):
+                first_backward = min(first_backward, sc[3])
+                continue
+            forward.append(sc)
+    for length, names, shapes, _ in forward:
+        stacks.append(Stack(length, {n: (c, shapes[n]) for n, c in names.items()}))
+    block: dict[str, list] = {}
+    for position, name, shape in outside:
+        if position < first_backward:
+            entry = block.setdefault(name, [0, shape])
+            entry[0] += 1
+    if block:
+        stacks.append(Stack(1, {n: (c, s) for n, (c, s) in block.items()}))
+    return stacks
+
+
+def stack_bytes(stacks: list[Stack]) -> dict[str, int]:
+    """Per-device bytes of each named tensor over every layer that has it."""
+    out: dict[str, int] = {}
+    for st in stacks:
+        for name, (count, shape) in st.names.items():
+            out[name] = out.get(name, 0) + st.length * count * _nbytes(shape)
+    return out
+
+
+__all__ = ["SDS", "Stack", "Step", "abstract_mesh", "abstract_model", "layer_stacks", "make_step", "mesh_sizes",
+           "mesh_spec", "stack_bytes"]  # fmt: skip
