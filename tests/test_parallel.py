@@ -174,9 +174,10 @@ def flat(tree) -> dict:
 
 
 def test_parse_mesh():
-    assert parallel.parse_mesh("data=2,fsdp=2,tensor=2") == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
-    assert parallel.parse_mesh("") == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
-    assert parallel.parse_mesh(" expert = 4 , fsdp=2 ,") == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}
+    assert parallel.parse_mesh("data=2,fsdp=2,tensor=2") == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2, "expert": 1}
+    assert parallel.parse_mesh("") == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1}
+    assert parallel.parse_mesh(" expert = 4 , fsdp=2 ,") == {"data": 1, "fsdp": 2, "context": 1, "tensor": 1, "expert": 4}
+    assert parallel.parse_mesh("context=4,data=2")["context"] == 4
     with pytest.raises(MeshError, match=r"unknown mesh axis 'fsdb' \(did you mean 'fsdp'\?\)"):
         parallel.parse_mesh("data=2,fsdb=4")
     with pytest.raises(MeshError, match=r"size of axis 'tensor' must be an integer, got 'two'"):
@@ -192,9 +193,9 @@ def test_parse_mesh():
 def test_make_mesh():
     mesh = parallel.make_mesh("fsdp=4,tensor=2")
     assert mesh.axis_names == parallel.AXES
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2, "expert": 1}
     assert parallel.make_mesh({"expert": 4}, devices=jax.devices()[:4]).devices.size == 4
-    with pytest.raises(MeshError, match=r"data=1 x fsdp=2 x tensor=2 x expert=1 has 4 devices but 8 are available"):
+    with pytest.raises(MeshError, match=r"data=1 x fsdp=2 x context=1 x tensor=2 x expert=1 has 4 devices but 8 are available"):
         parallel.make_mesh("fsdp=2,tensor=2")
     with pytest.raises(MeshError, match=r"unknown mesh axis 'experts' \(did you mean 'expert'\?\)"):
         parallel.make_mesh({"experts": 8})
