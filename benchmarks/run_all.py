@@ -11,7 +11,9 @@ Runs, each in its own process (JAX's platform and XLA flags are set before it st
   Llama and DeepSeek-V3;
 - ``benchmarks/moe.py``: the dropless expert paths against every expert on every token;
 - ``benchmarks/expert_parallel.py`` (CPU only: simulated devices): all-to-all against shared tokens;
-- ``benchmarks/generate.py``, when it exists.
+- ``benchmarks/generate.py``, when it exists;
+- ``benchmarks/long_context.py``: compiled memory of dense vs blockwise attention and full vs
+  chunked loss from 1K to 32K tokens, the longest sequence that fits, context parallelism.
 
 and writes ``benchmarks/results/<machine>-<date>.md`` (e.g. ``cpu-2core-2026-11-30.md``) and
 the same name ``.png``: the tables, the targets met or missed, the versions of jax, MaxText,
@@ -51,10 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-python", default=None, help="interpreter with torch + transformers")
     p.add_argument("--maxtext-python", default=None, help="MaxText's interpreter (benchmarks/maxtext_setup.sh)")
     p.add_argument("--out", default=str(HERE / "results"), help="directory for the report and chart")
-    p.add_argument("--only", default="train_step,matmuls,placement,moe,expert_parallel,generate", help="comma-separated subset to run")
+    p.add_argument("--only", default="train_step,matmuls,placement,moe,expert_parallel,generate,long_context", help="comma-separated subset to run")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per benchmark before it counts as failed")
     p.add_argument("--total", type=int, default=None,
-                   help="seconds for everything, shared out (train step 47%%, matmuls 8%%, placement 20%%, MoE 10%%, generate 15%%; "
+                   help="seconds for everything, shared out (train step 42%%, matmuls 7%%, placement 18%%, MoE 9%%, generate 14%%, "
+                   "long context 10%%; "
                    "expert parallelism runs on CPU only)")
     return p.parse_args(argv)
 
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     only = set(args.only.split(","))
     gpu = args.platform == "gpu"
-    share = {"train_step": 0.47, "matmuls": 0.08, "placement": 0.20, "moe": 0.10, "generate": 0.15}
+    share = {"train_step": 0.42, "matmuls": 0.07, "placement": 0.18, "moe": 0.09, "generate": 0.14,
+             "long_context": 0.10}
     timeout = {k: int(v * args.total) if args.total else args.timeout for k, v in share.items()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,6 +236,15 @@ def main(argv: list[str] | None = None) -> Path:
         argv_g += ["--repeats", "2"] if args.quick and "--repeats" in source else []
         text, err = run_script(argv_g, timeout["generate"])
         sections.append("## Generation (`benchmarks/generate.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
+    if "long_context" in only:
+        # Its own report and chart go beside this one (long_context-<machine>-<date>.{md,png}).
+        argv_l = ["long_context.py", "--platform", args.platform, "--out", str(out_dir)]
+        argv_l += ["--quick"] if args.quick else []
+        # gpu.sh's share is ~30 s: the 16K target and 32K only, one device, no search.
+        argv_l += ["--seqs", "16384,32768", "--time-seqs", "1024,4096", "--no-search", "--context", "1"] if gpu and args.quick else []
+        text, err = run_script(argv_l, timeout["long_context"])
+        title = "## Long sequences (`benchmarks/long_context.py`)\n\n"
+        sections.append(title + (text.strip() if err is None else f"failed: {err}") + "\n")
 
     device = results["device"] if results else args.platform
     if gpu and results is None:

@@ -275,7 +275,7 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(corpus
     cfg = _cfg(steps=3)
     ztrain.train(model, corpus, cfg, run_dir=tmp_path)
     before = (tmp_path / "metrics.jsonl").read_text()
-    message = f"run dir {tmp_path} holds a previous run (metrics.jsonl, loss.png, checkpoints)"
+    message = f"run dir {tmp_path} holds a previous run (metrics.jsonl, loss.png, checkpoints, events.out.tfevents.*)"
     with pytest.raises(ztrain.RunDirError, match=re.escape(message) + ".*--resume.*--overwrite"):
         ztrain.train(model, corpus, cfg, run_dir=tmp_path)
     args, env = _recipe(tmp_path)
@@ -285,6 +285,7 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(corpus
     _, history = ztrain.train(model, corpus, cfg, run_dir=tmp_path, overwrite=True)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records == history and [r["step"] for r in records] == [0, 1, 2, 3]
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # the old run's events went too
 
 
 def test_a_run_dir_in_use_is_refused(corpus, tmp_path):

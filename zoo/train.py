@@ -421,18 +421,20 @@ def _flock(f, run_dir: Path) -> None:
         ) from None
 
 
-# What a run writes into its run dir (and ``overwrite`` clears), besides TensorBoard's
-# ``events.out.tfevents.*`` files.
+# What a run writes into its run dir (and ``overwrite`` clears), and TensorBoard's event files.
+_EVENTS = "events.out.tfevents.*"
 _RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints")
 
 
 def _previous_run(run_dir: Path) -> list[str]:
     """The files of an earlier run that ``run_dir`` holds."""
     found = []
-    for name in (*_RUN_FILES, *sorted(p.name for p in run_dir.glob("events.out.tfevents.*"))):
+    for name in _RUN_FILES:
         path = run_dir / name
         if (path.is_dir() and any(path.iterdir())) or (path.is_file() and path.stat().st_size > 0):
             found.append(name)
+    if any(p.is_file() for p in run_dir.glob(_EVENTS)):
+        found.append(_EVENTS)
     return found
 
 
@@ -483,8 +485,8 @@ class _RunDirLock:
             _refuse_previous_run(self.run_dir, self.resume, self.overwrite)
             if self.overwrite and (found := _previous_run(self.run_dir)):
                 for name in found:
-                    path = self.run_dir / name
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                    for path in self.run_dir.glob(name):
+                        shutil.rmtree(path) if path.is_dir() else path.unlink()
                 print(f"overwrite: removed the previous run's {', '.join(found)} from {self.run_dir}", flush=True)
         except BaseException:
             self.file.close()
