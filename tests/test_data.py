@@ -160,8 +160,7 @@ def test_byte_level_data_stays_a_stream_without_a_tokenizer(tmp_path):
 
 
 def test_sources_agree_text_jsonl_parquet_and_saved_datasets(tok, tmp_path):
-    pytest.importorskip("pyarrow")
-    datasets = pytest.importorskip("datasets")
+    import datasets  # pyarrow and datasets are dev dependencies
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -183,7 +182,7 @@ def test_sources_agree_text_jsonl_parquet_and_saved_datasets(tok, tmp_path):
 
 
 def test_a_saved_dataset_dict_keeps_its_validation_split(tok, tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     dd = datasets.DatasetDict({
         "train": datasets.Dataset.from_list([{"text": t} for t in TEXTS[:30]]),
         "validation": datasets.Dataset.from_list([{"text": t} for t in TEXTS[30:]]),

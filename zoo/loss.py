@@ -52,22 +52,9 @@ def next_token_targets(
     that segment is not 0 (padding), and the target's ``loss_mask`` is set (supervised
     fine-tuning: the assistant's tokens only). ``None``: every prediction counts.
     """
-    if input_ids.ndim != 2 or input_ids.shape[1] < shift + 1:
-        raise ValueError(
-            f"a next-token loss needs input_ids of [batch, sequence] with at least {shift + 1} positions "
-            f"(it predicts token t+{shift} from position t), got shape {tuple(input_ids.shape)}"
-        )
-    for name, x in (("segment_ids", segment_ids), ("loss_mask", loss_mask)):
-        if x is not None and x.shape != input_ids.shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}, input_ids {tuple(input_ids.shape)}: they must match")
-    labels = input_ids[:, shift:]
-    mask = None
-    if segment_ids is not None:
-        mask = (segment_ids[:, shift:] == segment_ids[:, :-shift]) & (segment_ids[:, shift:] != 0)
-    if loss_mask is not None:
-        target = loss_mask[:, shift:].astype(jnp.bool_)
-        mask = target if mask is None else mask & target
-    return labels, mask
+    labels, mask = shifted_targets(input_ids, segment_ids, loss_mask, shift=shift)
+    # The last ``shift`` positions have no target: dropped here (shifted_targets masks them).
+    return labels[:, :-shift], None if segment_ids is None and loss_mask is None else mask[:, :-shift]
 
 
 def shifted_targets(
