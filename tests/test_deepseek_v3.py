@@ -101,7 +101,7 @@ def _expert_args(seed=0, t=48, d=16, e=8, m=12, k=2):
     return x, routing, ws
 
 
-@pytest.mark.parametrize("impl", ["grouped", "tiled", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["capacity", "grouped", "tiled", "ragged_dot"])
 @pytest.mark.parametrize("shape", [dict(), dict(t=37, e=16, m=4, k=4), dict(t=3, e=16, k=3)])
 def test_dropless_paths_equal_dense_values_and_gradients(impl, shape):
     """Every dropless path match every-expert-on-every-token, including few tokens (most
@@ -121,6 +121,48 @@ def test_dropless_paths_equal_dense_values_and_gradients(impl, shape):
         g_d = jax.grad(loss, argnums=argnum)(dense, x, routing.weights, ws)
         for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_d)):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+ROUTINGS = {
+    "random": lambda rng, p, e: rng.integers(0, e, p),
+    "one expert": lambda rng, p, e: np.full(p, 3),
+    "others' pairs": lambda rng, p, e: rng.integers(0, e + 1, p),  # id e: another device's expert
+    "skewed": lambda rng, p, e: np.minimum(rng.geometric(0.3, p) - 1, e - 1),
+}
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("capacity", [8, 16, 64])
+def test_capacity_kernel_equals_per_pair_reference(routing, capacity):
+    """The batched capacity pass plus the overflow loop equal each pair's row through its own
+    expert (values and gradients of x and all three weights), whether nothing, some or almost
+    everything overflows, with empty experts and pairs that are not this call's (zeros)."""
+    from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_layout
+
+    rng = np.random.default_rng(1)
+    t, d, e, m, k = 21, 16, 8, 12, 3
+    pe = jnp.asarray(ROUTINGS[routing](rng, t * k, e), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in [(e, d, m), (e, d, m), (e, m, d)]]
+    layout = capacity_layout(pe, e, capacity)
+
+    def reference(x, ws):
+        wg, wu, wd = (jnp.concatenate([w, jnp.zeros_like(w[:1])])[pe] for w in ws)  # id e: zero expert
+        rows = x[jnp.arange(t * k) // k]
+        hidden = jax.nn.silu(jnp.einsum("pd,pdm->pm", rows, wg)) * jnp.einsum("pd,pdm->pm", rows, wu)
+        return jnp.einsum("pm,pmd->pd", hidden, wd)
+
+    def kernel(x, ws):
+        return capacity_expert_mlp(x, *ws, layout, k, 4)
+
+    overflow = int(jnp.sum(layout.over_sizes))
+    assert (overflow > 0) == (int(jnp.bincount(pe, length=e + 1)[:e].max()) > capacity)
+    np.testing.assert_allclose(jax.jit(kernel)(x, ws), reference(x, ws), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda x, ws: jnp.sum(jnp.sin(f(x, ws)))  # noqa: E731
+    got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1)))(x, ws)
+    want = jax.grad(loss(reference), argnums=(0, 1))(x, ws)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tile", [4, 16, 128])

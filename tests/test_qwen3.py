@@ -180,7 +180,7 @@ def test_expert_paths_agree():
     model = zoo.from_pretrained(FIXTURES / "qwen3_moe-tiny")
     ids = jnp.asarray(reference("qwen3_moe-tiny")["input_ids"])
     ref = model.with_expert_impl("dense")(ids)
-    for impl in ("grouped", "tiled", "ragged_dot"):
+    for impl in ("capacity", "grouped", "tiled", "ragged_dot"):
         np.testing.assert_allclose(np.asarray(model.with_expert_impl(impl)(ids)), np.asarray(ref), atol=1e-5, err_msg=impl)
 
 

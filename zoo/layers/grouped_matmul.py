@@ -88,13 +88,15 @@ def _loop_matmul(lhs, rhs, group_sizes, tile: int, transpose_rhs: bool):
     return jax.lax.fori_loop(0, n, body, out)[:rows]
 
 
-def _loop_weight_grad(lhs, dout, group_sizes, groups: int, tile: int):
-    """``d rhs[g] = Σ lhs[r]ᵀ dout[r]`` over the rows of group ``g``."""
+def _loop_weight_grad(lhs, dout, group_sizes, groups: int, tile: int, init=None):
+    """``d rhs[g] = Σ lhs[r]ᵀ dout[r]`` over the rows of group ``g`` (added to ``init``, float32)."""
     rows = lhs.shape[0]
     owner, row0, valid, n = tile_layout(group_sizes, rows, tile)[:4]
     lhs = jnp.pad(lhs, ((0, tile), (0, 0)))
     dout = jnp.pad(dout, ((0, tile), (0, 0)))
     grad = _zeros_like_vma((groups, lhs.shape[1], dout.shape[1]), jnp.float32, lhs, dout, group_sizes)
+    if init is not None:
+        grad = grad + init  # typed as varying like the loop's operands (a carry keeps one type)
 
     def body(i, grad):
         keep = (jnp.arange(tile) < valid[i])[:, None]

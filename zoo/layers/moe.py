@@ -20,9 +20,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from zoo.hooks import axis_size, current_step, psum_varying, varying_axes, varying_like
+from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
 
-ExpertImpl = Literal["auto", "ragged_dot", "grouped", "tiled", "dense"]
+ExpertImpl = Literal["auto", "ragged_dot", "capacity", "grouped", "tiled", "dense"]
 
 
 class Routing(NamedTuple):
@@ -63,12 +64,15 @@ def expert_pair_mlp(
     w_down: Float[Array, "E M D"],
     *,
     matmul: Callable[..., Array],
+    expected_rows: int | None = None,
 ) -> Float[Array, "P D"]:
     """The output of every (token ``p // k``, expert ``pair_experts[p]``) pair, in pair order.
 
     The pairs are sorted by expert, run through :func:`sorted_expert_mlp` and unsorted (a
     gather, not a scatter-add). An expert id of ``E`` marks a pair that is not this call's
     (expert parallelism: another device's expert): it sorts last, is skipped, and gives zeros.
+    (``expected_rows``, the real rows among the ``P``, is for :func:`capacity_pair_mlp`: a
+    grouped matmul's work follows the real rows whatever it is told.)
     """
     e = w_gate.shape[0]
     order = jnp.argsort(pair_experts, stable=True)
@@ -77,12 +81,38 @@ def expert_pair_mlp(
     return jnp.take(out, jnp.argsort(order), axis=0)
 
 
-def _routed_experts_sorted(matmul, x, routing, w_gate, w_up, w_down):
-    """:func:`expert_pair_mlp` on the T·K routed pairs, then each token's K outputs combined."""
+def capacity_pair_mlp(
+    x: Float[Array, "T D"],
+    pair_experts: Int[Array, " P"],
+    k: int,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+    *,
+    expected_rows: int | None = None,
+    capacity: int | None = None,
+) -> Float[Array, "P D"]:
+    """:func:`expert_pair_mlp` through :func:`zoo.layers.capacity_mlp.capacity_expert_mlp`:
+    every expert's first ``capacity`` rows as one batched matmul, the rest through the tile
+    loop; dropless. ``capacity`` defaults to :func:`zoo.layers.capacity_mlp.capacity_for` the
+    ``expected_rows`` real rows (default all ``P``; expert parallelism's buffers are mostly
+    other devices' pairs or padding)."""
+    e = w_gate.shape[0]
+    c = capacity or capacity_for(expected_rows or pair_experts.shape[0], e)
+    return capacity_expert_mlp(x, w_gate, w_up, w_down, capacity_layout(pair_experts, e, c), k)
+
+
+def _routed_experts_pairs(pair_mlp, x, routing, w_gate, w_up, w_down):
+    """``pair_mlp`` on the T·K routed pairs, then each token's K outputs combined."""
     t, k = routing.experts.shape
-    out = expert_pair_mlp(x, routing.experts.reshape(-1), k, w_gate, w_up, w_down, matmul=matmul)
+    out = pair_mlp(x, routing.experts.reshape(-1), k, w_gate, w_up, w_down)
     out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
+
+
+def _routed_experts_sorted(matmul, x, routing, w_gate, w_up, w_down):
+    """:func:`expert_pair_mlp` with grouped ``matmul`` on the routed pairs, combined."""
+    return _routed_experts_pairs(functools.partial(expert_pair_mlp, matmul=matmul), x, routing, w_gate, w_up, w_down)
 
 
 def routed_experts_ragged(
@@ -95,6 +125,18 @@ def routed_experts_ragged(
     """Dropless: each expert's SwiGLU on its rows as ``jax.lax.ragged_dot`` grouped matmuls
     (a native grouped-matmul kernel on TPU). No capacity, no token dropped."""
     return _routed_experts_sorted(jax.lax.ragged_dot, x, routing, w_gate, w_up, w_down)
+
+
+def routed_experts_capacity(
+    x: Float[Array, "T D"],
+    routing: Routing,
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+) -> Float[Array, "T D"]:
+    """Dropless: every expert's first rows (up to a static capacity, 1.25x the mean) as one
+    batched matmul, the rows past it through the tile loop (:func:`capacity_pair_mlp`)."""
+    return _routed_experts_pairs(capacity_pair_mlp, x, routing, w_gate, w_up, w_down)
 
 
 def routed_experts_grouped(
@@ -169,6 +211,7 @@ def routed_experts_dense(
 
 EXPERT_IMPLS = {
     "ragged_dot": routed_experts_ragged,
+    "capacity": routed_experts_capacity,
     "grouped": routed_experts_grouped,
     "tiled": routed_experts_tiled,
     "dense": routed_experts_dense,
@@ -176,18 +219,24 @@ EXPERT_IMPLS = {
 
 
 def pair_mlp_for(impl: str) -> Callable[..., Float[Array, "P D"]]:
-    """:func:`expert_pair_mlp` with the grouped matmul of expert path ``impl``: XLA's
-    ``ragged_dot`` for ``"ragged_dot"``, zoo's :func:`grouped_matmul` for the others (expert
-    parallelism runs every path's experts on sorted rows)."""
-    matmul = jax.lax.ragged_dot if resolve_expert_impl(impl) == "ragged_dot" else grouped_matmul
+    """The pair MLP (:func:`expert_pair_mlp`'s signature) of expert path ``impl`` under expert
+    parallelism, which runs every path's experts on (token, expert) pairs: the batched capacity
+    pass for ``"capacity"``, XLA's ``ragged_dot`` for ``"ragged_dot"``, zoo's
+    :func:`grouped_matmul` for the others."""
+    path = resolve_expert_impl(impl)
+    if path == "capacity":
+        return capacity_pair_mlp
+    matmul = jax.lax.ragged_dot if path == "ragged_dot" else grouped_matmul
     return functools.partial(expert_pair_mlp, matmul=matmul)
 
 
 def resolve_expert_impl(impl: str) -> str:
     """``auto``: ``ragged_dot`` where XLA has a grouped-matmul lowering for it (TPU), else
-    ``grouped`` (1.4-1.5x faster than ``tiled`` on CPU: benchmarks/moe.py)."""
+    ``capacity`` (on CPU 1.3-1.5x faster than ``grouped``, itself 1.4-1.5x faster than
+    ``tiled``: benchmarks/moe.py; on GPU a batched matmul is cuBLAS's strong shape, where the
+    tile loop runs one small matmul per iteration)."""
     if impl == "auto":
-        return "ragged_dot" if jax.default_backend() == "tpu" else "grouped"
+        return "ragged_dot" if jax.default_backend() == "tpu" else "capacity"
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"expert_impl must be one of {['auto', *EXPERT_IMPLS]}, got {impl!r}")
     return impl
@@ -243,7 +292,9 @@ def routed_experts(
         x = varying_like(x, w_gate)
         local = flat - jax.lax.axis_index("expert").astype(flat.dtype) * e_local
         mine = (local >= 0) & (local < e_local)
-        out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down)
+        # About 1/expert of the pairs are this device's: the capacity pass is sized for those.
+        n = axis_size(step.mesh, "expert")
+        out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down, expected_rows=-(-t * k // n))
         combine = varying_like(routing.weights, w_gate)
     out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
     out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))
@@ -270,7 +321,8 @@ def _all_to_all_experts(
     recv_x, recv_e = (
         jax.lax.all_to_all(a.reshape(n * pairs, *a.shape[2:]), "expert", 0, 0, tiled=True) for a in (send_x, send_e)
     )
-    out = pair_mlp(recv_x, recv_e.astype(jnp.int32), 1, *weights)
+    # The receive buffer has room for every pair at every source; about `pairs` rows are real.
+    out = pair_mlp(recv_x, recv_e.astype(jnp.int32), 1, *weights, expected_rows=pairs)
     back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
     # Sorted pair j went to slot j - start[dest] of its destination.
     rank = jnp.argsort(order)

@@ -1,0 +1,224 @@
+"""Experts' SwiGLU as one batched matmul over a static capacity, the overflow through a tile loop.
+
+Dimension letters: T tokens · K pairs per token · P (token, expert) pairs (``T·K``) · E experts ·
+C capacity (rows per expert in the batched pass) · O overflow rows (``P - C``, the worst case) ·
+D model width · M expert hidden.
+
+Every expert's first ``C`` rows run as ``[E, C, D] x [E, D, M]`` batched products, at the speed
+of one large matmul; a loop of per-expert tiles (:mod:`zoo.layers.grouped_matmul`) pays instead
+for each expert's partly filled last tile and for each iteration. ``C`` is static, so the rows an
+expert gets beyond it go through the tile loop, whose trip count follows the overflow rows
+(none when the routing is balanced, as the aux-loss-free bias keeps it; the loop is then
+skipped). Dropless: no capacity drops a token.
+
+The gradient is written out (``jax.custom_vjp``) so that every data movement is a gather: the
+pairs' rows are gathered into the capacity slots going forward, and the slots' gradients are
+gathered back per pair and summed over each token's ``K`` pairs going backward, where autodiff
+would scatter-add (slow on CPU); the overflow's weight gradients accumulate into the batched
+pass's instead of into buffers of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Bool, Float, Int
+
+from zoo.hooks import sum_to_varying_of
+from zoo.layers.grouped_matmul import _loop_matmul, _loop_weight_grad, _zeros_like_vma
+
+# Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
+CAPACITY_FACTOR = 1.25
+OVERFLOW_TILE = 32
+
+
+def capacity_for(rows: int, experts: int, factor: float = CAPACITY_FACTOR) -> int:
+    """Static rows per expert of the batched pass: ``factor`` times the mean ``rows / experts``,
+    rounded up to a multiple of 8."""
+    mean = -(-rows // experts)
+    return max(8, -(-int(factor * mean + 0.5) // 8) * 8)
+
+
+class CapacityLayout(NamedTuple):
+    """Where each (token, expert) pair's row goes. Capacity slot ``[e, c]`` holds pair
+    ``slot_pair[e, c]`` if ``slot_valid``; overflow row ``j`` (sorted by expert,
+    ``over_sizes[e]`` rows of expert ``e``, then padding) holds pair ``over_pair[j]`` if
+    ``over_valid``. Pair ``p``'s output is capacity row ``pair_slot[p]`` (of the ``E·C``) if
+    ``in_capacity``, else overflow row ``pair_over[p]``; zero where not ``mine``."""
+
+    slot_pair: Int[Array, "E C"]
+    slot_valid: Bool[Array, "E C"]
+    over_pair: Int[Array, " O"]
+    over_valid: Bool[Array, " O"]
+    over_sizes: Int[Array, " E"]
+    pair_slot: Int[Array, " P"]
+    pair_over: Int[Array, " P"]
+    in_capacity: Bool[Array, " P"]
+    mine: Bool[Array, " P"]
+
+
+def capacity_layout(pair_experts: Int[Array, " P"], experts: int, capacity: int) -> CapacityLayout:
+    """The layout of pairs routed to ``pair_experts`` (an id of ``experts`` marks a pair that is
+    not this call's: no row, zero output)."""
+    e, p, c = experts, pair_experts.shape[0], capacity
+    order = jnp.argsort(pair_experts, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(pair_experts, length=e + 1)[:e].astype(jnp.int32)
+    first = jnp.cumsum(sizes) - sizes  # each expert's first row in the sorted order
+    slot = jnp.arange(c, dtype=jnp.int32)
+    slot_valid = slot[None, :] < sizes[:, None]
+    slot_pair = jnp.take(order, jnp.where(slot_valid, first[:, None] + slot[None, :], 0))
+    over = jnp.maximum(sizes - c, 0)
+    over_first = jnp.cumsum(over) - over
+    j = jnp.arange(max(p - c, 0), dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(jnp.cumsum(over), j, side="right"), e - 1).astype(jnp.int32)
+    over_valid = j < jnp.sum(over)
+    over_pair = jnp.take(order, jnp.where(over_valid, first[owner] + c + j - over_first[owner], 0))
+    mine = pair_experts < e
+    pe = jnp.where(mine, pair_experts, 0)
+    within = jnp.where(mine, jnp.argsort(order).astype(jnp.int32) - first[pe], 0)
+    in_capacity = within < c
+    pair_slot = jnp.where(in_capacity, pe * c + within, 0)
+    pair_over = jnp.where(in_capacity, 0, over_first[pe] + within - c)
+    return CapacityLayout(slot_pair, slot_valid, over_pair, over_valid, over, pair_slot, pair_over, in_capacity, mine)
+
+
+def _rows(x, pairs, valid, k):
+    """``x`` rows of the tokens of ``pairs`` (zeros where not ``valid``)."""
+    return jnp.where(valid[..., None], jnp.take(x, pairs // k, axis=0), jnp.zeros((), x.dtype))
+
+
+def _mm(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def _capacity_pass(x, w_gate, w_up, w_down, layout, k):
+    xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
+    gate = checkpoint_name(_mm("ecd,edm->ecm", xc, w_gate), "moe_gate")
+    up = checkpoint_name(_mm("ecd,edm->ecm", xc, w_up), "moe_up")
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    return _mm("ecm,emd->ecd", hidden, w_down), (gate, up, hidden)
+
+
+def _overflow_any(layout) -> Array:
+    return jnp.any(layout.over_sizes > 0)
+
+
+def _per_pair(layout, cap_rows, over_rows=None):
+    """Each pair's row: from the capacity rows, or (given) the overflow rows; zeros if not mine."""
+    rows = jnp.take(cap_rows, layout.pair_slot, axis=0)
+    if over_rows is not None:
+        rows = jnp.where(layout.in_capacity[:, None], rows, jnp.take(over_rows, layout.pair_over, axis=0))
+    return jnp.where(layout.mine[:, None], rows, jnp.zeros((), rows.dtype))
+
+
+def _overflow_mlp(x, w_gate, w_up, w_down, sizes, tile):
+    """The overflow rows through the tile loop: outputs and what the gradients need."""
+    gate = _loop_matmul(x, w_gate, sizes, tile, transpose_rhs=False)
+    up = _loop_matmul(x, w_up, sizes, tile, transpose_rhs=False)
+    return gate, up
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def capacity_expert_mlp(
+    x: Float[Array, "T D"],
+    w_gate: Float[Array, "E D M"],
+    w_up: Float[Array, "E D M"],
+    w_down: Float[Array, "E M D"],
+    layout: CapacityLayout,
+    k: int,
+    tile: int = OVERFLOW_TILE,
+) -> Float[Array, "P D"]:
+    """Each pair's expert SwiGLU output, pair ``p`` being token ``p // k``'s row through its
+    expert (:func:`capacity_layout`); zeros for pairs not ``mine``."""
+    return _forward(x, w_gate, w_up, w_down, layout, k, tile)[0]
+
+
+def _forward(x, w_gate, w_up, w_down, layout, k, tile):
+    e, c = layout.slot_pair.shape
+    yc, saved = _capacity_pass(x, w_gate, w_up, w_down, layout, k)
+    yc = yc.reshape(e * c, -1)
+    if not layout.over_pair.shape[0]:
+        return _per_pair(layout, yc), saved
+
+    def overflow(x, w_gate, w_up, w_down, yc):
+        xo = _rows(x, layout.over_pair, layout.over_valid, k)
+        gate, up = _overflow_mlp(xo, w_gate, w_up, w_down, layout.over_sizes, tile)
+        yo = _loop_matmul(jax.nn.silu(gate) * up, w_down, layout.over_sizes, tile, transpose_rhs=False)
+        return _per_pair(layout, yc, yo)
+
+    def balanced(x, w_gate, w_up, w_down, yc):
+        return _per_pair(layout, yc)
+
+    # The overflow's loop and buffers are skipped outright when no expert overflows.
+    return jax.lax.cond(_overflow_any(layout), overflow, balanced, x, w_gate, w_up, w_down, yc), saved
+
+
+def _fwd(x, w_gate, w_up, w_down, layout, k, tile):
+    out, saved = _forward(x, w_gate, w_up, w_down, layout, k, tile)
+    return out, (x, w_gate, w_up, w_down, layout, saved)
+
+
+def _silu_grad(gate):
+    s = jax.nn.sigmoid(gate)
+    return s * (1 + gate * (1 - s))
+
+
+def _bwd(k, tile, residuals, dout):
+    x, w_gate, w_up, w_down, layout, (gate, up, hidden) = residuals
+    e, c = layout.slot_pair.shape
+    f32 = jnp.float32
+    # Batched pass: each slot's output gradient gathered from its pair.
+    dyc = jnp.where(layout.slot_valid[..., None], jnp.take(dout, layout.slot_pair, axis=0), jnp.zeros((), dout.dtype))
+    xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
+    dw_down = jnp.einsum("ecm,ecd->emd", hidden, dyc, preferred_element_type=f32)
+    dhidden = jnp.einsum("ecd,emd->ecm", dyc, w_down, preferred_element_type=f32)
+    g32, u32 = gate.astype(f32), up.astype(f32)
+    dgate = (dhidden * u32 * _silu_grad(g32)).astype(x.dtype)
+    dup = (dhidden * jax.nn.silu(g32)).astype(x.dtype)
+    dw_gate = jnp.einsum("ecd,ecm->edm", xc, dgate, preferred_element_type=f32)
+    dw_up = jnp.einsum("ecd,ecm->edm", xc, dup, preferred_element_type=f32)
+    dxc = jnp.einsum("ecm,edm->ecd", dgate, w_gate, preferred_element_type=f32) + jnp.einsum(
+        "ecm,edm->ecd", dup, w_up, preferred_element_type=f32
+    )
+    dxc = dxc.astype(x.dtype).reshape(e * c, -1)
+
+    # Overflow: recomputed (it is small, and usually absent), its weight gradients accumulated
+    # into the batched pass's; skipped outright when no expert overflows.
+    sizes = layout.over_sizes
+
+    def overflow(dxc, dws):
+        xo = _rows(x, layout.over_pair, layout.over_valid, k)
+        dyo = jnp.where(layout.over_valid[:, None], jnp.take(dout, layout.over_pair, axis=0), jnp.zeros((), dout.dtype))
+        go, uo = (a.astype(f32) for a in _overflow_mlp(xo, w_gate, w_up, w_down, sizes, tile))
+        ho = (jax.nn.silu(go) * uo).astype(x.dtype)
+        dho = _loop_matmul(dyo, w_down, sizes, tile, transpose_rhs=True).astype(f32)
+        dgo = (dho * uo * _silu_grad(go)).astype(x.dtype)
+        duo = (dho * jax.nn.silu(go)).astype(x.dtype)
+        dxo = _loop_matmul(dgo, w_gate, sizes, tile, transpose_rhs=True) + _loop_matmul(
+            duo, w_up, sizes, tile, transpose_rhs=True
+        )
+        dwg, dwu, dwd = dws
+        dwg = _loop_weight_grad(xo, dgo, sizes, e, tile, init=dwg)
+        dwu = _loop_weight_grad(xo, duo, sizes, e, tile, init=dwu)
+        dwd = _loop_weight_grad(ho, dyo, sizes, e, tile, init=dwd)
+        return _per_pair(layout, dxc, dxo.astype(x.dtype)), (dwg, dwu, dwd)
+
+    def balanced(dxc, dws):
+        return _per_pair(layout, dxc), dws
+
+    dws = (dw_gate, dw_up, dw_down)
+    if layout.over_pair.shape[0]:
+        dpair, dws = jax.lax.cond(_overflow_any(layout), overflow, balanced, dxc, dws)
+    else:
+        dpair, dws = balanced(dxc, dws)
+    # Each token's gradient: its K pairs' row gradients, gathered and summed (no scatter).
+    dx = dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(x.dtype)
+    dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, (w_gate, w_up, w_down))]
+    return (sum_to_varying_of(dx, x), *dws, None)
+
+
+capacity_expert_mlp.defvjp(_fwd, _bwd)
