@@ -33,6 +33,7 @@ each of ``--depths`` layers (the layers are scanned, so it should barely grow).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -62,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-python", default=None, help="interpreter with torch + transformers (default: this one)")
     p.add_argument("--maxtext-python", default=None, help=f"MaxText's interpreter (default: {MAXTEXT_VENV}/bin/python)")
     p.add_argument("--peers", default="transformers,maxtext", help="comma-separated peers to run ('' for none)")
+    p.add_argument("--expert-impl", default="auto", help="zoo's expert path for the MoE models (zoo.layers.moe)")
     p.add_argument("--torch-experts", default=None, help="transformers experts_implementation (default: its own)")
     p.add_argument("--depths", default="2,8,32", help="Llama depths for the compile-time table ('' to skip)")
     p.add_argument("--peer-timeout", type=int, default=1800, help="seconds before a peer run counts as failed")
@@ -80,8 +82,9 @@ def zoo_config(name: str, num_layers: int | None = None):
     return config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)
 
 
-def zoo_setup(name: str, platform: str, num_layers: int | None = None):
-    """(step, params, opt_state, batch, config): zoo's jitted train step and its inputs."""
+def zoo_setup(name: str, platform: str, num_layers: int | None = None, expert_impl: str = "auto"):
+    """(step, params, opt_state, batch, config): zoo's jitted train step and its inputs
+    (``expert_impl``: the MoE families' expert path)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -93,7 +96,8 @@ def zoo_setup(name: str, platform: str, num_layers: int | None = None):
     config = zoo_config(name, num_layers)
     cls = zoo.registry.by_model_type(name)
     compute = jnp.bfloat16 if platform == "gpu" else jnp.float32
-    model = cls(config, key=jax.random.key(0), compute_dtype=compute)
+    extra = {"expert_impl": expert_impl} if "expert_impl" in inspect.signature(cls.__init__).parameters else {}
+    model = cls(config, key=jax.random.key(0), compute_dtype=compute, **extra)
     cfg = ztrain.TrainConfig(steps=1000, batch_size=BATCH, seq_len=SEQ, warmup=10)
     tx = ztrain.optimizer(cfg, model)
     step = ztrain.make_train_step(model, cfg, tx)
@@ -104,11 +108,11 @@ def zoo_setup(name: str, platform: str, num_layers: int | None = None):
     return step, params, opt_state, batch, config
 
 
-def zoo_step_time(name: str, platform: str, steps: int, warmup: int) -> dict:
+def zoo_step_time(name: str, platform: str, steps: int, warmup: int, expert_impl: str = "auto") -> dict:
     import jax
     import jax.numpy as jnp
 
-    step, params, opt_state, batch, config = zoo_setup(name, platform)
+    step, params, opt_state, batch, config = zoo_setup(name, platform, expert_impl=expert_impl)
     t = time.perf_counter()
     compiled = step.lower(params, opt_state, batch, jnp.int32(0)).compile()
     compile_s = time.perf_counter() - t
@@ -320,7 +324,7 @@ def run(args: argparse.Namespace, save=lambda results: None) -> dict:
     results["peak_flops"] = peak_flops(args.platform)
     for name in models:
         print(f"  zoo {name} ...", file=sys.stderr, flush=True)
-        r = {"zoo": zoo_step_time(name, args.platform, args.steps, args.warmup)}
+        r = {"zoo": zoo_step_time(name, args.platform, args.steps, args.warmup, args.expert_impl)}
         for peer, fn in (("transformers", torch_peer), ("maxtext", maxtext_peer)):
             if peer in peers:
                 print(f"  {peer} {name} ...", file=sys.stderr, flush=True)

@@ -93,9 +93,15 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0, help="init and data seed (batches depend on (seed, step) only)")
     _option_flags(o)
     x = p.add_argument_group("memory and parallelism")
-    x.add_argument("--placement", default=None, help="activation placement: a preset name or 'name=where,...' (see docs/placement.md)")
+    x.add_argument("--placement", default=None,
+                   help="activation placement: a preset name, 'name=where,...' (see docs/placement.md), or 'auto': "
+                        "zoo.plan's fastest map within the device budget, with parameter and optimizer memory")  # fmt: skip
     x.add_argument("--param-memory", choices=["device", "pinned_host"], default="device")
     x.add_argument("--opt-memory", choices=["device", "pinned_host"], default="device")
+    x.add_argument("--hardware", default=None,
+                   help="--placement auto: the hardware of zoo.plan's table (default: from the device kind; 'cpu' on CPU)")
+    x.add_argument("--device-budget-gib", type=float, default=None,
+                   help="--placement auto: memory per device (default: the device's own limit, else the hardware's HBM)")
     x.add_argument("--mesh", default="", help="e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, context, tensor, expert; "
                    "context splits the sequence)")
     x.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
@@ -131,6 +137,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.warmup >= args.steps:
         p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     return args
+
+
+def hardware_name(device) -> str:
+    """The ``zoo.plan`` hardware of a JAX device: its platform on CPU, else the first table
+    name within its device kind (``"NVIDIA H200"`` -> ``h200``)."""
+    from zoo.plan.hardware import HARDWARE
+
+    if device.platform == "cpu":
+        return "cpu"
+    kind = device.device_kind.lower().replace(" ", "")
+    for name in sorted(HARDWARE, key=len, reverse=True):  # gb200 before b200
+        if name.replace("-", "") in kind.replace("-", ""):
+            return name
+    parser().error(f"--placement auto: device kind {device.device_kind!r} is not in zoo.plan's hardware table "
+                   f"({', '.join(HARDWARE)}); name one with --hardware")  # fmt: skip
+    raise AssertionError  # (parser().error exits)
+
+
+def plan_placement(args: argparse.Namespace, model, mesh) -> None:
+    """``--placement auto``: zoo.plan's fastest placement map, parameter and optimizer memory
+    for this model, mesh, batch and sequence within the device budget; printed, then set on
+    ``args``. Nothing fits: a usage error with the planner's table."""
+    import jax
+
+    from zoo import plan as planning
+    from zoo.errors import ConfigError, MeshError
+
+    device = jax.devices()[0]
+    hw = args.hardware or hardware_name(device)
+    budget = args.device_budget_gib * 2**30 if args.device_budget_gib else None
+    if budget is None:
+        stats = device.memory_stats() or {}
+        budget = stats.get("bytes_limit")  # the device's own allocator limit, where it has one
+    try:
+        result = planning.plan(model, seq_len=args.seq_len, batch_size=args.batch_size, mesh=mesh, hardware=hw,
+                               device_budget=budget, compute_dtype=model.compute_dtype, verify=False)  # fmt: skip
+    except (ConfigError, MeshError) as e:
+        parser().error(f"--placement auto: {e}")
+    print(result, flush=True)
+    args.placement, args.param_memory, args.opt_memory = result.placement, result.param_memory, result.opt_memory
 
 
 def load_training_data(args: argparse.Namespace, vocab_size: int):
@@ -190,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.mesh or jax.process_count() > 1:
         mesh = parallel.make_mesh(args.mesh)
         parallel.validate_mesh(mesh, model.config)
+    if args.placement == "auto":
+        plan_placement(args, model, mesh)
     data = load_training_data(args, model.config.vocab_size)
     cfg = ztrain.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,

@@ -395,3 +395,42 @@ def test_recipe_trains_every_family_with_its_own_options(tmp_path, model, flag):
     assert len(last["expert_load"]) == 2  # two MoE layers in both tiny presets, counts per expert
     help_text = subprocess.run([*args[:2], "--help"], env=env, capture_output=True, text=True, timeout=120).stdout
     assert all(f in help_text for f in ("--aux-loss-coef", "--mtp-weight", "--router-bias-rate", "qwen3_moe"))
+
+
+def _recipe_module():
+    """recipes/train.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "train.py"
+    spec = importlib.util.spec_from_file_location("zoo_train_recipe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_placement_auto_plans_within_the_budget(capsys):
+    """``--placement auto`` asks zoo.plan for the fastest map within ``--device-budget-gib``: a
+    budget the unmapped step does not fit gets a map that recomputes, and the plan is printed."""
+    recipe = _recipe_module()
+    model = zoo.Llama(zoo.llama.preset("tiny"), key=jr.key(0))
+    base = ["--model", "llama", "--preset", "tiny", "--seq-len", "64", "--batch-size", "4", "--placement", "auto"]
+    roomy = recipe.parse_args([*base, "--device-budget-gib", "1"])
+    recipe.plan_placement(roomy, model, None)
+    assert not roomy.placement.placed("remat")  # everything kept: nothing to save
+    tight = recipe.parse_args([*base, "--device-budget-gib", str(4.8 / 1024)])  # under the unmapped 5.8 MiB
+    recipe.plan_placement(tight, model, None)
+    assert tight.placement.placed("remat")
+    assert tight.param_memory == tight.opt_memory == "device"  # one memory on CPU: nothing offloaded
+    assert "chosen: batch 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # nothing fits: a usage error with the planner's message
+        recipe.plan_placement(recipe.parse_args([*base, "--device-budget-gib", "1e-5"]), model, None)
+
+
+@pytest.mark.parametrize("kind, name", [("NVIDIA H200", "h200"), ("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200"),
+                                        ("TPU v5p", "tpu-v5p")])  # fmt: skip
+def test_recipe_hardware_from_device_kind(kind, name):
+    recipe = _recipe_module()
+    device = type("Device", (), {"platform": "gpu", "device_kind": kind})()
+    assert recipe.hardware_name(device) == name
+    with pytest.raises(SystemExit):
+        recipe.hardware_name(type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA A100"})())

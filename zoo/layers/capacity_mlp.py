@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
 from zoo.hooks import sum_to_varying_of
-from zoo.layers.grouped_matmul import _loop_matmul, _loop_weight_grad, _zeros_like_vma
+from zoo.layers.grouped_matmul import _loop_matmul, _loop_weight_grad
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
 CAPACITY_FACTOR = 1.25
@@ -115,8 +115,8 @@ def _per_pair(layout, cap_rows, over_rows=None):
     return jnp.where(layout.mine[:, None], rows, jnp.zeros((), rows.dtype))
 
 
-def _overflow_mlp(x, w_gate, w_up, w_down, sizes, tile):
-    """The overflow rows through the tile loop: outputs and what the gradients need."""
+def _overflow_mlp(x, w_gate, w_up, sizes, tile):
+    """The overflow rows' gate and up projections, through the tile loop."""
     gate = _loop_matmul(x, w_gate, sizes, tile, transpose_rhs=False)
     up = _loop_matmul(x, w_up, sizes, tile, transpose_rhs=False)
     return gate, up
@@ -146,7 +146,7 @@ def _forward(x, w_gate, w_up, w_down, layout, k, tile):
 
     def overflow(x, w_gate, w_up, w_down, yc):
         xo = _rows(x, layout.over_pair, layout.over_valid, k)
-        gate, up = _overflow_mlp(xo, w_gate, w_up, w_down, layout.over_sizes, tile)
+        gate, up = _overflow_mlp(xo, w_gate, w_up, layout.over_sizes, tile)
         yo = _loop_matmul(jax.nn.silu(gate) * up, w_down, layout.over_sizes, tile, transpose_rhs=False)
         return _per_pair(layout, yc, yo)
 
@@ -193,7 +193,7 @@ def _bwd(k, tile, residuals, dout):
     def overflow(dxc, dws):
         xo = _rows(x, layout.over_pair, layout.over_valid, k)
         dyo = jnp.where(layout.over_valid[:, None], jnp.take(dout, layout.over_pair, axis=0), jnp.zeros((), dout.dtype))
-        go, uo = (a.astype(f32) for a in _overflow_mlp(xo, w_gate, w_up, w_down, sizes, tile))
+        go, uo = (a.astype(f32) for a in _overflow_mlp(xo, w_gate, w_up, sizes, tile))
         ho = (jax.nn.silu(go) * uo).astype(x.dtype)
         dho = _loop_matmul(dyo, w_down, sizes, tile, transpose_rhs=True).astype(f32)
         dgo = (dho * uo * _silu_grad(go)).astype(x.dtype)
