@@ -185,13 +185,29 @@ def load_training_data(args: argparse.Namespace, vocab_size: int):
     from zoo import data as zdata
     from zoo.errors import ConfigError
 
+    import jax
+
+    # Many processes: process 0 tokenizes first and the others wait, then find its cache entry
+    # where the cache directory is shared (a host with a cache of its own tokenizes for itself).
+    wait = jax.process_count() > 1
+    if wait and jax.process_index() != 0:
+        _barrier("zoo: data tokenized")
     try:
         tokenizer = zdata.load_tokenizer(args.checkpoint)
         print(f"tokenizer: {tokenizer.describe()}", flush=True)
-        return zdata.load_data(args.data, vocab_size, tokenizer=tokenizer, text_field=args.text_field,
+        data = zdata.load_data(args.data, vocab_size, tokenizer=tokenizer, text_field=args.text_field,
                                data_format=args.data_format, cache_dir=args.data_cache)  # fmt: skip
     except ConfigError as e:
         parser().error(str(e))
+    if wait and jax.process_index() == 0:
+        _barrier("zoo: data tokenized")
+    return data
+
+
+def _barrier(name: str) -> None:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
 
 
 def main(argv: list[str] | None = None) -> None:

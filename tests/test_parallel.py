@@ -554,10 +554,12 @@ def test_two_processes_match_one():
 
 
 def test_two_processes_train_on_a_text_file_like_one(tmp_path):
-    """The training recipe on a real text file: 2 processes x 2 CPU devices (each puts only its
-    rows of every batch on its devices) log the losses of 1 process x 4, step for step."""
-    text = tmp_path / "corpus.txt"
-    text.write_text((ROOT / "zoo" / "train.py").read_text() + (ROOT / "zoo" / "parallel.py").read_text())
+    """The training recipe on a real text file: 2 processes x 2 CPU devices (each reads and puts
+    on its devices only its rows of every batch) log the losses of 1 process x 4, step for step;
+    the file is tokenized once, by process 0, the other waiting for its cache entry."""
+    text = tmp_path / "corpus.jsonl"  # records: tokenized into the cache and packed (a text file is read as bytes)
+    chunks = ((ROOT / "zoo" / "train.py").read_text() + (ROOT / "zoo" / "parallel.py").read_text()).split("\n\n")
+    text.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
 
@@ -569,15 +571,19 @@ def test_two_processes_train_on_a_text_file_like_one(tmp_path):
 
     port = _free_port()
     two = [
-        subprocess.Popen(recipe("two", 2, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
+        subprocess.Popen(recipe("two", 2, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                                "--data-cache", str(tmp_path / "cache")),
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]  # fmt: skip
-    one = subprocess.run(recipe("one", 4), env=env, capture_output=True, text=True, timeout=600, check=False)
+    one = subprocess.run(recipe("one", 4, "--data-cache", str(tmp_path / "cache-one")), env=env, capture_output=True, text=True, timeout=600, check=False)
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    outputs = []
     for p in two:
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, out[-3000:]
+        outputs.append(out)
+    assert [out.count("tokenized") for out in outputs] == [1, 0], outputs
 
     def losses(run: str) -> list[tuple[int, float]]:
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

@@ -434,3 +434,30 @@ def test_recipe_hardware_from_device_kind(kind, name):
     assert recipe.hardware_name(device) == name
     with pytest.raises(SystemExit):
         recipe.hardware_name(type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA A100"})())
+
+
+def test_a_process_reads_only_its_rows_of_each_batch(tmp_path):
+    """``rows=`` reads only those rows of a batch (token windows and packed rows alike), equal to
+    the same rows of the whole batch; place_batch puts such a partial batch on the devices as
+    the global array, and a row this process did not read is an error naming it."""
+    from zoo import data as zdata
+    from zoo import parallel
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(f"document {i}: " + "word " * (5 + i % 17) for i in range(200)))
+    packed = zdata.load_data(str(text), 256, cache_dir=tmp_path / "cache")
+    streams = [packed, TokenData(np.arange(5000) % 256, np.arange(600) % 256, 256, "synthetic")]
+    mine = np.array([1, 2, 5, 6])
+    for source in streams:
+        whole = ztrain.as_batch(source.batch(3, 7, 8, 16))
+        part = ztrain.as_batch(source.batch(3, 7, 8, 16, rows=mine))
+        for key in whole:
+            np.testing.assert_array_equal(part[key], whole[key][mine], err_msg=key)
+    mesh = parallel.make_mesh("data=4", devices=jax.devices()[:4])
+    whole = ztrain.as_batch(packed.batch(3, 7, 8, 16))
+    every = np.arange(8)
+    placed = ztrain.place_batch({k: v[every] for k, v in whole.items()}, mesh, micro=False, rows=every, batch_size=8)
+    for key in whole:
+        np.testing.assert_array_equal(np.asarray(placed[key]), whole[key], err_msg=key)
+    with pytest.raises(ValueError, match=r"rows \[0, 1\] were not read by this process"):
+        ztrain.place_batch({k: v[mine] for k, v in whole.items()}, mesh, micro=False, rows=mine, batch_size=8)

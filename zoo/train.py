@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import inspect
 import json
 import math
 import os
@@ -118,25 +119,53 @@ def as_batch(batch) -> dict[str, Any]:
     return dict(batch)
 
 
-def place_batch(batch, mesh=None, *, micro: bool = True) -> Any:
-    """A host batch (arrays ``[A, B, S]``, or ``[B, S]`` with ``micro=False``; or a dict of
-    them) as device arrays. With a mesh,
-    global arrays whose rows are split over the batch axes the step splits them over: each
-    process puts on its own devices only their rows (``jax.make_array_from_callback``), so the
-    same code runs on one host and on many, where every process computes the same batch from
-    (seed, step)."""
-    if mesh is None or mesh.size == 1:
-        return jax.tree.map(jnp.asarray, batch)
+def _batch_sharding(mesh, micro: bool):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from zoo import parallel
 
     axes = tuple(a for a in parallel.BATCH_AXES if mesh.shape[a] > 1)
-    sharding = NamedSharding(mesh, PartitionSpec(*([None] if micro else []), axes or None))
+    return NamedSharding(mesh, PartitionSpec(*([None] if micro else []), axes or None))
+
+
+def local_rows(mesh, batch_size: int) -> np.ndarray | None:
+    """The rows of a global batch of ``batch_size`` that this process's devices hold, sorted
+    (``None`` with one process: all of them). Each process reads and packs only these."""
+    if mesh is None or mesh.size == 1 or jax.process_count() == 1:
+        return None
+    index = _batch_sharding(mesh, micro=False).addressable_devices_indices_map((batch_size, 1))
+    return np.unique(np.concatenate([np.arange(batch_size)[i[0]] for i in index.values()]))
+
+
+def place_batch(batch, mesh=None, *, micro: bool = True, rows: np.ndarray | None = None, batch_size: int | None = None) -> Any:
+    """A host batch (arrays ``[A, B, S]``, or ``[B, S]`` with ``micro=False``; or a dict of
+    them) as device arrays. With a mesh,
+    global arrays whose rows are split over the batch axes the step splits them over: each
+    process puts on its own devices only their rows (``jax.make_array_from_callback``), so the
+    same code runs on one host and on many, where every process computes the same batch from
+    (seed, step). ``rows``: the host batch holds only these rows of a global batch of
+    ``batch_size`` (:func:`local_rows`: each process's own)."""
+    if mesh is None or mesh.size == 1:
+        return jax.tree.map(jnp.asarray, batch)
+    sharding = _batch_sharding(mesh, micro)
+    axis = 1 if micro else 0
 
     def place(x):
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        if rows is None:
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        shape = (*x.shape[:axis], batch_size, *x.shape[axis + 1 :])
+
+        def shard(index):
+            wanted = np.arange(batch_size)[index[axis]]
+            at = np.searchsorted(rows, wanted)
+            if np.any(at >= len(rows)) or np.any(rows[np.minimum(at, len(rows) - 1)] != wanted):
+                raise ValueError(f"place_batch: rows {wanted.tolist()} were not read by this process (it has {rows.tolist()})")
+            local = list(index)
+            local[axis] = at
+            return x[tuple(local)]
+
+        return jax.make_array_from_callback(shape, sharding, shard)
 
     return jax.tree.map(place, batch)
 
@@ -600,12 +629,24 @@ def _restore_latest(manager, run_dir: Path, abstract, to_device: bool) -> tuple[
     return 0, None
 
 
-def batches(data, cfg: TrainConfig, start: int) -> Iterator[tuple[int, Any]]:
+def batches(data, cfg: TrainConfig, start: int, rows: np.ndarray | None = None) -> Iterator[tuple[int, Any]]:
     """``(step, batch)`` from ``start``, ``batch`` the ``[A, B, S]`` stack of the data's
-    micro-batches (token ids, or a dict of packed fields): a function of (seed, step) only."""
+    micro-batches (token ids, or a dict of packed fields): a function of (seed, step) only.
+    ``rows``: only these rows of each global batch (:func:`local_rows`)."""
     for step in range(start, cfg.steps):
-        micro = [data.batch(cfg.seed, step * cfg.grad_accum + i, cfg.batch_size, cfg.seq_len) for i in range(cfg.grad_accum)]
+        micro = [_batch_rows(data, rows, cfg.seed, step * cfg.grad_accum + i, cfg.batch_size, cfg.seq_len)
+                 for i in range(cfg.grad_accum)]  # fmt: skip
         yield step, jax.tree.map(lambda *xs: np.stack(xs), *micro)
+
+
+def _batch_rows(data, rows, *args, **kwargs):
+    """``data.batch(...)`` restricted to ``rows``: read only them where the data takes ``rows=``
+    (zoo's data does), else the whole batch cut down."""
+    if rows is None:
+        return data.batch(*args, **kwargs)
+    if "rows" in inspect.signature(data.batch).parameters:
+        return data.batch(*args, rows=rows, **kwargs)
+    return jax.tree.map(lambda x: np.asarray(x)[rows], data.batch(*args, **kwargs))
 
 
 def train(
@@ -738,10 +779,13 @@ def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_s
         manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata={"zoo": {"checksums": checksums}},
                      force=True)  # fmt: skip
 
+    mine = local_rows(mesh, cfg.batch_size)  # this process's rows of every batch: all, on one process
+
     def validation_loss(params) -> float:
         p = tree_placement(params, "device") if param_memory != "device" else params
         batches_ = (
-            place_batch(data.batch(cfg.seed, i, cfg.batch_size, seq, split="valid"), mesh, micro=False)
+            place_batch(_batch_rows(data, mine, cfg.seed, i, cfg.batch_size, seq, split="valid"), mesh, micro=False,
+                        rows=mine, batch_size=cfg.batch_size)  # fmt: skip
             for i in range(cfg.eval_batches)
         )
         return float(np.mean([float(evaluate(p, b)) for b in batches_]))
@@ -749,8 +793,9 @@ def _loop(model, data, cfg, run_dir, manager, start, previous, tx, params, opt_s
     if start == 0:  # where training starts from (about ln V for a fresh model)
         log.write({"step": 0, "val_loss": validation_loss(params)})
         last_time = time.perf_counter()
-    for step, batch in batches(data, cfg, start):
-        params, opt_state, metrics = step_fn(params, opt_state, place_batch(batch, mesh), jnp.int32(step))
+    for step, batch in batches(data, cfg, start, rows=mine):
+        placed = place_batch(batch, mesh, rows=mine, batch_size=cfg.batch_size)
+        params, opt_state, metrics = step_fn(params, opt_state, placed, jnp.int32(step))
         done = step + 1
         is_log = done % cfg.log_every == 0 or done == cfg.steps
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps

@@ -267,17 +267,20 @@ class PackedData:
         return self._perms[key]
 
     def batch(
-        self, seed: int, step: int, batch_size: int, seq_len: int, *, split: str = "train"
-    ) -> dict[str, np.ndarray]:
+        self, seed: int, step: int, batch_size: int, seq_len: int, *, split: str = "train",
+        rows: Int[np.ndarray, " R"] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         """``{"input_ids", "segment_ids", "positions", "loss_mask"}``, [batch_size, seq_len] each:
-        the rows ``step·batch_size ...`` of the (seed, epoch)-shuffled packing of ``split``."""
+        the rows ``step·batch_size ...`` of the (seed, epoch)-shuffled packing of ``split``.
+        ``rows``: only these rows of the batch (a process's share), read and packed alone."""
         n = self.plan(seq_len, split).num_rows
         index = step * batch_size + np.arange(batch_size, dtype=np.int64)
-        rows = np.empty(batch_size, np.int64)
+        index = index if rows is None else index[rows]
+        picked = np.empty(len(index), np.int64)
         for epoch in np.unique(index // n).tolist():
             at = index // n == epoch
-            rows[at] = self._permutation(seed, int(epoch), split, n)[index[at] % n]
-        return self.rows(rows, seq_len, split)
+            picked[at] = self._permutation(seed, int(epoch), split, n)[index[at] % n]
+        return self.rows(picked, seq_len, split)
 
     def num_tokens(self, split: str = "train") -> int:
         """Tokens in the documents of ``split``."""

@@ -27,14 +27,19 @@ class TokenData:
     vocab_size: int
     source: str
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *, split: str = "train") -> Int[np.ndarray, "B S"]:
+    def batch(
+        self, seed: int, step: int, batch_size: int, seq_len: int, *, split: str = "train",
+        rows: Int[np.ndarray, " R"] | None = None,
+    ) -> Int[np.ndarray, "R S"]:  # fmt: skip
         """``batch_size`` windows of ``seq_len`` tokens at offsets drawn from (seed, step) alone,
-        so a resumed run sees exactly the batches an uninterrupted one would."""
+        so a resumed run sees exactly the batches an uninterrupted one would. ``rows``: only
+        these rows of it (a process's share), read alone."""
         tokens = self.train if split == "train" else self.valid
         if len(tokens) <= seq_len:
             raise ConfigError(f"{self.source}: {split} split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}")
         rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
         starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
+        starts = starts if rows is None else starts[rows]
         return np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int32) for s in starts])
 
     def num_tokens(self, split: str = "train") -> int:
