@@ -277,8 +277,8 @@ LAYOUTS = [
     ("deepseek_v3", "data=8", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "fsdp=4,tensor=2", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "fsdp=2,expert=4", parallel.BATCH_AXES, {}),  # tokens split over the expert group
-    # Tokens shared by the expert group; the tile-loop kernel (the default is the capacity pass).
-    ("deepseek_v3", "data=2,expert=4", ("data", "fsdp"), {"expert_impl": "grouped"}),
+    # Tokens shared by the expert group; the capacity kernel (the default on CPU is the tile loop).
+    ("deepseek_v3", "data=2,expert=4", ("data", "fsdp"), {"expert_impl": "capacity"}),
     # TPU's kernel (ragged_dot) against the single-device tiled one: both dropless, equal.
     ("deepseek_v3", "expert=4,tensor=2", parallel.BATCH_AXES, {"expert_impl": "ragged_dot"}),
     ("qwen3", "data=2,fsdp=2,tensor=2", parallel.BATCH_AXES, {}),
