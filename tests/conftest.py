@@ -35,8 +35,10 @@ if "XLA_FLAGS" not in os.environ:
         FAST_FLAGS = "--xla_backend_optimization_level=0" if _xla_accepts("--xla_backend_optimization_level=0") else ""
     os.environ["XLA_FLAGS"] = FAST_FLAGS
 
-# Identical programs compiled by different tests (and the recipe subprocesses) compile once.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zoo-test-jax-cache"))
+# Identical programs compiled by different tests (and the recipe subprocesses) compile once. A
+# fresh cache per run, as on CI's clean machine: programs loaded from an earlier run's entries
+# crashed XLA:CPU (jaxlib 0.10) late in long local runs (docs/training.md, host memory).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="zoo-test-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
