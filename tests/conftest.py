@@ -4,6 +4,7 @@ Shape annotations are checked at run time by the jaxtyping import hook with bear
 (``--jaxtyping-packages=zoo,beartype.beartype`` in pyproject.toml).
 """
 
+import gc
 import os
 import subprocess
 import sys
@@ -59,6 +60,29 @@ def pytest_collection_modifyitems(session, config, items):
     Multi-device programs with host memory run in a fresh process of their own
     (``helpers.run_in_fresh_process``); none runs in this one after these."""
     items.sort(key=lambda item: item.get_closest_marker("host_memory") is not None)  # stable
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drop every compiled program when a test file ends. XLA:CPU maps three memory regions
+    per compiled kernel and frees them only with the executable, which JAX's caches keep alive;
+    one process running the whole suite reached Linux's default limit of 65,530 mappings
+    (``vm.max_map_count``) about 470 tests in, where the next mmap failed and XLA aborted
+    ("Fatal Python error: Aborted", nothing else printed; CI and local runs alike)."""
+    yield
+    before = _memory_maps()
+    jax.clear_caches()
+    gc.collect()
+    if os.environ.get("ZOO_TEST_REPORT_MAPS"):
+        print(f"\n[memory maps: {before} -> {_memory_maps()}]")
 
 
 @pytest.fixture(scope="session")
