@@ -187,20 +187,16 @@ def load_training_data(args: argparse.Namespace, vocab_size: int):
 
     import jax
 
-    # Many processes: process 0 tokenizes first and the others wait, then find its cache entry
-    # where the cache directory is shared (a host with a cache of its own tokenizes for itself).
-    wait = jax.process_count() > 1
-    if wait and jax.process_index() != 0:
-        _barrier("zoo: data tokenized")
+    # Many processes split the tokenizing (each its share of the records) and all read the
+    # merged cache entry (zoo.data.Share); the cache directory is shared in a cluster.
+    share = zdata.Share(jax.process_index(), jax.process_count(), _barrier) if jax.process_count() > 1 else None
     try:
         tokenizer = zdata.load_tokenizer(args.checkpoint)
         print(f"tokenizer: {tokenizer.describe()}", flush=True)
         data = zdata.load_data(args.data, vocab_size, tokenizer=tokenizer, text_field=args.text_field,
-                               data_format=args.data_format, cache_dir=args.data_cache)  # fmt: skip
+                               data_format=args.data_format, cache_dir=args.data_cache, share=share)  # fmt: skip
     except ConfigError as e:
         parser().error(str(e))
-    if wait and jax.process_index() == 0:
-        _barrier("zoo: data tokenized")
     return data
 
 

@@ -228,6 +228,73 @@ def test_data_is_tokenized_once_then_read_from_the_cache(tok, tmp_path, monkeypa
     assert not [p for p in (tmp_path / "c").iterdir() if ".tmp-" in p.name]  # failed attempts leave nothing
 
 
+def _load_in_processes(n: int, path: Path, tok, caches: list[Path], **kw) -> list:
+    """``load_data`` as ``n`` processes call it (threads here, a barrier between them)."""
+    import threading
+
+    barrier = threading.Barrier(n, timeout=60)
+    results: list = [None] * n
+
+    def work(i: int) -> None:
+        try:
+            share = data.Share(i, n, lambda name: barrier.wait())
+            results[i] = load_data(str(path), 256, tokenizer=tok, cache_dir=caches[i], share=share, **kw)
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            barrier.abort()
+            results[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def _entry_files(d) -> dict[str, bytes]:
+    entry = Path(d.meta["cache"])
+    return {p.name: p.read_bytes() for p in sorted(entry.iterdir()) if p.name != "meta.json"}
+
+
+@pytest.mark.parametrize("records", ["text", "chat"])
+def test_processes_split_the_tokenizing_and_get_the_one_process_entry(tok, tmp_path, capsys, records):
+    """3 processes tokenize a third of the records each; process 0 merges the parts into the
+    cache entry that one process writes, byte for byte, and all three read it. A process whose
+    cache directory is its own tokenizes everything itself."""
+    rows = [{"text": t} for t in TEXTS] if records == "text" else CHATS + CHATS[:1]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    one = load_data(str(path), 256, tokenizer=tok, cache_dir=tmp_path / "one")
+    capsys.readouterr()
+    shared = _load_in_processes(3, path, tok, [tmp_path / "shared"] * 3)
+    err = capsys.readouterr().err
+    assert [f"tokenized part {i} of 3" in err for i in (1, 2, 3)] == [True] * 3 and err.count("merged 3 parts") == 1
+    for d in shared:
+        assert d.meta["cache"] == shared[0].meta["cache"] and d.meta["documents"] == len(rows)
+        assert d.meta["formats"] == one.meta["formats"]
+        assert _entry_files(d) == _entry_files(one)
+    assert [p.name for p in (tmp_path / "shared").iterdir()] == [Path(shared[0].meta["cache"]).name]  # parts removed
+    own = _load_in_processes(3, path, tok, [tmp_path / f"own{i}" for i in range(3)])  # caches not shared
+    for d in own:
+        assert _entry_files(d) == _entry_files(one)
+    capsys.readouterr()
+    again = _load_in_processes(3, path, tok, [tmp_path / "shared"] * 3)  # cached: nothing tokenized
+    assert "tokenized" not in capsys.readouterr().err
+    assert _entry_files(again[1]) == _entry_files(one)
+
+
+def test_a_bad_record_stops_every_process(tok, tmp_path):
+    """Every process reads and checks every record, tokenizing only its own: a record without
+    the text field is an error in all of them, named by file and line."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS[:4]] + [{"body": "no text"}])
+    for i in range(2):
+        with pytest.raises(DataError, match=r"d.jsonl:5"):
+            load_data(str(path), 256, tokenizer=tok, cache_dir=tmp_path / "c", share=data.Share(i, 2, lambda name: None))
+    assert not list((tmp_path / "c").iterdir())
+
+
 # --- batches -------------------------------------------------------------------------------------
 
 

@@ -556,7 +556,8 @@ def test_two_processes_match_one():
 def test_two_processes_train_on_a_text_file_like_one(tmp_path):
     """The training recipe on a real text file: 2 processes x 2 CPU devices (each reads and puts
     on its devices only its rows of every batch) log the losses of 1 process x 4, step for step;
-    the file is tokenized once, by process 0, the other waiting for its cache entry."""
+    each process tokenizes half the records and process 0 merges the halves into the cache
+    entry one process writes (the same bytes)."""
     text = tmp_path / "corpus.jsonl"  # records: tokenized into the cache and packed (a text file is read as bytes)
     chunks = ((ROOT / "zoo" / "train.py").read_text() + (ROOT / "zoo" / "parallel.py").read_text()).split("\n\n")
     text.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks))
@@ -583,7 +584,14 @@ def test_two_processes_train_on_a_text_file_like_one(tmp_path):
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, out[-3000:]
         outputs.append(out)
-    assert [out.count("tokenized") for out in outputs] == [1, 0], outputs
+    assert [("tokenized part 1 of 2" in out, "tokenized part 2 of 2" in out, out.count("merged 2 parts")) for out in outputs] \
+        == [(True, False, 1), (False, True, 0)], outputs  # fmt: skip
+    [entry] = (tmp_path / "cache").iterdir()
+    [entry_one] = (tmp_path / "cache-one").iterdir()
+    assert entry.name == entry_one.name
+    for f in entry_one.iterdir():
+        if f.name != "meta.json":
+            assert (entry / f.name).read_bytes() == f.read_bytes(), f.name
 
     def losses(run: str) -> list[tuple[int, float]]:
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zoo.data.corpus import default_cache_dir, load_documents
+from zoo.data.corpus import Share, default_cache_dir, load_documents
 from zoo.data.packing import Documents, PackedData, PackedRows, Plan, pack_documents, plan_rows, valid_by_hash
 from zoo.data.sources import FORMATS, Source, source
 from zoo.data.stream import (
@@ -40,7 +40,7 @@ from zoo.data.tokenizer import (
 __all__ = [
     "FORMATS", "ByteTokenizer", "ChatEncoder", "DataError", "Documents", "HFTokenizer", "PackedData", "PackedRows",
     "Plan", "Source", "TokenData", "check_token_range", "check_vocabulary", "copy_tokenizer_files", "default_cache_dir", "load_data",
-    "load_documents", "load_tokenizer", "pack_documents", "plan_rows", "source", "stdlib_corpus", "stdlib_files",
+    "Share", "load_documents", "load_tokenizer", "pack_documents", "plan_rows", "source", "stdlib_corpus", "stdlib_files",
     "text_files", "token_file", "valid_by_hash",
 ]  # fmt: skip
 
@@ -66,6 +66,7 @@ def load_data(
     packed: bool | None = None,
     method: str = "best_fit",
     progress: bool = True,
+    share: Share | None = None,
 ) -> TokenData | PackedData:
     """The data of a ``--data`` spec for a model of ``vocab_size`` tokens.
 
@@ -77,7 +78,8 @@ def load_data(
     is tokenized once into the cache (``cache_dir``, default ``~/.cache/zoo/data``) and packed
     (:class:`PackedData`). ``data_format``: ``auto`` (each source's first record decides:
     ``messages`` chat, ``prompt``+``completion`` pairs, else the ``text_field`` text), ``text``,
-    ``chat`` or ``completion``.
+    ``chat`` or ``completion``. ``share``: this process's share of the tokenizing when many
+    processes load the same data (:class:`Share`).
     """
     if data_format not in FORMATS:
         raise DataError(f"data format must be one of {', '.join(FORMATS)}, got {data_format!r}")
@@ -99,7 +101,8 @@ def load_data(
     if not byte_level:
         check_vocabulary(tok, vocab_size)
     docs, meta = load_documents(sources, tok, text_field=text_field, data_format=data_format,
-                                valid_fraction=valid_fraction, cache_dir=cache_dir, progress=progress)  # fmt: skip
+                                valid_fraction=valid_fraction, cache_dir=cache_dir, progress=progress,
+                                share=share)  # fmt: skip
     if byte_level and vocab_size < 256:
         check_token_range(docs.tokens, vocab_size, name)
     return PackedData(docs, tok.vocab_size, name, tok.describe(), method, meta=meta)

@@ -14,7 +14,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +139,13 @@ def tokenize_to(
     data_format: str,
     valid_fraction: float,
     progress: bool,
+    part: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
-    """Tokenize every record of ``sources`` into ``directory``; returns the metadata."""
+    """Tokenize every record of ``sources`` into ``directory``; returns the metadata.
+
+    ``part=(i, n)``: only records ``i, i+n, i+2n, ...`` (counting across all sources), every
+    record still read and checked; :func:`merge_parts` puts ``n`` such parts back in order."""
+    index, count = part
     dtype = np.dtype(np.uint8 if tokenizer.vocab_size <= 256 else np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
     writer = _Writer(directory, dtype)
     label = sources[0].name + (f" and {len(sources) - 1} more" if len(sources) > 1 else "")
@@ -147,6 +153,7 @@ def tokenize_to(
     chat = None
     pending: list = []
     formats: dict[str, int] = {}
+    number = -1
     try:
         for src in sources:
             fmt = None if data_format == "auto" else data_format
@@ -156,19 +163,25 @@ def tokenize_to(
                 else:
                     this, field = fmt or record_format(record, text_field), text_field
                     fmt = this
+                number += 1
+                mine = number % count == index  # every record is read and checked; a part tokenizes its own
                 if this == "text":
-                    pending.append(("text", text_of(record, where, field), split))
+                    item = ("text", text_of(record, where, field), split)
                 elif this == "completion":
-                    pending.append(("completion", (text_of(record, where, "prompt"), text_of(record, where, "completion")), split))  # fmt: skip
+                    item = ("completion", (text_of(record, where, "prompt"), text_of(record, where, "completion")), split)
                 else:
                     messages = messages_of(record, where)
-                    try:
-                        chat = chat or ChatEncoder(tokenizer)
-                        ids, mask, nbytes = chat.encode(messages)
-                    except DataError as e:
-                        raise DataError(f"{where}: {e}") from None
-                    key = json.dumps(messages, sort_keys=True).encode("utf-8")
-                    pending.append(("chat", (ids, mask, nbytes, key), split))
+                    if mine:
+                        try:
+                            chat = chat or ChatEncoder(tokenizer)
+                            ids, mask, nbytes = chat.encode(messages)
+                        except DataError as e:
+                            raise DataError(f"{where}: {e}") from None
+                        key = json.dumps(messages, sort_keys=True).encode("utf-8")
+                        item = ("chat", (ids, mask, nbytes, key), split)
+                if not mine:
+                    continue
+                pending.append(item)
                 formats[this] = formats.get(this, 0) + 1
                 if len(pending) >= BATCH:
                     _encode_pending(pending, tokenizer, writer, valid_fraction, meter)
@@ -179,24 +192,68 @@ def tokenize_to(
         writer.close()
         meter.close()
     names = ", ".join(s.name for s in sources)
+    if count > 1:  # a part may hold no document; the merged whole is checked
+        return _finish(directory, writer.dtype, writer.lengths, writer.nbytes, writer.valid, writer.masked, formats,
+                       tokenizer.describe(), names, time.perf_counter() - meter.start)  # fmt: skip
     if not writer.lengths:
         raise DataError(f"--data {names}: no records (an empty dataset)")
     lengths = np.asarray(writer.lengths, np.int64)
     if not np.any(lengths >= 2):
         raise DataError(f"--data {names}: {len(lengths)} records but no document of 2 or more tokens: nothing to predict")
+    return _finish(directory, writer.dtype, writer.lengths, writer.nbytes, writer.valid, writer.masked, formats,
+                   tokenizer.describe(), names, time.perf_counter() - meter.start)  # fmt: skip
+
+
+def _finish(directory: Path, dtype: np.dtype, lengths, nbytes, valid, masked: bool, formats: dict[str, int],
+            tokenizer: str, sources: str, seconds: float) -> dict[str, Any]:  # fmt: skip
+    """Write the index files and ``meta.json`` beside ``tokens.bin`` (and ``mask.bin``)."""
+    lengths = np.asarray(lengths, np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     np.save(directory / "offsets.npy", offsets)
-    np.save(directory / "nbytes.npy", np.asarray(writer.nbytes, np.int64))
-    np.save(directory / "valid.npy", np.asarray(writer.valid, bool))
-    if not writer.masked:
+    np.save(directory / "nbytes.npy", np.asarray(nbytes, np.int64))
+    np.save(directory / "valid.npy", np.asarray(valid, bool))
+    if not masked:
         (directory / "mask.bin").unlink()
     meta = {
         "version": CACHE_VERSION, "dtype": dtype.name, "documents": len(lengths), "tokens": int(offsets[-1]),
-        "masked": writer.masked, "formats": formats, "tokenizer": tokenizer.describe(), "sources": names,
-        "seconds": round(time.perf_counter() - meter.start, 3),
+        "masked": masked, "formats": formats, "tokenizer": tokenizer, "sources": sources, "seconds": round(seconds, 3),
     }  # fmt: skip
     (directory / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def merge_parts(directory: Path, parts: Sequence[Path]) -> dict[str, Any]:
+    """Write into ``directory`` the entry that tokenizing everything at once writes, from the
+    ``n`` entries ``tokenize_to(..., part=(i, n))`` wrote: document ``d`` is document ``d // n``
+    of part ``d % n``. Byte for byte the same files."""
+    opened = [open_documents(p) for p in parts]
+    metas = [m for _, m in opened]
+    count = len(parts)
+    total = sum(len(d) for d, _ in opened)
+    dtype = np.dtype(metas[0]["dtype"])
+    masked = any(m["masked"] for m in metas)
+    order = [(d % count, d // count) for d in range(total)]
+    with open(directory / "tokens.bin", "wb") as tokens, open(directory / "mask.bin", "wb") as mask:
+        for i, j in order:
+            docs = opened[i][0]
+            a, b = int(docs.offsets[j]), int(docs.offsets[j + 1])
+            tokens.write(np.asarray(docs.tokens[a:b]).tobytes())
+            m = np.ones(b - a, np.uint8) if docs.loss_mask is None else np.asarray(docs.loss_mask[a:b]).astype(np.uint8)
+            mask.write(m.tobytes())
+    lengths = [int(opened[i][0].offsets[j + 1] - opened[i][0].offsets[j]) for i, j in order]
+    nbytes = [int(opened[i][0].nbytes[j]) for i, j in order]
+    valid = [bool(opened[i][0].valid[j]) for i, j in order]
+    formats: dict[str, int] = {}
+    for m in metas:
+        for k, v in m["formats"].items():
+            formats[k] = formats.get(k, 0) + v
+    names = metas[0]["sources"]
+    if not lengths:
+        raise DataError(f"--data {names}: no records (an empty dataset)")
+    if not any(n >= 2 for n in lengths):
+        raise DataError(f"--data {names}: {len(lengths)} records but no document of 2 or more tokens: nothing to predict")
+    return _finish(directory, dtype, lengths, nbytes, valid, masked, formats, metas[0]["tokenizer"], names,
+                   max(m["seconds"] for m in metas))  # fmt: skip
 
 
 def open_documents(directory: Path) -> tuple[Documents, dict[str, Any]]:
@@ -240,6 +297,40 @@ def ensure_both_splits(docs: Documents) -> Documents:
     return Documents(np.asarray(docs.tokens[a:b]), offsets, mask, np.array([share, nb - share], np.int64), np.array([False, True]))
 
 
+@dataclass(frozen=True)
+class Share:
+    """This process's share of the tokenizing when ``count`` processes load the same data: it
+    tokenizes records ``index, index+count, ...``; ``barrier(name)`` returns once every process
+    has called it with ``name`` (``multihost_utils.sync_global_devices`` under JAX)."""
+
+    index: int
+    count: int
+    barrier: Callable[[str], None]
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / "meta.json").is_file()
+
+
+def _write_entry(entry: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """``write(tmp)`` into a temporary directory renamed to ``entry`` when complete: an
+    interrupted run leaves no entry behind."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta = write(tmp)
+        try:
+            os.replace(tmp, entry)
+        except OSError:  # another process finished the same entry first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
 def load_documents(
     sources: Sequence[Source],
     tokenizer: HFTokenizer | ByteTokenizer,
@@ -249,29 +340,40 @@ def load_documents(
     valid_fraction: float = 0.05,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    share: Share | None = None,
 ) -> tuple[Documents, dict[str, Any]]:
-    """The documents of ``sources`` from the cache, tokenizing them first if needed."""
+    """The documents of ``sources`` from the cache, tokenizing them first if needed.
+
+    ``share``: many processes split the tokenizing: each writes its records into a part entry,
+    process 0 merges the parts into the entry one process would have written (the same bytes),
+    and all read that. Where a process's cache directory is its own (not shared with process
+    0), it tokenizes everything itself after the others."""
     options = {"text_field": text_field, "format": data_format, "valid_fraction": valid_fraction}
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / cache_key(sources, tokenizer, options)
-    if not (final / "meta.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            meta = tokenize_to(tmp, sources, tokenizer, text_field=text_field, data_format=data_format,
-                               valid_fraction=valid_fraction, progress=progress)  # fmt: skip
-            try:
-                os.replace(tmp, final)
-            except OSError:  # another process finished the same entry first
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+    def tokenize(part: tuple[int, int]) -> Callable[[Path], dict[str, Any]]:
+        return lambda tmp: tokenize_to(tmp, sources, tokenizer, text_field=text_field, data_format=data_format,
+                                       valid_fraction=valid_fraction, progress=progress, part=part)  # fmt: skip
+
+    def report(meta: dict[str, Any], what: str, where: Path) -> None:
         if progress:
-            print(f"tokenized {meta['documents']:,} documents ({meta['tokens']:,} tokens) in {meta['seconds']:.1f} s "
-                  f"into {final}", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"{what} {meta['documents']:,} documents ({meta['tokens']:,} tokens) in {meta['seconds']:.1f} s "
+                  f"into {where}", file=sys.stderr, flush=True)  # fmt: skip
+
+    if share is not None and share.count > 1:
+        i, n = share.index, share.count
+        parts = [root / f".{final.name}.part-{k}-of-{n}" for k in range(n)]
+        # Every process passes both barriers whatever its cache holds, so none waits forever.
+        if not _complete(final) and not _complete(parts[i]):
+            report(_write_entry(parts[i], tokenize((i, n))), f"tokenized part {i + 1} of {n}:", parts[i])
+        share.barrier("zoo: data parts tokenized")
+        if i == 0 and not _complete(final) and all(_complete(p) for p in parts):
+            report(_write_entry(final, lambda tmp: merge_parts(tmp, parts)), f"merged {n} parts:", final)
+        share.barrier("zoo: data parts merged")
+        shutil.rmtree(parts[i], ignore_errors=True)
+    if not _complete(final):
+        report(_write_entry(final, tokenize((0, 1))), "tokenized", final)
     docs, meta = open_documents(final)
     meta["cache"] = str(final)
     return ensure_both_splits(docs), meta
