@@ -58,7 +58,8 @@ def pytest_collection_modifyitems(session, config, items):
     this process, after which jaxlib 0.10's XLA:CPU may abort the next multi-device program
     (printing nothing but "Fatal Python error: Aborted"; it happened to CI once in ~10 runs).
     Multi-device programs with host memory run in a fresh process of their own
-    (``helpers.run_in_fresh_process``); none runs in this one after these."""
+    (``helpers.run_in_fresh_process``); none runs in this one after these. Under pytest-xdist
+    each worker is handed tests in this order, so the marked ones are last in every worker."""
     items.sort(key=lambda item: item.get_closest_marker("host_memory") is not None)  # stable
 
 
