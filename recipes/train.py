@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib",
                    help="'stdlib' (embedded), a .npy token file, or comma-separated text files, JSON lines (.jsonl), "
-                        "Parquet files and saved Hugging Face dataset directories (see docs/data.md)")  # fmt: skip
+                        "Parquet files, saved Hugging Face dataset directories and hub datasets (hf:NAME[:CONFIG]; see docs/data.md)")  # fmt: skip
     d.add_argument("--text-field", default="text", help="the field of a JSON-lines/Parquet/dataset record that holds its text")
     d.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto",
                    help="auto: a record with 'messages' is a chat (loss on the assistant's turns), with 'prompt' and "

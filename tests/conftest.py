@@ -42,6 +42,9 @@ if "XLA_FLAGS" not in os.environ:
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="zoo-test-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# `datasets.load_dataset` (hub-layout folders in test_data.py) writes Arrow files into its cache.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="zoo-test-hf-datasets-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite reaches the network
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -192,6 +192,30 @@ def test_a_saved_dataset_dict_keeps_its_validation_split(tok, tmp_path):
     assert d.docs.split("valid").tolist() == list(range(30, len(TEXTS)))
 
 
+def test_hub_datasets_load_by_name(tok, tmp_path):
+    """``hf:NAME`` reads with ``datasets.load_dataset(NAME)``: here a folder in a hub dataset
+    repository's layout (data/train.jsonl, data/validation.jsonl), which load_dataset reads as
+    it reads a downloaded repository. Its validation split is held out; new files on the hub
+    (here, in the folder) are tokenized anew; a name that cannot be loaded is an error naming it."""
+    repo = tmp_path / "owner" / "corpus"
+    (repo / "data").mkdir(parents=True)
+    _jsonl(repo / "data" / "train.jsonl", [{"text": t} for t in TEXTS[:30]])
+    _jsonl(repo / "data" / "validation.jsonl", [{"text": t} for t in TEXTS[30:]])
+    d = load_data(f"hf:{repo}", 256, tokenizer=tok, cache_dir=tmp_path / "c", progress=False)
+    assert d.docs.split("valid").tolist() == list(range(30, len(TEXTS)))
+    same = load_data(str(_jsonl(tmp_path / "all.jsonl", [{"text": t} for t in TEXTS])), 256, tokenizer=tok,
+                     cache_dir=tmp_path / "c", progress=False)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(d.docs.tokens), np.asarray(same.docs.tokens))
+    _jsonl(repo / "data" / "train.jsonl", [{"text": t} for t in TEXTS[:20]])
+    data.sources._load_hub.cache_clear()  # as a later run would (one process loads a name once)
+    fewer = load_data(f"hf:{repo}", 256, tokenizer=tok, cache_dir=tmp_path / "c", progress=False)
+    assert fewer.meta["cache"] != d.meta["cache"] and len(fewer.docs) == 30
+    with pytest.raises(DataError, match=r"hf:nobody/no-such-dataset.*load_dataset\('nobody/no-such-dataset'\)"):
+        load_data("hf:nobody/no-such-dataset", 256, tokenizer=tok, cache_dir=tmp_path / "c")
+    with pytest.raises(DataError, match="name a dataset after hf:"):
+        load_data("hf:", 256, tokenizer=tok, cache_dir=tmp_path / "c")
+
+
 def test_missing_optional_readers_say_what_to_install(tok, tmp_path, monkeypatch):
     (tmp_path / "a.parquet").write_bytes(b"PAR1")
     (tmp_path / "ds").mkdir()

@@ -40,6 +40,8 @@ def cache_key(sources: Sequence[Source], tokenizer: HFTokenizer | ByteTokenizer,
         for f in src.files():
             st = f.stat()
             files.append([str(f.resolve()), st.st_size, st.st_mtime_ns, src.kind, src.split])
+        if src.kind == "hub":
+            files.append(src.identity())
     blob = json.dumps({"version": CACHE_VERSION, "tokenizer": tokenizer.fingerprint, "files": files, **options}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

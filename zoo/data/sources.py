@@ -1,10 +1,11 @@
-"""Where documents come from: text files, JSON lines, Parquet and saved Hugging Face datasets,
-as records ``(fields, where, split)`` with ``where`` naming the file and line or row for errors;
+"""Where documents come from: text files, JSON lines, Parquet, saved Hugging Face datasets
+and datasets on the Hugging Face hub (``hf:NAME``), as records ``(fields, where, split)`` with ``where`` naming the file and line or row for errors;
 and how a record becomes a document (text, chat or prompt/completion).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,30 +17,51 @@ from zoo.data.tokenizer import ROLES, DataError
 JSON_LINES = (".jsonl", ".json")
 PARQUET = (".parquet",)
 FORMATS = ("auto", "text", "chat", "completion")
+HUB = "hf:"  # --data hf:NAME or hf:NAME:CONFIG, a dataset on the hub (or a local folder in its layout)
 
 
 @dataclass(frozen=True)
 class Source:
-    """One ``--data`` entry: ``kind`` is "text", "jsonl", "parquet" or "dataset" (a directory
-    written by ``datasets.Dataset.save_to_disk``)."""
+    """One ``--data`` entry: ``kind`` is "text", "jsonl", "parquet", "dataset" (a directory
+    written by ``datasets.Dataset.save_to_disk``) or "hub" (``hf:NAME[:CONFIG]``, read with
+    ``datasets.load_dataset(NAME, CONFIG)``; ``path`` is then ``NAME``)."""
 
     path: Path
     kind: str
     name: str  # as given, for messages
     split: str | None = None  # "train" or "valid" when the caller fixes it (the embedded corpus)
 
+    config: str | None = None  # a hub dataset's configuration
+
     def files(self) -> list[Path]:
-        """The files whose contents make this source (for the cache key)."""
+        """The files whose contents make this source (for the cache key); none for the hub."""
+        if self.kind == "hub":
+            return []
         if self.path.is_dir():
             return sorted(p for p in self.path.rglob("*") if p.is_file())
         return [self.path]
 
     def size(self) -> int:
+        if self.kind == "hub":
+            return sum(d.data.nbytes for _, d, _ in _splits(self, _load_hub(str(self.path), self.config)))
         return sum(p.stat().st_size for p in self.files())
+
+    def identity(self) -> list:
+        """What the cache key hashes besides the files: a hub dataset's name, configuration and
+        the fingerprints of its loaded splits (new when the hub's files change)."""
+        if self.kind != "hub":
+            return []
+        loaded = _load_hub(str(self.path), self.config)
+        return [self.name, [(name, d._fingerprint) for name, d, _ in _splits(self, loaded)]]
 
 
 def source(entry: str) -> Source:
-    """The kind of a ``--data`` entry, from its name (a directory: a saved dataset)."""
+    """The kind of a ``--data`` entry, from its name (a directory: a saved dataset; ``hf:``: the hub)."""
+    if entry.startswith(HUB):
+        name, _, config = entry[len(HUB) :].partition(":")
+        if not name:
+            raise DataError(f"--data {entry!r}: name a dataset after hf: (hf:NAME or hf:NAME:CONFIG)")
+        return Source(Path(name), "hub", entry, config=config or None)
     path = Path(entry).expanduser()
     if path.is_dir():
         if not ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
@@ -118,25 +140,53 @@ def _parquet(src: Source, progress) -> Iterator[Record]:
 VALID_SPLITS = ("validation", "valid", "test")
 
 
-def _dataset(src: Source, progress) -> Iterator[Record]:
+def _datasets_module(src: Source):
     try:
         import datasets
     except ImportError:
+        what = "a Hugging Face hub dataset" if src.kind == "hub" else "a Hugging Face dataset directory"
         raise DataError(
-            f"--data {src.name} is a Hugging Face dataset directory; reading it needs the `datasets` package: "
+            f"--data {src.name} is {what}; reading it needs the `datasets` package: "
             "pip install 'zoo[data]' (or pip install datasets)"
         ) from None
+    return datasets
+
+
+@functools.cache
+def _load_hub(name: str, config: str | None):
+    """``datasets.load_dataset(name, config)``, once per process (it downloads into the
+    Hugging Face cache, ``HF_DATASETS_CACHE``, and reads from there after)."""
+    src = Source(Path(name), "hub", HUB + name + (f":{config}" if config else ""), config=config)
+    datasets = _datasets_module(src)
     try:
-        loaded = datasets.load_from_disk(str(src.path))
-    except Exception as e:  # noqa: BLE001 (datasets raises FileNotFoundError, ValueError, ...)
-        raise DataError(f"{src.name}: cannot be loaded with datasets.load_from_disk ({e})") from None
+        return datasets.load_dataset(name, config)
+    except Exception as e:  # noqa: BLE001 (ConnectionError, DatasetNotFoundError, ValueError, ...)
+        raise DataError(f"--data {src.name}: datasets.load_dataset({name!r}{f', {config!r}' if config else ''}) failed: "
+                        f"{type(e).__name__}: {e} (offline? HF_HUB_OFFLINE=1 reads what the hub cache holds)") from None  # fmt: skip
+
+
+def _splits(src: Source, loaded) -> list:
+    """``(name, dataset, split)`` of a loaded dataset or dataset dict: its ``train`` split, and
+    its validation split (``validation``/``valid``/``test``) held out where it has one."""
+    datasets = _datasets_module(src)
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise DataError(f"{src.name}: a dataset dict without a 'train' split (splits: {', '.join(loaded)})")
         held = next((s for s in VALID_SPLITS if s in loaded), None)
-        parts = [("train", loaded["train"], "train")] + ([(held, loaded[held], "valid")] if held else [])
+        return [("train", loaded["train"], "train")] + ([(held, loaded[held], "valid")] if held else [])
+    return [(None, loaded, None)]
+
+
+def _dataset(src: Source, progress) -> Iterator[Record]:
+    if src.kind == "hub":
+        loaded = _load_hub(str(src.path), src.config)
     else:
-        parts = [(None, loaded, None)]
+        datasets = _datasets_module(src)
+        try:
+            loaded = datasets.load_from_disk(str(src.path))
+        except Exception as e:  # noqa: BLE001 (datasets raises FileNotFoundError, ValueError, ...)
+            raise DataError(f"{src.name}: cannot be loaded with datasets.load_from_disk ({e})") from None
+    parts = _splits(src, loaded)
     size = max(1, src.size())
     total = max(1, sum(len(d) for _, d, _ in parts))
     for name, ds, split in parts:
