@@ -231,16 +231,11 @@ def pair_mlp_for(impl: str) -> Callable[..., Float[Array, "P D"]]:
 
 
 def resolve_expert_impl(impl: str) -> str:
-    """``auto``: ``ragged_dot`` where XLA has a grouped-matmul lowering for it (TPU); on GPU
-    ``capacity`` (a batched matmul, cuBLAS's strong shape, where the tile loop runs one small
-    matmul per iteration; not yet measured there: benchmarks/gpu.sh); on CPU ``grouped``.
-    ``capacity`` is 1.5-1.7x faster than ``grouped`` on CPU (benchmarks/moe.py), but a DeepSeek-V3
-    train step on it crashed XLA:CPU (jaxlib 0.10, segmentation fault) deep in a long test process,
-    twice at the same test, while that test passes alone: it stays opt-in on CPU until that is
-    understood."""
+    """``auto``: ``ragged_dot`` where XLA has a grouped-matmul lowering for it (TPU), else
+    ``capacity`` (a batched matmul over a static capacity; 1.5-1.7x faster than ``grouped`` on
+    CPU, benchmarks/moe.py; cuBLAS's strong shape on GPU, not yet measured there)."""
     if impl == "auto":
-        backend = jax.default_backend()
-        return "ragged_dot" if backend == "tpu" else "capacity" if backend == "gpu" else "grouped"
+        return "ragged_dot" if jax.default_backend() == "tpu" else "capacity"
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"expert_impl must be one of {['auto', *EXPERT_IMPLS]}, got {impl!r}")
     return impl
