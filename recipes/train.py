@@ -232,9 +232,15 @@ def main(argv: list[str] | None = None) -> None:
     # Before anything touches a device: jax.distributed must start before the backends do.
     parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    generation = {}
     if args.checkpoint:
         model = zoo.from_pretrained(args.checkpoint, dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype],
                                     attention=args.attention)  # fmt: skip
+        if args.save_hf:  # its sampling settings go with the weights; a bad file stops the run before training
+            try:
+                generation = zoo.hf.pretrained.read_generation_config(args.checkpoint)
+            except zoo.CheckpointError as e:
+                parser().error(str(e))
     else:
         cls = registry.by_model_type(args.model, "--model")
         config = dataclasses.replace(cls.config_cls.preset(args.preset, args.model), attention=args.attention)
@@ -279,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     if vals:
         print(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {args.run_dir}/metrics.jsonl, curve: {args.run_dir}/loss.png)")
     if args.save_hf:
-        zoo.save_pretrained(model, args.save_hf)
+        zoo.save_pretrained(model, args.save_hf, generation_config=generation or None)
         if args.checkpoint:  # the tokenizer goes with the weights
             from zoo.data import copy_tokenizer_files
 

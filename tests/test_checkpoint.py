@@ -84,6 +84,26 @@ def test_save_into_a_checkpoint_keeps_its_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_save_keeps_the_generation_settings(tmp_path):
+    """A generation_config.json's sampling settings (Llama 3.1's do_sample, temperature 0.6,
+    top_p 0.9) survive a save over the checkpoint, and a save elsewhere can carry them
+    (``generation_config=``); the token ids are the saved model's config's."""
+    model = zoo.from_pretrained(LLAMA)
+    out = tmp_path / "out"
+    zoo.save_pretrained(model, out)
+    settings = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "bos_token_id": 999, "transformers_version": "4.43.0"}
+    (out / "generation_config.json").write_text(json.dumps(settings))
+    zoo.save_pretrained(model, out)
+    cfg = json.loads((out / "config.json").read_text())
+    expected = {**settings, "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
+    assert json.loads((out / "generation_config.json").read_text()) == expected
+    zoo.save_pretrained(model, tmp_path / "other", generation_config=settings)
+    assert json.loads((tmp_path / "other" / "generation_config.json").read_text()) == expected
+    (out / "generation_config.json").write_text("[not an object")
+    with pytest.raises(zoo.CheckpointError, match=r"out/generation_config.json: not a JSON object"):
+        zoo.save_pretrained(model, out)
+
+
 def test_save_refuses_to_replace_a_file(tmp_path):
     model = zoo.from_pretrained(LLAMA)
     (tmp_path / "out").write_text("mine")

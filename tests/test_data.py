@@ -521,6 +521,26 @@ def test_saved_checkpoints_keep_the_tokenizer(tmp_path):
     assert (a.vocab_size, a.bos_id, a.eos_id, a.add_bos, a.chat_template) == (b.vocab_size, b.bos_id, b.eos_id, b.add_bos, b.chat_template)
 
 
+def test_fine_tuning_saves_a_checkpoint_with_the_tokenizer_and_sampling_settings(tmp_path):
+    """The README's fine-tuning line, end to end: --save-hf writes trained weights that load,
+    beside the source checkpoint's tokenizer files and generation settings."""
+    import zoo
+
+    source = tmp_path / "base"
+    shutil.copytree(TINY, source)
+    settings = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (source / "generation_config.json").write_text(json.dumps(settings))
+    path = _jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
+    out = tmp_path / "tuned"
+    _recipe("train").main(["--checkpoint", str(source), "--data", str(path), "--data-cache", str(tmp_path / "c"),
+                           "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--run-dir", str(tmp_path / "run"),
+                           "--save-hf", str(out), "--peak-tflops", "1"])  # fmt: skip
+    tuned, base = zoo.from_pretrained(out), zoo.from_pretrained(source)
+    assert not np.array_equal(np.asarray(tuned.embed), np.asarray(base.embed))  # trained
+    assert json.loads((out / "generation_config.json").read_text()) == settings
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+
 def test_training_on_packed_chats_resumes_batch_for_batch(tok, tmp_path):
     """Through zoo.train: packed SFT batches (dicts with the loss mask) train, and a resumed run's
     losses equal an uninterrupted run's, with no loader state saved."""

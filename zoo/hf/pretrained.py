@@ -235,14 +235,19 @@ def _hf_tensors(
         yield key, specs[path].to_hf(host(path), sizes)
 
 
-def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+def save_pretrained(
+    model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, generation_config: Mapping[str, Any] | None = None
+) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
 
     Shards above ``max_shard_bytes`` go to numbered files with a ``model.safetensors.index.json``.
     The directory appears complete or not at all: it is written under a temporary name and
     swapped into place. Saving over an existing checkpoint replaces its model files (config,
-    generation config, safetensors, index) and keeps everything else in it (tokenizer, README,
-    subfolders).
+    safetensors, index) and keeps everything else in it (tokenizer, README, subfolders).
+
+    ``generation_config.json`` gets the model config's BOS and EOS ids on top of the settings of
+    ``generation_config`` (a dict, e.g. the source checkpoint's sampling settings) or, without
+    one, of the file being saved over: its temperature, top_p and the rest are kept.
     """
     try:
         family = family_of(model)
@@ -256,6 +261,8 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
     _recover(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path}: exists and is not a directory; a checkpoint is one, so not replacing it")
+    if generation_config is None:
+        generation_config = read_generation_config(path)
     # The pid in the name tells a later save whether the process writing it is still alive.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
     try:
@@ -264,7 +271,8 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
         hf_config = config.to_hf()
         hf_config["torch_dtype"] = str(np.dtype(model.embed.dtype))
         _write_text(tmp / "config.json", json.dumps(hf_config, indent=2) + "\n")
-        gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None}
+        gen = dict(generation_config or {})
+        gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None})
         if gen:
             _write_text(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
         # Stream: each shard is written as soon as it is full, so at most one is held in memory.
@@ -322,6 +330,20 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
             shutil.rmtree(retired)
         except OSError as e:  # the new checkpoint is in place; the next save retries the removal
             log.warning("%s: saved, but could not remove the previous checkpoint at %s (%s)", path, retired, e)
+
+
+def read_generation_config(path: str | Path) -> dict[str, Any]:
+    """A checkpoint directory's ``generation_config.json`` (``{}`` when it has none)."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        value = None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: not a JSON object; fix or remove it (a save keeps its generation settings)")
+    return value
 
 
 # A checkpoint's own files: a save replaces them; everything else in its directory stays.
