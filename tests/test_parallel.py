@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -600,3 +601,26 @@ def test_two_processes_train_on_a_text_file_like_one(tmp_path):
     one, two = losses("one"), losses("two")
     assert [s for s, _ in one] == [s for s, _ in two] == [1, 2, 3]  # one metrics file, written once
     np.testing.assert_allclose([x for _, x in two], [x for _, x in one], rtol=1e-5)
+
+
+def test_a_tied_embedding_gradient_is_all_reduced_once_under_context_parallelism():
+    """The tied embedding's two uses (the lookup and the head) each produced a [V, D] gradient
+    that was all-reduced over the context and data axes on its own: two buffers of the
+    embedding's size. Every parameter is now made varying once, so its summed gradient is
+    reduced once."""
+    cfg = dataclasses.replace(qwen3_preset("tiny", "qwen3"), vocab_size=4096)
+    assert cfg.tie_word_embeddings
+    model = zoo.Qwen3(cfg, key=jax.random.key(0))
+    mesh = parallel.make_mesh("context=4,data=2")
+    ids = jax.random.randint(jax.random.key(1), (8, 64), 0, cfg.vocab_size, dtype=jnp.int32)
+    step = parallel.value_and_grad(zoo.lm_loss, mesh)
+    sharded = parallel.shard(model, mesh)
+    hlo = jax.jit(step).lower(sharded, ids).compile().as_text()
+    embedding = f"f32[{cfg.vocab_size},{cfg.hidden_size}]"
+    results = [line.split("=", 1)[1].split(" all-reduce")[0] for line in hlo.splitlines()
+               if re.search(r" all-reduce(-start)?\(", line)]  # fmt: skip
+    assert sum(r.count(embedding) for r in results) == 1, results
+    loss, grads = step(sharded, ids)
+    ref_loss, ref_grads = eqx.filter_value_and_grad(zoo.lm_loss)(model, ids)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads.embed), np.asarray(ref_grads.embed), rtol=1e-4, atol=1e-6)

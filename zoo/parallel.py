@@ -382,12 +382,18 @@ def value_and_grad(
             order = context_order(jax.tree.leaves((batch, arrays))[0].shape[1], context)
             batch, arrays = jax.tree.map(lambda x: jnp.take(x, order, axis=1), (batch, arrays))
 
+        vary = tuple(dict.fromkeys(a for a in (*axes, CONTEXT) if _size(mesh, a) > 1))
+
         def body(params, local_arrays, *local_batch):
             with step_context(mesh, plans) as ctx:
 
                 def objective(p):
                     leaves, treedef = jax.tree.flatten(p)
-                    p = jax.tree.unflatten(treedef, [gather_fsdp(x, d) for x, d in zip(leaves, rest)])
+                    # Each parameter is cast to varying over the batch axes once, here: its
+                    # gradient is then all-reduced once, as the sum of its uses' (a tied
+                    # embedding's lookup and head were two all-reduces of a [V, D] buffer).
+                    leaves = [_varying_over(gather_fsdp(x, d), vary) for x, d in zip(leaves, rest)]
+                    p = jax.tree.unflatten(treedef, leaves)
                     out = loss_fn(p, *local_batch, **static, **local_arrays)
                     loss, aux = out if has_aux else (out, None)
                     stray = varying_axes(loss) - set(axes)
@@ -413,6 +419,14 @@ def value_and_grad(
         return fn(model, arrays, *batch)
 
     return step
+
+
+def _varying_over(x, axes: tuple[str, ...]):
+    """``x`` cast to varying over those of ``axes`` it does not vary over yet."""
+    if not isinstance(x, jax.Array):
+        return x
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _reduce_aux(a, axes: tuple[str, ...]):
