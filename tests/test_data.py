@@ -252,8 +252,9 @@ def test_data_is_tokenized_once_then_read_from_the_cache(tok, tmp_path, monkeypa
     assert not [p for p in (tmp_path / "c").iterdir() if ".tmp-" in p.name]  # failed attempts leave nothing
 
 
-def _load_in_processes(n: int, path: Path, tok, caches: list[Path], **kw) -> list:
-    """``load_data`` as ``n`` processes call it (threads here, a barrier between them)."""
+def _load_in_processes(n: int, path: Path, tok, caches: list[Path], errors: bool = False, **kw) -> list:
+    """``load_data`` as ``n`` processes call it (threads here, a barrier between them);
+    ``errors``: return each one's exception rather than raising the first."""
     import threading
 
     barrier = threading.Barrier(n, timeout=60)
@@ -273,7 +274,7 @@ def _load_in_processes(n: int, path: Path, tok, caches: list[Path], **kw) -> lis
     for t in threads:
         t.join()
     for r in results:
-        if isinstance(r, BaseException):
+        if isinstance(r, BaseException) and not errors:
             raise r
     return results
 
@@ -307,6 +308,15 @@ def test_processes_split_the_tokenizing_and_get_the_one_process_entry(tok, tmp_p
     again = _load_in_processes(3, path, tok, [tmp_path / "shared"] * 3)  # cached: nothing tokenized
     assert "tokenized" not in capsys.readouterr().err
     assert _entry_files(again[1]) == _entry_files(one)
+
+
+def test_data_with_nothing_to_train_on_stops_every_process(tok, tmp_path):
+    """An empty data set is found by process 0 when it merges the parts; the others must not
+    wait for it at the barrier: each meets the same error."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n\n")
+    out = _load_in_processes(2, path, tok, [tmp_path / "c"] * 2, errors=True)
+    assert all(isinstance(e, DataError) and "no records" in str(e) for e in out), out
 
 
 def test_a_bad_record_stops_every_process(tok, tmp_path):

@@ -371,7 +371,10 @@ def load_documents(
             report(_write_entry(parts[i], tokenize((i, n))), f"tokenized part {i + 1} of {n}:", parts[i])
         share.barrier("zoo: data parts tokenized")
         if i == 0 and not _complete(final) and all(_complete(p) for p in parts):
-            report(_write_entry(final, lambda tmp: merge_parts(tmp, parts)), f"merged {n} parts:", final)
+            try:
+                report(_write_entry(final, lambda tmp: merge_parts(tmp, parts)), f"merged {n} parts:", final)
+            except DataError:
+                pass  # nothing to train on: every process meets the same error below, none waits
         share.barrier("zoo: data parts merged")
         shutil.rmtree(parts[i], ignore_errors=True)
     if not _complete(final):
