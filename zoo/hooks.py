@@ -28,22 +28,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from zoo.errors import MeshError
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
+# What reads only a mesh's axis names and sizes takes either: the planner traces on an abstract one.
+AnyMesh = Mesh | AbstractMesh
 
 
-def axis_size(mesh: Mesh, axis: str) -> int:
+def axis_size(mesh: AnyMesh, axis: str) -> int:
     """Size of ``axis`` in ``mesh`` (1 when the mesh lacks it)."""
     return int(mesh.shape.get(axis, 1))
 
 
 @dataclasses.dataclass
 class _Step:
-    mesh: Mesh
+    mesh: AnyMesh
     plans: dict[Any, Any]  # layer treedef -> per-leaf dims to all-gather over "fsdp"
     gathered: set[Any]
 
@@ -225,7 +227,7 @@ def current_step() -> _Step | None:
 
 
 @contextlib.contextmanager
-def step_context(mesh: Mesh, plans: dict[Any, Any]) -> Iterator[_Step]:
+def step_context(mesh: AnyMesh, plans: dict[Any, Any]) -> Iterator[_Step]:
     """Trace the model inside the parallel step: the hooks see ``mesh`` and the FSDP ``plans``."""
     ctx = _Step(mesh, plans, set())
     token = _STEP.set(ctx)

@@ -31,6 +31,7 @@ from jaxtyping import PyTree
 
 from zoo.errors import MeshError
 from zoo.hooks import (
+    AnyMesh,
     CONTEXT,
     GATHERED,
     context_order,
@@ -124,7 +125,7 @@ def make_mesh(spec: str | Mapping[str, int], *, devices: Sequence[jax.Device] | 
         return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=auto)
 
 
-def _size(mesh: Mesh, axis: str) -> int:
+def _size(mesh: AnyMesh, axis: str) -> int:
     return int(mesh.shape.get(axis, 1))
 
 
@@ -146,7 +147,7 @@ def _mesh_axis(param, letter: str, rules: Mapping[str, Any]) -> str | None:
     return rule.mesh_axis
 
 
-def param_axes(param, mesh: Mesh | None = None, *, rules: Mapping[str, Any]) -> tuple[str | None, ...]:
+def param_axes(param, mesh: AnyMesh | None = None, *, rules: Mapping[str, Any]) -> tuple[str | None, ...]:
     """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole),
     by the family's ``rules`` (``config.axis_rules``). The first letter of the parameter's axes
     that maps to a mesh axis gets it; each mesh axis splits at most one of its dimensions.
@@ -176,7 +177,7 @@ def _model_specs(model) -> dict[str, Any]:
     return family_of(model).param_specs(model.config)
 
 
-def _spec_tree(model, mesh: Mesh):
+def _spec_tree(model, mesh: AnyMesh):
     from zoo.params import map_params
 
     specs, rules = _model_specs(model), _rules(model)
@@ -189,7 +190,7 @@ def _spec_tree(model, mesh: Mesh):
     return map_params(leaf, model)
 
 
-def partition_specs(model: PyTree, mesh: Mesh) -> PyTree[PartitionSpec]:
+def partition_specs(model: PyTree, mesh: AnyMesh) -> PyTree[PartitionSpec]:
     """A ``PartitionSpec`` per array leaf, derived from the model's ``Param`` axes.
 
     ``model`` may also be any tree holding models (an optimizer state's ``mu``/``nu`` are
@@ -236,7 +237,7 @@ def replicate_unplaced(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree.map(put, tree)
 
 
-def validate_mesh(mesh: Mesh, config: Any) -> None:
+def validate_mesh(mesh: AnyMesh, config: Any) -> None:
     """Every dimension a mesh axis splits must divide evenly, and every axis must split something.
 
     Raises :class:`MeshError` naming the config field, its value and the axis. ``config`` may
@@ -280,7 +281,7 @@ def validate_mesh(mesh: Mesh, config: Any) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _layer_plans(model, mesh: Mesh) -> tuple[dict[Any, list], list]:
+def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
     """Per layer stack (keyed by its tree structure), the dims each leaf of one layer is
     all-gathered on; and per model leaf, the dims a non-layer leaf is gathered on at the
     start of the step (none for layer-stack leaves: they are gathered layer by layer)."""
@@ -306,7 +307,7 @@ def _layer_plans(model, mesh: Mesh) -> tuple[dict[Any, list], list]:
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
 
 
-def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: Mesh, axes: tuple[str, ...]) -> None:
+def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: AnyMesh, axes: tuple[str, ...]) -> None:
     n = math.prod(_size(mesh, a) for a in axes)
     context = _size(mesh, CONTEXT)
     named = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
@@ -336,7 +337,7 @@ def _trainable_mask(model) -> PyTree:
 
 def value_and_grad(
     loss_fn: Callable[..., Any],
-    mesh: Mesh,
+    mesh: AnyMesh,
     *,
     has_aux: bool = False,
     batch_axes: Sequence[str] = BATCH_AXES,

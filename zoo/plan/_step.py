@@ -9,9 +9,8 @@ the one training runs; ``compile`` lowers the same step onto the devices present
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,8 +100,7 @@ class Step:
         memory_space(self.opt_memory, "optimizer state")
         self.config = self.model.config
         self.mesh = abstract_mesh(self.sizes)
-        with abstract_mesh_ok():
-            parallel.validate_mesh(self.mesh, self.config)
+        parallel.validate_mesh(self.mesh, self.config)
         self.axes = tuple(a for a in parallel.BATCH_AXES if self.sizes[a] > 1)
         shards = math.prod(self.sizes[a] for a in self.axes)
         if self.batch_size < 1 or self.batch_size % shards:
@@ -139,8 +137,7 @@ class Step:
                 if not _is_sds(x):
                     return x
                 name = ".".join(str(getattr(p, "name", p)) for p in path)
-                with abstract_mesh_ok():
-                    return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules))
+                return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules))
 
             return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=_is_sds)
 
@@ -193,8 +190,7 @@ class Step:
 
     def trace(self) -> Any:
         """The step's jaxpr on the abstract mesh (per-device shapes inside ``shard_map``)."""
-        with abstract_mesh_ok():
-            return jax.make_jaxpr(self.function())(*self.arguments())
+        return jax.make_jaxpr(self.function())(*self.arguments())
 
     def compile(self, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
         """The step traced once on the devices present (a mesh of ``sizes`` over them) and
@@ -237,39 +233,6 @@ class Step:
             SDS(idx.shape, idx.dtype, sharding=index),
         )
         return self.function(mesh), args
-
-
-@contextlib.contextmanager
-def abstract_mesh_ok() -> Iterator[None]:
-    """zoo.parallel and zoo.hooks take an ``AbstractMesh`` wherever they take a mesh (they read
-    its axis names and sizes only), but annotate ``Mesh``; under the test suite's runtime type
-    checks (the jaxtyping import hook) their checked wrappers are set aside while the
-    planner traces on an abstract mesh. Outside the suite this changes nothing."""
-    from zoo import hooks
-
-    def checked(fn: Any) -> bool:
-        code = getattr(fn, "__code__", None)
-        return getattr(fn, "__wrapped__", None) is not None and code is not None and "jaxtyping" in code.co_filename
-
-    saved = []
-    for module in (parallel, hooks):
-        owners = [module] + [
-            c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__
-        ]
-        for owner in owners:
-            for name, fn in list(vars(owner).items()):
-                if checked(fn):
-                    saved.append((owner, name, fn))
-                    setattr(owner, name, fn.__wrapped__)
-        for name, fn in list(vars(module).items()):
-            if checked(getattr(fn, "__wrapped__", None)):  # a @contextmanager over a checked generator
-                saved.append((module, name, fn))
-                setattr(module, name, contextlib.contextmanager(fn.__wrapped__.__wrapped__))
-    try:
-        yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
 
 
 def _nbytes(x: Any) -> int:
