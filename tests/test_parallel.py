@@ -623,4 +623,6 @@ def test_a_tied_embedding_gradient_is_all_reduced_once_under_context_parallelism
     loss, grads = step(sharded, ids)
     ref_loss, ref_grads = eqx.filter_value_and_grad(zoo.lm_loss)(model, ids)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(grads.embed), np.asarray(ref_grads.embed), rtol=1e-4, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):  # the file's parity tolerance
+        r = np.asarray(r)
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
