@@ -319,6 +319,20 @@ def test_data_with_nothing_to_train_on_stops_every_process(tok, tmp_path):
     assert all(isinstance(e, DataError) and "no records" in str(e) for e in out), out
 
 
+def test_an_error_only_one_part_meets_stops_every_process(tmp_path):
+    """Rendering a chat (a tokenizer without a chat template) fails only in the process whose
+    share holds the chat: the other, with nothing to render, must not wait for it."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(TINY / "tokenizer.json", ckpt)
+    config = json.loads((TINY / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    path = _jsonl(tmp_path / "chat.jsonl", CHATS[:1])
+    out = _load_in_processes(2, path, load_tokenizer(ckpt), [tmp_path / "c"] * 2, errors=True)
+    assert all(isinstance(e, DataError) and "chat.jsonl:1: chat data needs a chat template" in str(e) for e in out), out
+
+
 def test_a_bad_record_stops_every_process(tok, tmp_path):
     """Every process reads and checks every record, tokenizing only its own: a record without
     the text field is an error in all of them, named by file and line."""

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,16 +195,17 @@ def tokenize_to(
         writer.close()
         meter.close()
     names = ", ".join(s.name for s in sources)
-    if count > 1:  # a part may hold no document; the merged whole is checked
-        return _finish(directory, writer.dtype, writer.lengths, writer.nbytes, writer.valid, writer.masked, formats,
-                       tokenizer.describe(), names, time.perf_counter() - meter.start)  # fmt: skip
-    if not writer.lengths:
-        raise DataError(f"--data {names}: no records (an empty dataset)")
-    lengths = np.asarray(writer.lengths, np.int64)
-    if not np.any(lengths >= 2):
-        raise DataError(f"--data {names}: {len(lengths)} records but no document of 2 or more tokens: nothing to predict")
+    if count == 1:  # a part may hold no document; merge_parts checks the whole
+        _check_documents(writer.lengths, names)
     return _finish(directory, writer.dtype, writer.lengths, writer.nbytes, writer.valid, writer.masked, formats,
                    tokenizer.describe(), names, time.perf_counter() - meter.start)  # fmt: skip
+
+
+def _check_documents(lengths: Sequence[int], names: str) -> None:
+    if not len(lengths):
+        raise DataError(f"--data {names}: no records (an empty dataset)")
+    if not any(n >= 2 for n in lengths):
+        raise DataError(f"--data {names}: {len(lengths)} records but no document of 2 or more tokens: nothing to predict")
 
 
 def _finish(directory: Path, dtype: np.dtype, lengths, nbytes, valid, masked: bool, formats: dict[str, int],
@@ -250,10 +252,7 @@ def merge_parts(directory: Path, parts: Sequence[Path]) -> dict[str, Any]:
         for k, v in m["formats"].items():
             formats[k] = formats.get(k, 0) + v
     names = metas[0]["sources"]
-    if not lengths:
-        raise DataError(f"--data {names}: no records (an empty dataset)")
-    if not any(n >= 2 for n in lengths):
-        raise DataError(f"--data {names}: {len(lengths)} records but no document of 2 or more tokens: nothing to predict")
+    _check_documents(lengths, names)
     return _finish(directory, dtype, lengths, nbytes, valid, masked, formats, metas[0]["tokenizer"], names,
                    max(m["seconds"] for m in metas))  # fmt: skip
 
@@ -318,9 +317,8 @@ def _write_entry(entry: Path, write: Callable[[Path], dict[str, Any]]) -> dict[s
     """``write(tmp)`` into a temporary directory renamed to ``entry`` when complete: an
     interrupted run leaves no entry behind."""
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per writer, threads too
+    tmp.mkdir()  # with the umask's permissions (mkdtemp's 0700 would keep a shared cache from others)
     try:
         meta = write(tmp)
         try:
@@ -366,15 +364,20 @@ def load_documents(
     if share is not None and share.count > 1:
         i, n = share.index, share.count
         parts = [root / f".{final.name}.part-{k}-of-{n}" for k in range(n)]
-        # Every process passes both barriers whatever its cache holds, so none waits forever.
+        # Every process passes both barriers whatever its cache holds or its data says, so none
+        # waits forever: bad data found in one part or in the merge leaves the entry missing, and
+        # every process then meets the same error tokenizing everything below.
         if not _complete(final) and not _complete(parts[i]):
-            report(_write_entry(parts[i], tokenize((i, n))), f"tokenized part {i + 1} of {n}:", parts[i])
+            try:
+                report(_write_entry(parts[i], tokenize((i, n))), f"tokenized part {i + 1} of {n}:", parts[i])
+            except DataError:
+                pass
         share.barrier("zoo: data parts tokenized")
         if i == 0 and not _complete(final) and all(_complete(p) for p in parts):
             try:
                 report(_write_entry(final, lambda tmp: merge_parts(tmp, parts)), f"merged {n} parts:", final)
             except DataError:
-                pass  # nothing to train on: every process meets the same error below, none waits
+                pass
         share.barrier("zoo: data parts merged")
         shutil.rmtree(parts[i], ignore_errors=True)
     if not _complete(final):

@@ -1,6 +1,7 @@
-"""Where documents come from: text files, JSON lines, Parquet, saved Hugging Face datasets
-and datasets on the Hugging Face hub (``hf:NAME``), as records ``(fields, where, split)`` with ``where`` naming the file and line or row for errors;
-and how a record becomes a document (text, chat or prompt/completion).
+"""Where documents come from: text files, JSON lines, Parquet, saved Hugging Face datasets and
+datasets on the Hugging Face hub (``hf:NAME``), as records ``(fields, where, split)`` with
+``where`` naming the file and line or row for errors; and how a record becomes a document
+(text, chat or prompt/completion).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ class Source:
     kind: str
     name: str  # as given, for messages
     split: str | None = None  # "train" or "valid" when the caller fixes it (the embedded corpus)
-
     config: str | None = None  # a hub dataset's configuration
 
     def files(self) -> list[Path]:
