@@ -13,7 +13,9 @@ Runs, each in its own process (JAX's platform and XLA flags are set before it st
 - ``benchmarks/expert_parallel.py`` (CPU only: simulated devices): all-to-all against shared tokens;
 - ``benchmarks/generate.py``, when it exists;
 - ``benchmarks/long_context.py``: compiled memory of dense vs blockwise attention and full vs
-  chunked loss from 1K to 32K tokens, the longest sequence that fits, context parallelism.
+  chunked loss from 1K to 32K tokens, the longest sequence that fits, context parallelism;
+- ``benchmarks/attention.py``: every attention path that runs compiled here (the Pallas
+  kernels on their own backends), time and error against blockwise.
 
 and writes ``benchmarks/results/<machine>-<date>.md`` (e.g. ``cpu-2core-2026-11-30.md``) and
 the same name ``.png``: the tables, the targets met or missed, the versions of jax, MaxText,
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-python", default=None, help="interpreter with torch + transformers")
     p.add_argument("--maxtext-python", default=None, help="MaxText's interpreter (benchmarks/maxtext_setup.sh)")
     p.add_argument("--out", default=str(HERE / "results"), help="directory for the report and chart")
-    p.add_argument("--only", default="train_step,matmuls,placement,moe,expert_parallel,generate,long_context", help="comma-separated subset to run")
+    p.add_argument("--only", default="train_step,matmuls,placement,moe,expert_parallel,generate,long_context,attention", help="comma-separated subset to run")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per benchmark before it counts as failed")
     p.add_argument("--total", type=int, default=None,
                    help="seconds for everything, shared out (train step 42%%, matmuls 7%%, placement 18%%, MoE 9%%, generate 14%%, "
@@ -175,8 +177,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     only = set(args.only.split(","))
     gpu = args.platform == "gpu"
-    share = {"train_step": 0.42, "matmuls": 0.07, "placement": 0.18, "moe": 0.09, "generate": 0.14,
-             "long_context": 0.10}
+    share = {"train_step": 0.39, "matmuls": 0.07, "placement": 0.18, "moe": 0.09, "generate": 0.11,
+             "long_context": 0.10, "attention": 0.06}
     timeout = {k: int(v * args.total) if args.total else args.timeout for k, v in share.items()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -248,6 +250,13 @@ def main(argv: list[str] | None = None) -> Path:
         text, err = run_script(argv_l, timeout["long_context"])
         title = "## Long sequences (`benchmarks/long_context.py`)\n\n"
         sections.append(title + (text.strip() if err is None else f"failed: {err}") + "\n")
+
+    if "attention" in only:
+        # On a GPU the Triton kernel's first run on its own hardware: its error column checks it.
+        argv_a = ["attention.py", "--dtype", "bfloat16" if gpu else "float32"]
+        argv_a += ["--seqs", "2048", "--repeats", "2"] if args.quick else []
+        text, err = run_script(argv_a, timeout["attention"])
+        sections.append("## Attention paths (`benchmarks/attention.py`)\n\n" + (text.strip() if err is None else f"failed: {err}") + "\n")
 
     device = results["device"] if results else args.platform
     if gpu and results is None:

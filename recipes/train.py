@@ -67,9 +67,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory to fine-tune (overrides --model/--preset)")
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
-    m.add_argument("--attention", choices=["auto", "xla", "blockwise", "cudnn"], default="auto",
-                   help="attention path: auto picks cuDNN (GPU, bf16, unpacked), blockwise (long sequences, "
-                        "context parallelism) or dense XLA (see docs/models.md)")  # fmt: skip
+    m.add_argument("--attention", choices=["auto", "xla", "blockwise", "cudnn", "splash", "pallas_gpu"], default="auto",
+                   help="attention path: auto picks splash (TPU), cuDNN (GPU, bf16, unpacked), the Pallas GPU kernel "
+                        "(GPU, bf16, packed), blockwise (long sequences, context parallelism) or dense XLA "
+                        "(see docs/models.md)")  # fmt: skip
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib",
                    help="'stdlib' (embedded), a .npy token file, or comma-separated text files, JSON lines (.jsonl), "

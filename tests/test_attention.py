@@ -1,5 +1,7 @@
 """causal_attention against a per-head reference: GQA groups, MLA's narrower values, packed segments."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,3 +50,96 @@ def test_matches_per_head_reference(groups, repeats, kv_size, packed):
     np.testing.assert_allclose(out, want, atol=1e-5)
     for g, w in zip(grads, want_grads):
         np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+# -- JAX's Pallas kernels: TPU's splash attention, GPU's Triton flash attention --------------
+# Interpreted here (the kernels' own code evaluated with XLA ops), compiled on their backends.
+
+
+def kernel_operands(b, s, g, r, d, dv, packed):
+    keys = jax.random.split(jax.random.key(s), 4)
+    q = jax.random.normal(keys[0], (b, s, g * r, d))
+    k = jax.random.normal(keys[1], (b, s, g, d))
+    v = jax.random.normal(keys[2], (b, s, g, dv))
+    seg = None
+    if packed:  # arbitrary (not only contiguous) segments: both kernels mask by equality
+        seg = jnp.asarray(np.random.default_rng(s).integers(0, 3, (b, s)), jnp.int32)
+    return q, k, v, seg, jax.random.normal(keys[3], (b, s, g * r, dv))
+
+
+@pytest.mark.filterwarnings("ignore:attention .* runs in Pallas's interpreter")
+@pytest.mark.parametrize("path", ["splash", "pallas_gpu"])
+@pytest.mark.parametrize(
+    "s, groups, repeats, kv_size, packed",
+    [
+        (200, 2, 2, 32, True),  # GQA, packed, S not a multiple of any block (padded)
+        (128, 1, 2, 16, False),  # one key/value head, value narrower than key (MLA)
+    ],
+)
+def test_pallas_kernels_match_dense(path, s, groups, repeats, kv_size, packed):
+    from zoo.layers import pallas_attention
+
+    q, k, v, seg, ct = kernel_operands(2 if packed else 1, s, groups, repeats, 32, kv_size, packed)
+    kernel = pallas_attention.KERNELS[path]
+    kw = {"block_q": 64, "block_backward": 32} if path == "pallas_gpu" else {"block": 128}
+
+    def run(fn, **kw):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, scale=0.3, segment_ids=seg, **kw), q, k, v)
+        return out, vjp(ct)
+
+    (out, grads), (want, want_grads) = run(kernel, **kw), run(causal_attention, implementation="xla")
+    assert out.shape == want.shape
+    # The parity bar, relative to the largest entry; measured: within 1e-6 of it.
+    for got, w in zip((out, *grads), (want, *want_grads)):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+
+
+def test_auto_picks_each_backends_kernel(monkeypatch):
+    from zoo.layers import attention
+
+    def on(backend, dtype, seq_len=256, masked=False):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        return attention.resolve_attention("auto", dtype, seq_len, masked)
+
+    assert on("tpu", jnp.float32) == on("tpu", jnp.bfloat16, masked=True) == "splash"
+    assert on("gpu", jnp.bfloat16) == "cudnn"
+    assert on("gpu", jnp.bfloat16, masked=True) == "pallas_gpu"  # packed rows: segment ids, no dense mask
+    assert on("gpu", jnp.float32, masked=True) == "xla"  # float32 stays off Triton (TF32 dots)
+    assert on("gpu", jnp.float32, 4096, masked=True) == "blockwise"
+    assert on("cpu", jnp.float32) == "xla" and on("cpu", jnp.float32, 4096) == "blockwise"
+
+
+def test_pallas_kernels_refuse_context_parallelism(monkeypatch):
+    from zoo.layers import attention
+
+    monkeypatch.setattr(attention, "context_size", lambda: 2)
+    assert attention.resolve_attention("auto", jnp.float32, 4096, False) == "blockwise"
+    for path in ("splash", "pallas_gpu"):
+        with pytest.raises(ValueError, match=f"'{path}' does not run under context parallelism"):
+            attention.resolve_attention(path, jnp.float32, 4096, False)
+
+
+def test_gpu_kernel_lowers_for_cuda_inside_shard_map():
+    """No GPU here, and JAX cannot interpret the Triton kernel inside shard_map: lower the
+    sharded gradient for CUDA instead. Every kernel (forward, backward's preprocessing and its
+    fused dk/dv/dq) is a Triton call, and nothing else computes attention."""
+    from zoo.layers import pallas_attention
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    spec = jax.P("data", None, "tensor")
+
+    def loss(q, k, v, seg):
+        out = pallas_attention.pallas_gpu_attention(q, k, v, scale=0.1, segment_ids=seg, interpret=False)
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) ** 2), ("data", "tensor"))
+
+    grads = jax.shard_map(
+        jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec, spec, spec, jax.P("data")), out_specs=(spec,) * 3
+    )
+    named = lambda *p: jax.sharding.NamedSharding(mesh, jax.P(*p))  # noqa: E731
+    args = [jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16, sharding=named(*spec))]
+    args += [jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16, sharding=named(*spec))] * 2
+    args += [jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=named("data"))]
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = sorted(set(re.findall(r'name = "(mha_\w+)"', text)))
+    assert names == ["mha_backward", "mha_forward", "mha_preprocess_backward"], names
+    assert "stablehlo.dot_general" not in text  # no dense attention anywhere in the program

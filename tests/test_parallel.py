@@ -293,6 +293,10 @@ LAYOUTS = [
     ("deepseek_v3", "context=2,expert=4", parallel.BATCH_AXES, {"attention": "blockwise"}),  # MTP, balance loss
     ("qwen3", "context=2,data=2,tensor=2", parallel.BATCH_AXES, {"attention": "xla"}),
     ("qwen3_moe", "context=2,fsdp=2,expert=2", parallel.BATCH_AXES, {"attention": "blockwise"}),
+    # TPU's splash attention kernel (Pallas, interpreted on CPU) inside shard_map, on each
+    # device's query and key/value heads. (JAX cannot interpret the GPU kernel under shard_map;
+    # test_attention lowers it for CUDA there.)
+    ("llama", "data=4,tensor=2", parallel.BATCH_AXES, {"attention": "splash"}),
 ]
 
 

@@ -189,7 +189,8 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attenti
     dtype: parameter dtype; default the checkpoint's own (``torch_dtype`` / ``dtype`` in
         config.json), float32 if it names none. FP8 weights are dequantized to it.
     compute_dtype: activations' dtype; default ``dtype``.
-    attention: the attention path (``zoo.layers.attention``: "auto", "xla", "blockwise", "cudnn").
+    attention: the attention path (``zoo.layers.attention``: "auto", "xla", "blockwise", "cudnn",
+        "splash", "pallas_gpu").
     options: model-specific, e.g. ``mtp=True`` for DeepSeek-V3's multi-token-prediction layers.
     """
     path = Path(path)

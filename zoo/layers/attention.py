@@ -5,14 +5,19 @@
   (memory linear in S, masked blocks skipped), on every backend.
 - ``"cudnn"``: cuDNN's fused kernel (``jax.nn.dot_product_attention``) on GPU in half
   precision without packed segments.
+- ``"splash"`` (TPU) and ``"pallas_gpu"`` (GPU): JAX's Pallas kernels
+  (:mod:`zoo.layers.pallas_attention`), both taking packed rows' segment ids. Forced on another
+  backend they run in Pallas's interpreter (correct and slow: how the tests check them on CPU).
 
 Every path names its output ``"context"`` and (XLA, blockwise) the float32 log-sum-exp of each
 row's scores ``"attn_lse"`` (``jax.ad_checkpoint.checkpoint_name``): the backward pass needs
 both, and every family's placement map places them. The blockwise path names the residuals its
 custom VJP keeps, which is what a remat policy sees.
 
-``"auto"`` (the default) picks cuDNN where it applies, else blockwise from
-:data:`BLOCKWISE_FROM` tokens on (or under context parallelism), else dense XLA. Under context
+``"auto"`` (the default) picks, without context parallelism: splash on TPU; on GPU cuDNN where
+it applies and the Pallas kernel for packed rows in half precision; elsewhere (CPU, float32 on
+GPU) blockwise from :data:`BLOCKWISE_FROM` tokens on, else dense XLA. Under context parallelism
+it runs blockwise (queries at an offset into the gathered keys, which the kernels do not take). Under context
 parallelism (:mod:`zoo.hooks`: a ``"context"`` mesh axis splits the sequence) keys and values
 are all-gathered over the axis and each device's queries attend at their places in the whole
 sequence.
@@ -26,9 +31,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from zoo.hooks import context_gather, context_positions, context_size
+from zoo.layers import pallas_attention
 from zoo.layers.flash_attention import blockwise_attention
 
-IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn")
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash", "pallas_gpu")
 NAMES = ("context", "attn_lse")  # checkpoint names of the output and the log-sum-exp
 # From this many tokens on "auto" runs blockwise attention off cuDNN. Measured on the 2-core
 # CPU (forward + backward, B=1, H=G=8, K=64, float32, CPU time): the two tie at 256 tokens,
@@ -51,12 +57,23 @@ def resolve_attention(implementation: str, dtype, seq_len: int, masked: bool) ->
             f"segments or context parallelism (backend {jax.default_backend()}, dtype {jnp.dtype(dtype).name}, "
             f"segments {masked}, context {context_size()})"
         )
+    if implementation in pallas_attention.KERNELS and context_size() > 1:
+        raise ValueError(
+            f"attention implementation {implementation!r} does not run under context parallelism "
+            f"(context {context_size()}): use 'blockwise' or 'auto'"
+        )
     if implementation != "auto":
         return implementation
     if context_size() > 1:
         return "blockwise"
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "splash"
     if _use_cudnn(dtype, masked):
         return "cudnn"
+    if backend == "gpu" and masked and dtype in (jnp.bfloat16, jnp.float16):
+        # Float32 stays on the blockwise path: Triton's float32 dots may run as TF32.
+        return "pallas_gpu"
     return "blockwise" if seq_len >= BLOCKWISE_FROM else "xla"
 
 
@@ -87,6 +104,10 @@ def causal_attention(
             v = jnp.pad(v, [(0, 0), (0, 0), (0, 0), (0, k.shape[-1] - kv)])
         out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
         return checkpoint_name(out[..., :kv], "context")
+    if path in pallas_attention.KERNELS:
+        if jax.default_backend() != pallas_attention.BACKENDS[path]:
+            pallas_attention.warn_interpreted(path)
+        return pallas_attention.KERNELS[path](q, k, v, scale=scale, segment_ids=segment_ids)
     if context_size() > 1:
         return _context_attention(q, k, v, scale, segment_ids, path)
     if path == "blockwise":
