@@ -630,3 +630,29 @@ def test_a_tied_embedding_gradient_is_all_reduced_once_under_context_parallelism
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):  # the file's parity tolerance
         r = np.asarray(r)
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
+
+
+def test_gpu_kernel_lowers_for_cuda_inside_shard_map():
+    """No GPU here, and JAX cannot interpret the Triton kernel inside shard_map: lower the
+    sharded gradient for CUDA instead (jax <= 0.11; newer releases want a GPU to lower it). Every kernel (forward, backward's preprocessing and its
+    fused dk/dv/dq) is a Triton call, and nothing else computes attention."""
+    from zoo.layers import pallas_attention
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    spec = jax.P("data", None, "tensor")
+
+    def loss(q, k, v, seg):
+        out = pallas_attention.pallas_gpu_attention(q, k, v, scale=0.1, segment_ids=seg, interpret=False)
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) ** 2), ("data", "tensor"))
+
+    grads = jax.shard_map(
+        jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec, spec, spec, jax.P("data")), out_specs=(spec,) * 3
+    )
+    named = lambda *p: jax.sharding.NamedSharding(mesh, jax.P(*p))  # noqa: E731
+    args = [jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16, sharding=named(*spec))]
+    args += [jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16, sharding=named(*spec))] * 2
+    args += [jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=named("data"))]
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = sorted(set(re.findall(r'name = "(mha_\w+)"', text)))
+    assert names == ["mha_backward", "mha_forward", "mha_preprocess_backward"], names
+    assert "stablehlo.dot_general" not in text  # no dense attention anywhere in the program
