@@ -31,7 +31,10 @@ loss) shows where blockwise attention starts to pay on this machine.
 
 **MaxText** (its ``dot_product`` attention and its pure-JAX flash fallback) is reported only where
 its interpreter exists (``benchmarks/maxtext_setup.sh``); otherwise the table says it is not
-installed. No figure is ever filled in for it.
+installed. There, ``benchmarks/peer_maxtext_memory.py`` runs under that interpreter and compiles
+MaxText's own model and training loss (loss + gradients, same shape, ``remat_policy=full``) for
+the table's lengths on CPU, with the same compile options; its temp bytes fill the two columns, or
+the reason there is none (``attention=flash`` has no CPU path). No figure is ever filled in for it.
 
 Prints the markdown and writes it with a PNG (temps vs S, log-log, with the budget; step time vs
 S) to ``<out>/long_context-<machine>-<date>[-quick].{md,png}``.
@@ -104,9 +107,54 @@ def maxtext_status(python: str | None) -> str:
     py = train_step.maxtext_python(ns)
     if py is None:
         return f"MaxText: not installed (run benchmarks/maxtext_setup.sh; {train_step.maxtext_unavailable_reason()})"
-    # MaxText's own ahead-of-time tool (train_compile) compiles for a TPU or GPU topology only,
-    # and its trainer at these lengths runs for hours on a CPU: not measured here.
-    return f"MaxText: installed ({py}) but not run by this benchmark (no CPU memory path wired)"
+    # MaxText's own ahead-of-time tool (train_compile) compiles for a TPU or GPU topology only:
+    # peer_maxtext_memory.py lowers its model and loss on CPU instead (maxtext_memory).
+    return f"MaxText: installed ({py})"
+
+
+def maxtext_memory(python: str | None, seqs: list[int], options: dict | None, log) -> tuple[dict, str]:
+    """{(kernel, S): peer_maxtext_memory.py's result} and a note for the table (empty: not run)."""
+    import json
+    import subprocess
+
+    import train_step
+
+    py = train_step.maxtext_python(argparse.Namespace(maxtext_python=python))
+    if py is None:
+        return {}, ""
+    spec = {"seqs": seqs, "kernels": ["dot_product", "flash"], "compile_options": options or {}}
+    log(f"MaxText: compiling its step for S = {', '.join(k(s) for s in seqs)} (peer_maxtext_memory.py)")
+    proc = None
+    try:
+        proc = subprocess.run([py, str(HERE / "peer_maxtext_memory.py"), json.dumps(spec)], capture_output=True,
+                              text=True, timeout=4 * 3600)  # fmt: skip
+        out, err = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        out, err = e.stdout or "", "timed out after 4 h"
+        out = out.decode() if isinstance(out, bytes) else out
+    except OSError as e:  # --maxtext-python that does not run
+        out, err = "", f"{type(e).__name__}: {e}"
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            res[(r["kernel"], r["seq"])] = r
+            log(f"MaxText {r['kernel']} S={k(r['seq'])}: "
+                + (fmt_bytes(r["temp"]) + " temps" if "temp" in r else r["error"][:120]))  # fmt: skip
+    tail = " ".join(err.strip().splitlines()[-2:])[-200:]
+    for key in ((kern, s) for kern in spec["kernels"] for s in seqs):
+        how = f"exited {proc.returncode}" if proc else "did not finish"
+        res.setdefault(key, {"error": f"peer_maxtext_memory.py {how}: {tail}"})
+    versions = next((r["versions"] for r in res.values() if "versions" in r), {})
+    no_path = next((r["no_path"] for r in res.values() if "no_path" in r), None)
+    note = (f"MaxText {versions.get('maxtext', '?')} (jax {versions.get('jax (maxtext)', '?')}, its own venv), "
+            "`benchmarks/peer_maxtext_memory.py`: its `models.Transformer` (llama2 decoder block, scanned layers, "
+            "`remat_policy=full`, tied embeddings) and its training `loss_fn` (cross-entropy of the full [B, S, V] "
+            "logits against one-hot targets), gradients with respect to the parameters, compiled on CPU with the "
+            "same options" + (f"; flash: no such path on CPU ({no_path})" if no_path else ""))  # fmt: skip
+    failed = [f"{kern} S={k(s)}: {r['error'][:200]}" for (kern, s), r in res.items()
+              if "error" in r and "no_path" not in r]  # fmt: skip
+    return res, note + ("; failed: " + "; ".join(failed) if failed else "")
 
 
 def main(argv: list[str] | None = None) -> Path | None:
@@ -273,6 +321,22 @@ def main(argv: list[str] | None = None) -> Path | None:
     where = f"cpu, {os.cpu_count()} cores" if device.platform == "cpu" else f"{device.platform} ({device.device_kind})"
     mt = maxtext_status(args.maxtext_python)
     mt_cell = "not installed" if "not installed" in mt else "not run"
+    mt_res: dict = {}
+    if mt_cell == "not run" and args.platform == "cpu":
+        mt_res, mt_note = maxtext_memory(args.maxtext_python, args.seqs, options, log)
+        mt = mt_note or mt
+    elif mt_cell == "not run":
+        mt += " but not run (peer_maxtext_memory.py compiles for CPU only)"
+
+    def mt_fmt(kernel: str, s: int) -> str:
+        r = mt_res.get((kernel, s))
+        if r is None:
+            return mt_cell
+        if "temp" in r:
+            return f"{r['temp'] / GiB:.2f}"
+        if "no_path" in r:
+            return "no such path on CPU"
+        return "failed: " + r["error"].split(":")[0].replace("|", "/")
 
     def cell(name: str, s: int) -> str:
         r = cache.get((name, s))
@@ -302,7 +366,7 @@ def main(argv: list[str] | None = None) -> Path | None:
             row.append(cell(cp_name, s))
         b, a = cache.get((BEFORE, s), {}), cache.get((AFTER, s), {})
         ratio = f"{a['temp'] / b['temp']:.3f}" if "temp" in a and "temp" in b else "-"
-        row += [mt_cell, mt_cell, ratio]
+        row += [mt_fmt("dot_product", s), mt_fmt("flash", s), ratio]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", mt + ".", ""]
     if cp_reason:
