@@ -9,7 +9,9 @@ body's outputs). Reshapes and names are views. Calls (``jit``, ``remat``, ``shar
 custom rules) are inlined; a loop's body runs inside the loop's time span, its stacked outputs
 exist for the whole loop, and a scan's per-iteration slice is copied out where a matmul reads
 it. A loop that runs once is inlined (XLA removes it). A ``while`` loop holds its own copy of
-the loop-invariant operands it carries (XLA's loop state).
+the loop-invariant operands it carries (XLA's loop state); its results are written over their
+initial values, and a conditional's over operands of their type, where nothing reads those
+afterwards (XLA's in-place loop state and conditional buffers: gradient accumulators).
 
 Two figures come out: the **live peak**, the most bytes live at once, and the **heap**, those
 buffers packed into one arena by size, best fit first, as XLA's buffer assignment packs its
@@ -234,8 +236,12 @@ def _program(
                         b.what = e.eqn.params["name"]
             continue
         writes: list[Buffer] = []
-        for v in e.outs:
+        reuse = _in_place(e, uses, leaving, backing)
+        for i, v in enumerate(e.outs):
             k = id(v)
+            if i in reuse:  # written over an operand nothing reads afterwards
+                backing[k] = [reuse[i]]
+                continue
             keep = (
                 e.name not in FUSIBLE
                 or e.name in REDUCTIONS
@@ -259,6 +265,37 @@ def _program(
         ops.append(op)
     outs = [b for v in leaving_vals if v is not None for b in backing.get(id(v), [])]
     return Program(ops, outs)
+
+
+def _in_place(e: _Eqn, uses: dict[int, int], leaving: set[int], backing: dict[int, list[Buffer]]) -> dict[int, Buffer]:
+    """Outputs of a ``while`` or ``cond`` that XLA writes over an operand's buffer: a while
+    loop's carry over its initial value, a conditional's output over an operand of its type,
+    where this op is that operand's only reader (the gradient accumulators a loop adds into)."""
+    if e.name not in ("while", "cond"):
+        return {}
+    def dead_after(v) -> Buffer | None:  # v's own buffer, if this op is its last reader
+        if v is None or uses.get(id(v), 0) != 1 or id(v) in leaving:
+            return None
+        bufs = backing.get(id(v), [])
+        return bufs[0] if len(bufs) == 1 and not bufs[0].pinned else None
+
+    reuse: dict[int, Buffer] = {}
+    if e.name == "while":
+        p = e.eqn.params
+        n = p["cond_nconsts"] + p["body_nconsts"]
+        for i, out in enumerate(e.outs):
+            b = dead_after(e.ins[n + i])
+            if b is not None and b.size == nbytes(out.aval) // out.div:
+                reuse[i] = b
+        return reuse
+    free = [(v, b) for v in e.ins[1:] if (b := dead_after(v)) is not None]
+    for i, out in enumerate(e.outs):
+        for j, (v, b) in enumerate(free):
+            if v.aval.shape == out.aval.shape and v.aval.dtype == out.aval.dtype and b.size == nbytes(out.aval) // out.div:
+                reuse[i] = b
+                del free[j]
+                break
+    return reuse
 
 
 def _loop(e: _Eqn, op: Op, backing: dict[int, list[Buffer]], ctx: _Context) -> None:
