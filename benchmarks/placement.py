@@ -13,6 +13,10 @@ gradients) is compiled ahead of time and reported:
   tensor placed ``pinned_host`` times the layers of every scan holding it), computed from the
   traced shapes, whatever the platform;
 - step: median wall time of ``--steps`` steps after one warm-up;
+- planner: the step time ``zoo.plan.price`` predicts for the map on this device's entry in the
+  planner's hardware table (FLOPs at the table's matmul peak, recomputation, host transfers
+  overlapped up to the host link), and measured over predicted: on a GPU, the cost model's
+  calibration;
 - max batch: the largest batch (same sequence length) whose compiled step fits the device
   budget (arguments + outputs + temps - aliased), by AOT compiles and binary search; with
   ``--host-budget-gib`` the host temp must fit that too.
@@ -200,6 +204,17 @@ def main(argv: list[str] | None = None) -> None:
             good, bad = (mid, bad) if fits(placement, mid) else (good, mid)
         return str(good)
 
+    # The planner's predicted step time of each map on this device's entry in zoo.plan's
+    # hardware table, beside the measured one: the first GPU run calibrates its cost model.
+    from zoo.plan import price
+    from zoo.plan.hardware import for_device
+
+    hw = for_device(jax.devices()[0])
+    predicted: dict[str, float] = {}
+    if hw is not None:
+        for c in price(abstract, placements, seq_len=bench.seq, batch_size=bench.batch, hardware=hw):
+            predicted[c.label] = c.step_time
+
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, model.config.vocab_size, (bench.batch, bench.seq)), jnp.int32)
     rows = []
@@ -221,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                 fmt_bytes(stats.host_temp_size_in_bytes),
                 fmt_bytes(offloaded),
                 f"{1000 * statistics.median(times):.0f}",
+                f"{1000 * predicted[name]:.0f}" if name in predicted else "-",
+                f"{statistics.median(times) / predicted[name]:.2f}" if name in predicted else "-",
                 max_batch(placement),
             )
         )
@@ -234,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         f"max batch under {args.budget_gib:g} GiB device{host}\n"
     )
     budget = f"max batch @ {args.budget_gib:g} GiB"
-    header = ("placement", "device temp", "host temp", "offloaded (map)", "step ms", budget)
+    planner = f"planner ms ({hw})" if hw else "planner ms (device not in zoo.plan's table)"
+    header = ("placement", "device temp", "host temp", "offloaded (map)", "step ms", planner, "measured / planner", budget)
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
     for row in rows:

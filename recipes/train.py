@@ -143,14 +143,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def hardware_name(device) -> str:
     """The ``zoo.plan`` hardware of a JAX device: its platform on CPU, else the first table
     name within its device kind (``"NVIDIA H200"`` -> ``h200``)."""
-    from zoo.plan.hardware import HARDWARE
+    from zoo.plan.hardware import HARDWARE, for_device
 
-    if device.platform == "cpu":
-        return "cpu"
-    kind = device.device_kind.lower().replace(" ", "")
-    for name in sorted(HARDWARE, key=len, reverse=True):  # gb200 before b200
-        if name.replace("-", "") in kind.replace("-", ""):
-            return name
+    name = for_device(device)
+    if name is not None:
+        return name
     parser().error(f"--placement auto: device kind {device.device_kind!r} is not in zoo.plan's hardware table "
                    f"({', '.join(HARDWARE)}); name one with --hardware")  # fmt: skip
     raise AssertionError  # (parser().error exits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import Any
 
 from zoo.errors import ConfigError
 
@@ -142,3 +143,15 @@ def hardware(name: str | Hardware) -> Hardware:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"unknown hardware {name!r}{hint}; known: {', '.join(HARDWARE)}")
     return HARDWARE[key]
+
+
+def for_device(device: Any) -> str | None:
+    """The table's name for a JAX device: ``"cpu"`` on CPU, else the longest table name within
+    its device kind (``"NVIDIA H200"`` -> ``"h200"``, GB200 before B200); None if none is."""
+    if device.platform == "cpu":
+        return "cpu"
+    kind = device.device_kind.lower().replace(" ", "").replace("-", "")
+    for name in sorted(HARDWARE, key=len, reverse=True):
+        if name.replace("-", "") in kind:
+            return name
+    return None
