@@ -38,9 +38,8 @@ GRID = [
     ("deepseek_v3", 8, 64, "remat", "fsdp=2,expert=4", "device", "device"),
     # The default (capacity) expert kernel under FSDP: its backward's overflow branch adds the
     # overflow's weight gradients in place into the batched pass's (30% over before that was
-    # modelled), and the tile-loop kernel.
+    # modelled). (The tile-loop kernel, `grouped`, is within 5% here too: docs/planning.md.)
     ("qwen3_moe", 8, 64, "remat", "fsdp=8", "device", "pinned_host"),
-    ("qwen3_moe", 8, 64, "remat", "fsdp=8", "device", "device", "grouped"),
 ]
 
 
