@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import jax
 import jax.numpy as jnp
 import pytest
 from test_placement import FAST
