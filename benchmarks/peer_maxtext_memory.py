@@ -38,6 +38,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peer_maxtext import overrides  # noqa: E402  (the step-time peer's MaxText config)
+from placement import known_compile_options  # noqa: E402  (no JAX at its module level)
 
 NO_FLASH_ON_CPU = (
     "attention=flash off TPU calls tokamax's PallasTritonFlashAttention (a Triton GPU kernel), which raises "
@@ -96,22 +97,6 @@ def measure(kernel: str, seq: int, options: dict) -> dict:
             "outputs": st.output_size_in_bytes, "alias": st.alias_size_in_bytes}  # fmt: skip
 
 
-def known_options(options: dict) -> dict:
-    """The subset of ``options`` this XLA knows (placement.known_compile_options, in this venv)."""
-    import jax
-    import jax.numpy as jnp
-
-    lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2))
-    known = {}
-    for name, value in options.items():
-        try:
-            lowered.compile({name: value})
-        except Exception:  # noqa: BLE001  (XLA: no such compile option)
-            continue
-        known[name] = value
-    return known
-
-
 def main() -> None:
     spec = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     import jax
@@ -122,7 +107,7 @@ def main() -> None:
         mt_version = version("maxtext")
     except Exception:  # noqa: BLE001
         mt_version = "?"
-    options = known_options(spec.get("compile_options", {}))
+    options = known_compile_options(spec.get("compile_options", {}))
     for kernel in spec.get("kernels", ["dot_product", "flash"]):
         for seq in spec.get("seqs", [1024]):
             t = time.perf_counter()
