@@ -295,7 +295,7 @@ LAYOUTS = [
     ("qwen3_moe", "context=2,fsdp=2,expert=2", parallel.BATCH_AXES, {"attention": "blockwise"}),
     # TPU's splash attention kernel (Pallas, interpreted on CPU) inside shard_map, on each
     # device's query and key/value heads. (JAX cannot interpret the GPU kernel under shard_map;
-    # test_attention lowers it for CUDA there.)
+    # test_gpu_kernel_lowers_for_cuda_inside_shard_map below lowers it for CUDA there.)
     ("llama", "data=4,tensor=2", parallel.BATCH_AXES, {"attention": "splash"}),
 ]
 
@@ -419,6 +419,8 @@ PACKED = [
     ("deepseek_v3", "context=2,expert=4", "xla"),
     ("qwen3", "context=4,fsdp=2", "blockwise"),
     ("qwen3_moe", "context=2,expert=2,fsdp=2", "xla"),
+    # A Pallas kernel (TPU's splash, interpreted) on packed rows inside the scanned, rematted step.
+    ("llama", "data=4,tensor=2", "splash"),
 ]
 
 

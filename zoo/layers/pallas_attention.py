@@ -180,24 +180,24 @@ def _per_device(kernel, q, k, v, segment_ids):
         missing = tuple(sorted(axes - set(_vma(x))))
         return x if x is None or not missing else jax.lax.pcast(x, missing, to="varying")
 
-    segment_ids = varying(segment_ids)
-
-    # A custom VJP, so the backward kernels are traced under the same declarations.
+    # A custom VJP, so the backward kernels are traced under the same declarations. Every
+    # array is an argument (a closed-over one would escape a later trace of fwd: remat, scan).
     @jax.custom_vjp
-    def call(q, k, v):
-        return fwd(q, k, v)[0]
+    def call(q, k, v, segment_ids):
+        with _outputs_varying_over(axes):
+            return kernel(q, k, v, segment_ids)
 
-    def fwd(q, k, v):
+    def fwd(q, k, v, segment_ids):
         with _outputs_varying_over(axes):
             return jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids), q, k, v)
 
     def bwd(vjp, ct):
         with _outputs_varying_over(axes):
-            return vjp(ct)
+            return (*vjp(ct), None)
 
     call.defvjp(fwd, bwd)
     # pcast's transpose sums a replicated operand's gradient over the axes it is replicated on.
-    return call(varying(q), varying(k), varying(v))
+    return call(varying(q), varying(k), varying(v), varying(segment_ids))
 
 
 KERNELS = {"splash": splash_attention, "pallas_gpu": pallas_gpu_attention}
