@@ -636,11 +636,13 @@ def test_a_tied_embedding_gradient_is_all_reduced_once_under_context_parallelism
 
 def test_gpu_kernel_lowers_for_cuda_inside_shard_map():
     """No GPU here, and JAX cannot interpret the Triton kernel inside shard_map: lower the
-    sharded gradient for CUDA instead (jax <= 0.11; newer releases want a GPU to lower it). Every kernel (forward, backward's preprocessing and its
-    fused dk/dv/dq) is a Triton call, and nothing else computes attention."""
+    sharded gradient for CUDA instead, on an abstract mesh of abstract H100s (newer JAX reads
+    the GPU it compiles Triton for from the mesh). Every kernel (forward, backward's
+    preprocessing and its fused dk/dv/dq) is a Triton call, and nothing else computes attention."""
     from zoo.layers import pallas_attention
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"), abstract_device=gpu)
     spec = jax.P("data", None, "tensor")
 
     def loss(q, k, v, seg):
@@ -654,7 +656,8 @@ def test_gpu_kernel_lowers_for_cuda_inside_shard_map():
     args = [jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16, sharding=named(*spec))]
     args += [jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16, sharding=named(*spec))] * 2
     args += [jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=named("data"))]
-    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     names = sorted(set(re.findall(r'name = "(mha_\w+)"', text)))
     assert names == ["mha_backward", "mha_forward", "mha_preprocess_backward"], names
     assert "stablehlo.dot_general" not in text  # no dense attention anywhere in the program
