@@ -115,3 +115,26 @@ def test_pallas_kernels_refuse_context_parallelism(monkeypatch):
     for path in ("splash", "pallas_gpu"):
         with pytest.raises(ValueError, match=f"'{path}' does not run under context parallelism"):
             attention.resolve_attention(path, jnp.float32, 4096, False)
+
+
+@pytest.mark.filterwarnings("ignore:attention .* runs in Pallas's interpreter")
+@pytest.mark.parametrize("path, forward_kernel", [("splash", "splash_mha_fwd"), ("pallas_gpu", "mha_forward")])
+def test_pallas_kernels_name_their_residuals(path, forward_kernel):
+    """A map that keeps "context" and "attn_lse" spares the backward pass a second forward
+    kernel; one that keeps nothing reruns it (as for the blockwise path)."""
+    import re
+
+    from zoo.layers import pallas_attention
+
+    q, k, v, seg, _ = kernel_operands(1, 128, 2, 2, 32, 16, True)
+    kw = {"block_q": 64, "block_backward": 32} if path == "pallas_gpu" else {"block": 128}
+
+    def f(q):
+        return jnp.sum(pallas_attention.KERNELS[path](q, k, v, scale=0.3, segment_ids=seg, **kw) ** 2)
+
+    def forward_kernels(policy) -> int:
+        text = str(jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy)))(q))
+        return len(re.findall(rf"name={forward_kernel}\w*", text))
+
+    assert forward_kernels(jax.checkpoint_policies.save_only_these_names("context", "attn_lse")) == 1
+    assert forward_kernels(jax.checkpoint_policies.nothing_saveable) == 2

@@ -9,10 +9,10 @@
   (:mod:`zoo.layers.pallas_attention`), both taking packed rows' segment ids. Forced on another
   backend they run in Pallas's interpreter (correct and slow: how the tests check them on CPU).
 
-Every path names its output ``"context"`` and (XLA, blockwise) the float32 log-sum-exp of each
+Every path names its output ``"context"`` and (all but cuDNN) the float32 log-sum-exp of each
 row's scores ``"attn_lse"`` (``jax.ad_checkpoint.checkpoint_name``): the backward pass needs
-both, and every family's placement map places them. The blockwise path names the residuals its
-custom VJP keeps, which is what a remat policy sees.
+both, and every family's placement map places them. The blockwise path and the Pallas kernels
+name the residuals their custom VJPs keep, which is what a remat policy sees.
 
 ``"auto"`` (the default) picks, without context parallelism: splash on TPU; on GPU cuDNN where
 it applies and the Pallas kernel for packed rows in half precision; elsewhere (CPU, float32 on

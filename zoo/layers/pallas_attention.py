@@ -19,8 +19,9 @@ library kernels declare their outputs without the mesh axes they vary over, whic
 ``check_vma`` rejects; :func:`_per_device` supplies them while the kernels are traced.
 
 The sequence is padded to whole blocks at its end; causality keeps every real query from the
-padding keys, and the padding rows are dropped. Both kernels keep their own residuals (output and
-log-sum-exp) inside their custom VJPs: a placement map sees only the output, named ``"context"``.
+padding keys, and the padding rows are dropped. The kernels' residuals are named as the other
+paths name theirs, ``"context"`` (the output) and ``"attn_lse"`` (the log-sum-exp), so a placement
+map that keeps them spares the backward pass a second forward kernel.
 """
 
 from __future__ import annotations
@@ -170,29 +171,46 @@ def _outputs_varying_over(axes: frozenset):
             jax.ShapeDtypeStruct = base
 
 
+def _named_residuals(vjp, out):
+    """The kernel's residuals, its output and log-sum-exp named ``"context"`` / ``"attn_lse"``
+    (what a placement map places; the rest are its inputs' copies, cheap to recompute)."""
+    rows = out.size // out.shape[-1]
+
+    def name(x):
+        if x is out:
+            return checkpoint_name(x, "context")
+        if x.ndim == out.ndim - 1 and x.size == rows and x.dtype == jnp.float32:
+            return checkpoint_name(x, "attn_lse")
+        return x
+
+    return jax.tree.map(name, vjp)
+
+
 def _per_device(kernel, q, k, v, segment_ids):
-    """``kernel(q, k, v, segment_ids)`` on this device's shards, also inside ``shard_map``."""
+    """``kernel(q, k, v, segment_ids)`` on this device's shards, also inside ``shard_map``,
+    with its residuals named for the placement maps."""
     axes = frozenset(_vma(q, k, v, segment_ids))
-    if not axes:  # outside shard_map, or nothing split
-        return kernel(q, k, v, segment_ids)
+    declared = functools.partial(_outputs_varying_over, axes) if axes else contextlib.nullcontext
 
     def varying(x):  # every operand typed as varying over every axis any of them does
         missing = tuple(sorted(axes - set(_vma(x))))
         return x if x is None or not missing else jax.lax.pcast(x, missing, to="varying")
 
-    # A custom VJP, so the backward kernels are traced under the same declarations. Every
-    # array is an argument (a closed-over one would escape a later trace of fwd: remat, scan).
+    # A custom VJP, so the backward kernels are traced under the same declarations and the
+    # residuals carry names. Every array is an argument (a closed-over one would escape a later
+    # trace of fwd: remat, scan).
     @jax.custom_vjp
     def call(q, k, v, segment_ids):
-        with _outputs_varying_over(axes):
+        with declared():
             return kernel(q, k, v, segment_ids)
 
     def fwd(q, k, v, segment_ids):
-        with _outputs_varying_over(axes):
-            return jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids), q, k, v)
+        with declared():
+            out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids), q, k, v)
+        return out, _named_residuals(vjp, out)
 
     def bwd(vjp, ct):
-        with _outputs_varying_over(axes):
+        with declared():
             return (*vjp(ct), None)
 
     call.defvjp(fwd, bwd)
