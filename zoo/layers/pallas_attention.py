@@ -16,7 +16,8 @@ CPU). Semantics are those of :func:`zoo.layers.attention.causal_attention`: caus
 
 Inside ``shard_map`` (every zoo.parallel step) the kernels run on each device's shards. JAX's
 library kernels declare their outputs without the mesh axes they vary over, which
-``check_vma`` rejects; :func:`_per_device` supplies them while the kernels are traced.
+``check_vma`` rejects; :func:`_per_device` supplies them while the kernels are traced (by giving
+the kernel's module a ``jax`` whose ``ShapeDtypeStruct`` declares them).
 
 The sequence is padded to whole blocks at its end; causality keeps every real query from the
 padding keys, and the padding rows are dropped. The kernels' residuals are named as the other
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +106,7 @@ def splash_attention(
             return jax.vmap(kernel)(q, k, v)
         return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sk.SegmentIds(q=s, kv=s)))(q, k, v, seg)
 
-    out = _per_device(run, qh, kh, vh, seg)
+    out = _per_device(run, sk, qh, kh, vh, seg)
     return checkpoint_name(out.transpose(0, 2, 1, 3)[:, :s], "context")
 
 
@@ -142,33 +144,44 @@ def pallas_gpu_attention(
     mha = functools.partial(
         triton_attention.mha, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret
     )
-    out = _per_device(mha, _pad_to(q, padded), _pad_to(k, padded), _pad_to(v, padded), seg)
+    out = _per_device(mha, triton_attention, _pad_to(q, padded), _pad_to(k, padded), _pad_to(v, padded), seg)
     return checkpoint_name(out[:, :s, :, :kv], "context")
 
 
-_declaring = threading.Lock()
+_declaring = threading.RLock()
+
+
+class _JaxDeclaring:
+    """The ``jax`` a library kernel module sees while it is traced: ``jax`` itself but for
+    ``ShapeDtypeStruct``, whose declarations default to varying over the given mesh axes."""
+
+    def __init__(self, declared: type) -> None:
+        self.ShapeDtypeStruct = declared
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax, name)
 
 
 @contextlib.contextmanager
-def _outputs_varying_over(axes: frozenset):
-    """While a library kernel is traced, its ``jax.ShapeDtypeStruct`` output declarations say
+def _outputs_varying_over(axes: frozenset, module: Any):
+    """While ``module``'s kernel is traced, its ``jax.ShapeDtypeStruct`` output declarations say
     they vary over ``axes``: inside ``shard_map(check_vma=True)`` a ``pallas_call`` needs that,
-    and JAX's kernels leave it unset (their callers are expected to run without the check)."""
-    base = jax.ShapeDtypeStruct
+    and JAX's kernels leave it unset (their callers are expected to run without the check).
+    Only that module's name ``jax`` is replaced, for the trace."""
     mat = jax.sharding.ManualAxisType(varying=axes)
 
-    class Declared(base):
+    class Declared(jax.ShapeDtypeStruct):
         __slots__ = ()
 
         def __init__(self, shape, dtype, *, manual_axis_type=None, **kw):
             super().__init__(shape, dtype, manual_axis_type=mat if manual_axis_type is None else manual_axis_type, **kw)
 
     with _declaring:
-        jax.ShapeDtypeStruct = Declared
+        module.jax, base = _JaxDeclaring(Declared), module.jax
         try:
             yield
         finally:
-            jax.ShapeDtypeStruct = base
+            module.jax = base
 
 
 def _named_residuals(vjp, out):
@@ -186,11 +199,11 @@ def _named_residuals(vjp, out):
     return jax.tree.map(name, vjp)
 
 
-def _per_device(kernel, q, k, v, segment_ids):
-    """``kernel(q, k, v, segment_ids)`` on this device's shards, also inside ``shard_map``,
-    with its residuals named for the placement maps."""
+def _per_device(kernel, module, q, k, v, segment_ids):
+    """``kernel(q, k, v, segment_ids)`` (from library ``module``) on this device's shards, also
+    inside ``shard_map``, with its residuals named for the placement maps."""
     axes = frozenset(_vma(q, k, v, segment_ids))
-    declared = functools.partial(_outputs_varying_over, axes) if axes else contextlib.nullcontext
+    declared = functools.partial(_outputs_varying_over, axes, module) if axes else contextlib.nullcontext
 
     def varying(x):  # every operand typed as varying over every axis any of them does
         missing = tuple(sorted(axes - set(_vma(x))))
