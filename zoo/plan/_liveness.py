@@ -223,12 +223,40 @@ def _program(
                 if e.name not in FUSIBLE and e.name not in VIEWS:
                     strong.add(id(v))
     leaving = {id(v) for v in leaving_vals if v is not None}
+
+    def folded(e: _Eqn) -> bool:  # a transpose only matmuls read folds into them
+        return e.name == "transpose" and readers.get(id(e.outs[0]), set()) == {"dot_general"}
+
+    def kept(e: _Eqn, k: int) -> bool:  # whether value ``k`` of ``e`` is materialised
+        return (
+            e.name not in FUSIBLE
+            or e.name in REDUCTIONS
+            or (e.name not in DUPLICATED and (uses.get(k, 0) > 1 or k in strong or k in leaving))
+        )
+
+    # Which materialised values (or arguments) each value reads through views and fusions, and
+    # the last equation reading each of those: an operand's buffer is dead after an op only if
+    # no later equation reads it under any name.
+    roots: dict[int, tuple[int, ...]] = {k: (k,) for k in pinned}
+    last_read: dict[int, int] = {}
+    for i, e in enumerate(flat):
+        rs = tuple(r for v in e.ins if v is not None for r in roots.get(id(v), ()))
+        for r in rs:
+            last_read[r] = i
+        for v in e.outs:
+            alias = e.name in VIEWS or folded(e) or not kept(e, id(v))
+            roots[id(v)] = rs if alias else (id(v),)
+    leaving_roots = {r for v in leaving_vals if v is not None for r in roots.get(id(v), ())}
+
+    def dead_after(v: Any, i: int) -> bool:
+        rs = roots.get(id(v), ())
+        return len(rs) == 1 and last_read.get(rs[0]) == i and rs[0] not in leaving_roots
+
     backing: dict[int, list[Buffer]] = {k: [b] for k, b in pinned.items()}
     ops: list[Op] = []
-    for e in flat:
+    for index, e in enumerate(flat):
         reads = [b for v in e.ins if v is not None for b in backing.get(id(v), [])]
-        folded = e.name == "transpose" and readers.get(id(e.outs[0]), set()) == {"dot_general"}
-        if e.name in VIEWS or folded:  # a transpose only matmuls read folds into them
+        if e.name in VIEWS or folded(e):
             for v in e.outs:
                 backing[id(v)] = list(reads)
                 if e.name == "name":
@@ -236,18 +264,13 @@ def _program(
                         b.what = e.eqn.params["name"]
             continue
         writes: list[Buffer] = []
-        reuse = _in_place(e, uses, leaving, backing)
+        reuse = _in_place(e, lambda v, index=index: dead_after(v, index), backing)
         for i, v in enumerate(e.outs):
             k = id(v)
             if i in reuse:  # written over an operand nothing reads afterwards
                 backing[k] = [reuse[i]]
                 continue
-            keep = (
-                e.name not in FUSIBLE
-                or e.name in REDUCTIONS
-                or (e.name not in DUPLICATED and (uses.get(k, 0) > 1 or k in strong or k in leaving))
-            )
-            if keep:
+            if kept(e, k):
                 b = Buffer(nbytes(v.aval) // v.div, on_host(v.aval) and not ctx.unified, e.name)
                 writes.append(b)
                 backing[k] = [b]
@@ -267,14 +290,16 @@ def _program(
     return Program(ops, outs)
 
 
-def _in_place(e: _Eqn, uses: dict[int, int], leaving: set[int], backing: dict[int, list[Buffer]]) -> dict[int, Buffer]:
+def _in_place(e: _Eqn, dead: Any, backing: dict[int, list[Buffer]]) -> dict[int, Buffer]:
     """Outputs of a ``while`` or ``cond`` that XLA writes over an operand's buffer: a while
     loop's carry over its initial value, a conditional's output over an operand of its type,
-    where this op is that operand's only reader (the gradient accumulators a loop adds into)."""
+    where this op is the last reader of that operand's buffer under any name (``dead``; the
+    gradient accumulators a loop adds into)."""
     if e.name not in ("while", "cond"):
         return {}
+
     def dead_after(v) -> Buffer | None:  # v's own buffer, if this op is its last reader
-        if v is None or uses.get(id(v), 0) != 1 or id(v) in leaving:
+        if v is None or not dead(v):
             return None
         bufs = backing.get(id(v), [])
         return bufs[0] if len(bufs) == 1 and not bufs[0].pinned else None
