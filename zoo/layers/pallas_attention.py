@@ -92,7 +92,10 @@ def splash_attention(
     b, s, h, _ = q.shape
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
-    blk = min(block, _round_up(s, 128))  # the kernel's tiles are multiples of 128 rows
+    # The kernel's tiles are multiples of 128 rows: the largest block up to ``block`` that pads
+    # the sequence least (S = 600 runs as 5 blocks of 128, not 2 of 512).
+    sizes = [b for b in (512, 256, 128) if b <= max(block, 128)]
+    blk = min(sizes, key=lambda b: (_round_up(s, b), -b))
     padded = _round_up(s, blk)
     kernel = _splash_kernel(h, padded, blk, interpret)
     # The kernel applies no scale: it goes on the queries (as MaxText does), in their dtype.

@@ -145,12 +145,24 @@ def hardware(name: str | Hardware) -> Hardware:
     return HARDWARE[key]
 
 
+# Device kinds JAX reports that name a table entry differently, and those that contain an
+# entry's name without being it (a GH200 is not an H200).
+_KIND_ALIASES = {"tpuv6lite": "tpu-v6e", "tpuv5": "tpu-v5p"}
+_NOT_IN_TABLE = ("gh200", "tpuv5lite")
+
+
 def for_device(device: Any) -> str | None:
     """The table's name for a JAX device: ``"cpu"`` on CPU, else the longest table name within
-    its device kind (``"NVIDIA H200"`` -> ``"h200"``, GB200 before B200); None if none is."""
+    its device kind (``"NVIDIA H200"`` -> ``"h200"``, GB200 before B200, ``"TPU v6 lite"`` ->
+    ``"tpu-v6e"``); None if none is (``"NVIDIA GH200 480GB"``, ``"TPU v5 lite"``)."""
     if device.platform == "cpu":
         return "cpu"
     kind = device.device_kind.lower().replace(" ", "").replace("-", "")
+    if any(other in kind for other in _NOT_IN_TABLE):
+        return None
+    for alias in sorted(_KIND_ALIASES, key=len, reverse=True):
+        if kind.startswith(alias):
+            return _KIND_ALIASES[alias]
     for name in sorted(HARDWARE, key=len, reverse=True):
         if name.replace("-", "") in kind:
             return name
