@@ -25,7 +25,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zoo.layers import pallas_attention  # noqa: E402
@@ -74,7 +73,8 @@ def main(argv=None) -> None:
             seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), -(-s // 4))[None, :s] if packed else None
             fns, results = {}, {}
             for path in paths_here(dtype, packed):
-                def step(q, k, v, path=path):
+
+                def step(q, k, v, path=path, seg=seg, ct=ct):
                     out, vjp = jax.vjp(
                         lambda q, k, v: causal_attention(q, k, v, scale=HEAD_DIM**-0.5, segment_ids=seg, implementation=path),
                         q, k, v,
@@ -93,7 +93,10 @@ def main(argv=None) -> None:
             for path in fns:
                 out, grads = results[path]
                 err = max(
-                    float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / jnp.abs(b.astype(jnp.float32)).max())
+                    float(
+                        jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
+                        / jnp.abs(b.astype(jnp.float32)).max()
+                    )
                     for a, b in zip((out, *grads), (ref_out, *ref_grads))
                 )
                 rows.append((s, "packed" if packed else "one document", path, 1e3 * best[path], err))

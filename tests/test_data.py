@@ -319,15 +319,21 @@ def test_data_with_nothing_to_train_on_stops_every_process(tok, tmp_path):
     assert all(isinstance(e, DataError) and "no records" in str(e) for e in out), out
 
 
-def test_an_error_only_one_part_meets_stops_every_process(tmp_path):
-    """Rendering a chat (a tokenizer without a chat template) fails only in the process whose
-    share holds the chat: the other, with nothing to render, must not wait for it."""
+def _checkpoint_without_chat_template(tmp_path):
+    """The tiny checkpoint's tokenizer files with the chat template removed."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copy(TINY / "tokenizer.json", ckpt)
     config = json.loads((TINY / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+def test_an_error_only_one_part_meets_stops_every_process(tmp_path):
+    """Rendering a chat (a tokenizer without a chat template) fails only in the process whose
+    share holds the chat: the other, with nothing to render, must not wait for it."""
+    ckpt = _checkpoint_without_chat_template(tmp_path)
     path = _jsonl(tmp_path / "chat.jsonl", CHATS[:1])
     out = _load_in_processes(2, path, load_tokenizer(ckpt), [tmp_path / "c"] * 2, errors=True)
     assert all(isinstance(e, DataError) and "chat.jsonl:1: chat data needs a chat template" in str(e) for e in out), out
@@ -443,12 +449,7 @@ def test_bad_records_are_named_by_file_and_line(tok, tmp_path, lines, message):
 
 
 def test_chat_data_without_a_template_is_an_error(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    shutil.copy(TINY / "tokenizer.json", ckpt)
-    config = json.loads((TINY / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    ckpt = _checkpoint_without_chat_template(tmp_path)
     path = _jsonl(tmp_path / "chat.jsonl", CHATS)
     with pytest.raises(DataError, match=r"chat.jsonl:1: chat data needs a chat template, and .*ckpt has none"):
         load_data(str(path), 256, tokenizer=load_tokenizer(ckpt), cache_dir=tmp_path / "c")

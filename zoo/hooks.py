@@ -120,7 +120,9 @@ def context_order(seq_len: int, n: int) -> np.ndarray:
     device i holds chunks i and 2n-1-i (Llama 3's layout), so every device has as much causal
     attention work as the others. ``x[:, order]`` puts device i's tokens at ``[i·S/n, (i+1)·S/n)``."""
     if seq_len % (2 * n):
-        raise MeshError(f"context={n} cuts a sequence into {2 * n} equal chunks: seq_len {seq_len} is not divisible by {2 * n}")
+        raise MeshError(
+            f"context={n} cuts a sequence into {2 * n} equal chunks: seq_len {seq_len} is not divisible by {2 * n}"
+        )
     c = seq_len // (2 * n)
     chunks = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
@@ -186,6 +188,16 @@ def _regather(prim, *avals, **params) -> bool:
     return not (prim.name == "name" and params.get("name") == GATHERED)
 
 
+def varying_over(x: Shaped[Array, "*shape"] | None, axes: Sequence[str]) -> Shaped[Array, "*shape"] | None:
+    """``x`` cast to varying over those of ``axes`` it does not vary over yet (inside
+    ``shard_map``; ``None`` stays ``None``). The cast's transpose sums the gradient over those
+    axes: a value used on every device's shard gets its total."""
+    if x is None:
+        return x
+    missing = tuple(a for a in axes if a not in _varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def varying_like(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
     """``x`` typed as varying over the mesh axes ``like`` varies over.
 
@@ -206,9 +218,6 @@ def sum_to_varying_of(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*
         return x
     axes = tuple(sorted(_varying(x) - _varying(like)))
     return jax.lax.psum(x, axes) if axes else x
-
-
-
 
 
 def global_sum(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
@@ -250,5 +259,5 @@ def psum_varying(x, axes: Sequence[str]):
 __all__ = [
     "CONTEXT", "GATHERED", "axis_size", "context_gather", "context_order", "context_positions", "context_size", "context_sum",
     "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
-    "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
+    "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like", "varying_over",
 ]  # fmt: skip

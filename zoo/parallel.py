@@ -31,9 +31,9 @@ from jaxtyping import PyTree
 
 from zoo.errors import MeshError
 from zoo.hooks import (
-    AnyMesh,
     CONTEXT,
     GATHERED,
+    AnyMesh,
     context_order,
     gather_fsdp,
     gather_layer,
@@ -44,6 +44,7 @@ from zoo.hooks import (
     tensor_psum,
     varying_axes,
     varying_like,
+    varying_over,
 )
 from zoo.layers.moe import routed_experts
 from zoo.registry import family_of, is_model
@@ -393,7 +394,7 @@ def value_and_grad(
                     # Each parameter is cast to varying over the batch axes once, here: its
                     # gradient is then all-reduced once, as the sum of its uses' (a tied
                     # embedding's lookup and head were two all-reduces of a [V, D] buffer).
-                    leaves = [_varying_over(gather_fsdp(x, d), vary) for x, d in zip(leaves, rest)]
+                    leaves = [varying_over(gather_fsdp(x, d), vary) for x, d in zip(leaves, rest)]
                     p = jax.tree.unflatten(treedef, leaves)
                     out = loss_fn(p, *local_batch, **static, **local_arrays)
                     loss, aux = out if has_aux else (out, None)
@@ -420,14 +421,6 @@ def value_and_grad(
         return fn(model, arrays, *batch)
 
     return step
-
-
-def _varying_over(x, axes: tuple[str, ...]):
-    """``x`` cast to varying over those of ``axes`` it does not vary over yet."""
-    if not isinstance(x, jax.Array):
-        return x
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _reduce_aux(a, axes: tuple[str, ...]):

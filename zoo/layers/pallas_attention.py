@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from zoo.hooks import varying_over
 from zoo.layers.flash_attention import _vma
 
 # Splash attention's block (queries and keys, forward and backward). 512 is what MaxText uses on
@@ -89,7 +90,7 @@ def splash_attention(
     """Splash attention (TPU; interpreted elsewhere unless ``interpret=False``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    b, s, h, _ = q.shape
+    s, h = q.shape[1], q.shape[2]
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     # The kernel's tiles are multiples of 128 rows: the largest block up to ``block`` that pads
@@ -127,7 +128,7 @@ def pallas_gpu_attention(
     """JAX's Pallas (Triton) flash attention (GPU; interpreted elsewhere unless ``interpret=False``)."""
     from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
-    b, s, h, d = q.shape
+    _, s, h, d = q.shape
     g, kv = k.shape[2], v.shape[-1]
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -144,9 +145,7 @@ def pallas_gpu_attention(
     if g != h:  # the kernel reads key head h for query head h
         k, v = jnp.repeat(k, h // g, axis=2), jnp.repeat(v, h // g, axis=2)
     seg = None if segment_ids is None else _pad_to(segment_ids.astype(jnp.int32), padded, value=-1)
-    mha = functools.partial(
-        triton_attention.mha, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret
-    )
+    mha = functools.partial(triton_attention.mha, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
     out = _per_device(mha, triton_attention, _pad_to(q, padded), _pad_to(k, padded), _pad_to(v, padded), seg)
     return checkpoint_name(out[:, :s, :, :kv], "context")
 
@@ -209,8 +208,7 @@ def _per_device(kernel, module, q, k, v, segment_ids):
     declared = functools.partial(_outputs_varying_over, axes, module) if axes else contextlib.nullcontext
 
     def varying(x):  # every operand typed as varying over every axis any of them does
-        missing = tuple(sorted(axes - set(_vma(x))))
-        return x if x is None or not missing else jax.lax.pcast(x, missing, to="varying")
+        return varying_over(x, sorted(axes))
 
     # A custom VJP, so the backward kernels are traced under the same declarations and the
     # residuals carry names. Every array is an argument (a closed-over one would escape a later

@@ -11,7 +11,8 @@ exist for the whole loop, and a scan's per-iteration slice is copied out where a
 it. A loop that runs once is inlined (XLA removes it). A ``while`` loop holds its own copy of
 the loop-invariant operands it carries (XLA's loop state); its results are written over their
 initial values, and a conditional's over operands of their type, where nothing reads those
-afterwards (XLA's in-place loop state and conditional buffers: gradient accumulators).
+buffers afterwards under any name (XLA's in-place loop state and conditional buffers: gradient
+accumulators).
 
 Two figures come out: the **live peak**, the most bytes live at once, and the **heap**, those
 buffers packed into one arena by size, best fit first, as XLA's buffer assignment packs its
@@ -25,6 +26,7 @@ program and reads XLA's own figures, and ``tests/test_plan.py`` holds the two to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,7 +292,7 @@ def _program(
     return Program(ops, outs)
 
 
-def _in_place(e: _Eqn, dead: Any, backing: dict[int, list[Buffer]]) -> dict[int, Buffer]:
+def _in_place(e: _Eqn, dead: Callable[[Any], bool], backing: dict[int, list[Buffer]]) -> dict[int, Buffer]:
     """Outputs of a ``while`` or ``cond`` that XLA writes over an operand's buffer: a while
     loop's carry over its initial value, a conditional's output over an operand of its type,
     where this op is the last reader of that operand's buffer under any name (``dead``; the
@@ -298,7 +300,7 @@ def _in_place(e: _Eqn, dead: Any, backing: dict[int, list[Buffer]]) -> dict[int,
     if e.name not in ("while", "cond"):
         return {}
 
-    def dead_after(v) -> Buffer | None:  # v's own buffer, if this op is its last reader
+    def reusable(v) -> Buffer | None:  # v's own buffer, if this op is its last reader
         if v is None or not dead(v):
             return None
         bufs = backing.get(id(v), [])
@@ -309,14 +311,18 @@ def _in_place(e: _Eqn, dead: Any, backing: dict[int, list[Buffer]]) -> dict[int,
         p = e.eqn.params
         n = p["cond_nconsts"] + p["body_nconsts"]
         for i, out in enumerate(e.outs):
-            b = dead_after(e.ins[n + i])
+            b = reusable(e.ins[n + i])
             if b is not None and b.size == nbytes(out.aval) // out.div:
                 reuse[i] = b
         return reuse
-    free = [(v, b) for v in e.ins[1:] if (b := dead_after(v)) is not None]
+    free = [(v, b) for v in e.ins[1:] if (b := reusable(v)) is not None]
     for i, out in enumerate(e.outs):
         for j, (v, b) in enumerate(free):
-            if v.aval.shape == out.aval.shape and v.aval.dtype == out.aval.dtype and b.size == nbytes(out.aval) // out.div:
+            if (
+                v.aval.shape == out.aval.shape
+                and v.aval.dtype == out.aval.dtype
+                and b.size == nbytes(out.aval) // out.div
+            ):
                 reuse[i] = b
                 del free[j]
                 break
