@@ -9,7 +9,9 @@ times each distinct one alone as that very ``dot_general`` (operand dtypes and a
 included) under ``jax.jit`` and, under ``--torch-python``, the same contraction as
 ``torch.einsum`` on contiguous tensors of the same shapes (both in the left operand's dtype), and
 prints per-dot and total milliseconds per step with their ratio. Medians of ``--reps`` calls after
-two warm-up calls.
+two warm-up calls. Also the MFU ceiling: the model's FLOPs per step (``flops_per_token``) over the
+matmuls' total time, as a share of the matmul peak measured in the same run (best of before and
+after), i.e. the MFU of a step that did nothing but these matmuls, each as fast as alone.
 
 Alone is not inside the step: XLA fuses and re-lays out some dots in the step (the multi-
 dimensional projection einsums run faster there than alone), so the total is what the same
@@ -17,8 +19,10 @@ contractions cost each framework's matmul kernels, not a floor on either step. A
 cuDNN's fused kernel (GPU, half precision) is not a ``dot_general``: the table says how many such
 calls it leaves out.
 
-Only models whose dots all have a static count (no data-dependent loop) are supported: Llama.
-DeepSeek-V3's expert kernel runs a loop whose trip count follows the routing.
+Every registered family's bench preset (``--model``). A dot inside a ``while`` loop or a ``cond``
+runs a number of times that follows the data (the MoE ``capacity`` kernel's overflow path, which
+runs only when an expert receives more rows than its capacity): such dots are listed, not
+counted, so for the MoE families the total is a floor on what the step's matmuls cost.
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ def flops(lhs: list[int], rhs: list[int], spec: str) -> int:
     return n
 
 
-def step_dots(model: str, platform: str) -> tuple[list[dict], int]:
+def step_dots(model: str, platform: str) -> tuple[list[dict], int, list[str]]:
     """Every distinct dot of zoo's train step (shapes, dimension numbers, dtypes, einsum spec,
-    calls per step) and the number of fused-attention calls, which are not dots."""
+    calls per step), the number of fused-attention calls, which are not dots, and the einsum
+    specs of the dots whose calls follow the data (inside a ``while`` or ``cond``)."""
     import jax
     import jax.numpy as jnp
 
@@ -75,6 +80,7 @@ def step_dots(model: str, platform: str) -> tuple[list[dict], int]:
     step, params, opt_state, batch, _ = zoo_setup(model, platform)
     jaxpr = jax.make_jaxpr(step)(params, opt_state, batch, jnp.int32(0))
     counts: collections.Counter = collections.Counter()
+    data_dependent: collections.Counter = collections.Counter()
     fused_attention = 0
 
     def walk(j, times: int | None, where: str) -> None:
@@ -82,9 +88,11 @@ def step_dots(model: str, platform: str) -> tuple[list[dict], int]:
         for eqn in j.eqns:
             name = eqn.primitive.name
             if name == "dot_general":
-                if times is None:  # inside a while loop or a cond: no static count
-                    raise SystemExit(f"{model}'s step has a dot inside a {where}: its calls per step are not static")
                 lhs, rhs = (v.aval for v in eqn.invars)
+                if times is None:  # inside a while loop or a cond: no static count
+                    spec = einsum_spec(lhs.ndim, rhs.ndim, eqn.params["dimension_numbers"])
+                    data_dependent[f"`{spec}` {list(lhs.shape)} x {list(rhs.shape)} (in a {where})"] += 1
+                    continue
                 dn = eqn.params["dimension_numbers"]
                 pref = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
                 key = (tuple(lhs.shape), tuple(rhs.shape), tuple(eqn.outvars[0].aval.shape),
@@ -112,7 +120,7 @@ def step_dots(model: str, platform: str) -> tuple[list[dict], int]:
         dots.append({"lhs": list(lhs), "rhs": list(rhs), "out": list(out), "dimension_numbers": json.loads(dn),
                      "spec": spec, "lhs_dtype": lhs_dtype, "rhs_dtype": rhs_dtype, "accumulate": pref,
                      "count": n, "gflop": n * flops(list(lhs), list(rhs), spec) / 1e9})  # fmt: skip
-    return dots, fused_attention
+    return dots, fused_attention, [f"{k} x{n}" for k, n in data_dependent.items()]
 
 
 def median_ms(fn, reps: int) -> float:
@@ -179,18 +187,23 @@ def time_torch(dots: list[dict], python: str | None, reps: int, platform: str) -
 
 
 def run(args: argparse.Namespace) -> dict:
-    from train_step import default_torch_python
+    from train_step import BATCH, SEQ, default_torch_python, peak_flops, zoo_config
 
-    dots, fused_attention = step_dots(args.model, args.platform)
+    dots, fused_attention, data_dependent = step_dots(args.model, args.platform)
+    dtype = "bfloat16" if args.platform == "gpu" else "float32"
+    peak = peak_flops(args.platform)[dtype]
     xla_ms = time_xla(dots, args.reps)
+    peak = max(peak, peak_flops(args.platform)[dtype])  # the best of before and after, as train_step.py
     peer = time_torch(dots, args.torch_python or default_torch_python(), args.reps, args.platform)
     torch_ms = peer.get("ms") or [None] * len(dots)
     if len(torch_ms) != len(dots):
         peer, torch_ms = {"missing": f"torch timed {len(torch_ms)} of {len(dots)} dots"}, [None] * len(dots)
     for d, x, t in zip(dots, xla_ms, torch_ms):
         d["xla_ms"], d["torch_ms"] = x, t
+    model_flops = BATCH * SEQ * zoo_config(args.model).flops_per_token(SEQ)
     return {"model": args.model, "platform": args.platform, "dots": dots, "fused_attention_calls": fused_attention,
-            "torch": {k: v for k, v in peer.items() if k != "ms"}}  # fmt: skip
+            "data_dependent": data_dependent, "model_flops_per_step": model_flops, "peak_flops": peak,
+            "peak_dtype": dtype, "torch": {k: v for k, v in peer.items() if k != "ms"}}  # fmt: skip
 
 
 def table(r: dict) -> str:
@@ -222,12 +235,25 @@ def table(r: dict) -> str:
     else:
         row += " | - | - | - |"
     lines.append(row)
+    if r.get("model_flops_per_step"):
+        # If the step did nothing but these matmuls, each as fast as alone: its MFU.
+        mf, peak = r["model_flops_per_step"], r["peak_flops"]
+        ceiling = f"{100 * mf / (x / 1e3) / peak:.1f}% with XLA's kernels"
+        if has_torch:
+            ceiling += f", {100 * mf / (t / 1e3) / peak:.1f}% with PyTorch's"
+        lines += ["", (f"MFU ceiling: the model's {mf / 1e9:.1f} GFLOP a step (`flops_per_token`) over these matmuls' "
+                       f"total time, against the {r['peak_dtype']} matmul peak measured in this run "
+                       f"({peak / 1e9:.1f} GFLOP/s): {ceiling}. A step that did nothing else, its matmuls as fast as "
+                       "alone, would reach it; the real step also norms, rotates, routes, updates the weights and so on.")]
+    if r.get("data_dependent"):
+        lines += ["", "Not counted (calls per step follow the routing; none run when no expert overflows its "
+                  "capacity), so the total is a floor: " + "; ".join(r["data_dependent"]) + "."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama", choices=["llama"])
+    p.add_argument("--model", default="llama", help="a registered model type's bench preset (llama, deepseek_v3, qwen3, qwen3_moe)")
     p.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--torch-python", default=None, help="interpreter with torch (default: this one, if it has torch and transformers)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per dot (median)")

@@ -6,7 +6,7 @@ Runs, each in its own process (JAX's platform and XLA flags are set before it st
 
 - ``benchmarks/train_step.py``: zoo's train step against transformers and MaxText, MFU against
   the matmul peak measured in the same run, compile time at 2, 8 and 32 layers;
-- ``benchmarks/matmuls.py``: every matmul of zoo's Llama train step timed alone, XLA against PyTorch;
+- ``benchmarks/matmuls.py``: every matmul of zoo's Llama and DeepSeek-V3 train steps timed alone, XLA against PyTorch;
 - ``benchmarks/placement.py``: memory and speed of every activation-placement preset, for
   Llama and DeepSeek-V3;
 - ``benchmarks/moe.py``: the dropless expert paths against every expert on every token;
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default="train_step,matmuls,placement,moe,expert_parallel,generate,long_context,attention", help="comma-separated subset to run")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per benchmark before it counts as failed")
     p.add_argument("--total", type=int, default=None,
-                   help="seconds for everything, shared out (train step 39%%, matmuls 7%%, placement 18%%, MoE 9%%, generate 11%%, "
+                   help="seconds for everything, shared out (train step 39%%, matmuls 11%%, placement 16%%, MoE 9%%, generate 9%%, "
                    "long context 10%%, attention 6%%; "
                    "expert parallelism runs on CPU only)")
     return p.parse_args(argv)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     only = set(args.only.split(","))
     gpu = args.platform == "gpu"
-    share = {"train_step": 0.39, "matmuls": 0.07, "placement": 0.18, "moe": 0.09, "generate": 0.11,
+    share = {"train_step": 0.39, "matmuls": 0.11, "placement": 0.16, "moe": 0.09, "generate": 0.09,
              "long_context": 0.10, "attention": 0.06}
     timeout = {k: int(v * args.total) if args.total else args.timeout for k, v in share.items()}
     out_dir = Path(args.out)
@@ -206,11 +206,12 @@ def main(argv: list[str] | None = None) -> Path:
         sections.append("## Targets\n\n" + targets_table(targets(results)) + "\n")
 
     if "matmuls" in only:
-        argv_mm = ["matmuls.py", "--platform", args.platform, "--reps", "3" if args.quick else "10"]
-        argv_mm += ["--torch-python", args.torch_python] if args.torch_python else []
-        text, err = run_script(argv_mm, timeout["matmuls"])
-        title = "## The train step's matmuls alone, XLA vs PyTorch (`benchmarks/matmuls.py`)\n\n"
-        sections.append(title + (text.strip() if err is None else f"failed: {err}") + "\n")
+        for model in ("llama", "deepseek_v3"):  # the time share split between the two
+            argv_mm = ["matmuls.py", "--model", model, "--platform", args.platform, "--reps", "3" if args.quick else "10"]
+            argv_mm += ["--torch-python", args.torch_python] if args.torch_python else []
+            text, err = run_script(argv_mm, timeout["matmuls"] // 2)
+            title = f"## The {model} train step's matmuls alone, XLA vs PyTorch (`benchmarks/matmuls.py --model {model}`)\n\n"
+            sections.append(title + (text.strip() if err is None else f"failed: {err}") + "\n")
     if "placement" in only:
         # --quick keeps the comparison NVIDIA published: host offload against full remat.
         quick = {"llama": "none,remat,offload_attn", "deepseek_v3": "none,remat,nvidia_offload"}
