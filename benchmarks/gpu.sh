@@ -18,7 +18,7 @@ if ! "$PY" -c "import jax, sys; sys.exit(0 if jax.default_backend() == 'gpu' els
     || { echo "gpu.sh: no CUDA jax here (no index reachable?); nothing to measure" >&2; exit 1; }
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >&2 || true
-# 285 s in all, shared out: train step 39% (2 models, peers, compile at 2 and 32 layers), its matmuls alone 11% (Llama and DeepSeek-V3),
+# 285 s in all, shared out: train step 39% (2 models, peers, compile at 2 and 32 layers), its matmuls alone 11% (DeepSeek-V3),
 # placement 16% (both models: no map, full remat, host offload; max batch up to 8), MoE 9% (bench shape), generation 9%,
 # long sequences 10%, attention paths 6% (the Triton kernel's first check on a GPU); a part
 # that runs out of time is reported as failed and the others still run.
