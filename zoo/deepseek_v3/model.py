@@ -263,12 +263,13 @@ class DeepseekV3(CausalLM):
 
     Build fresh with ``DeepseekV3(config, key=key)``, or from arrays (``{path: array}``, as
     :func:`zoo.from_pretrained` does) with ``DeepseekV3(config, arrays=arrays)``.
-    ``expert_impl``: dropless ``"ragged_dot"`` (``jax.lax.ragged_dot``), ``"grouped"``
-    (:func:`zoo.layers.grouped_matmul`, a loop over row tiles whose work follows the routing) or
-    ``"tiled"`` (grouped matmuls from gathers; see
-    :func:`zoo.deepseek_v3.moe.routed_experts_tiled`), ``"auto"`` (the default: ``ragged_dot``
-    on TPU, ``grouped`` elsewhere), or ``"dense"`` (every expert on every token; the reference
-    the tests compare against).
+    ``expert_impl``: the routed experts' path (:func:`zoo.layers.moe.resolve_expert_impl`), all
+    dropless: ``"ragged_dot"`` (``jax.lax.ragged_dot``), ``"capacity"`` (a batched matmul over a
+    static per-expert capacity, the overflow through the tile loop; :mod:`zoo.layers.capacity_mlp`),
+    ``"grouped"`` (:func:`zoo.layers.grouped_matmul`, a loop over row tiles whose work follows the
+    routing), ``"tiled"`` (grouped matmuls from gathers), ``"auto"`` (the default: ``ragged_dot``
+    on TPU, ``capacity`` elsewhere), or ``"dense"`` (every expert on every token; the reference the
+    tests compare against).
     """
 
     embed: Float[Array, "V D"]
@@ -311,7 +312,7 @@ class DeepseekV3(CausalLM):
         self.mtp = build(MTP, arrays, "mtp.") if config.mtp else None
 
     def with_expert_impl(self, expert_impl: str) -> DeepseekV3:
-        """The same weights with another expert path (``"auto"``, ``"ragged_dot"``, ``"grouped"``, ``"tiled"``, ``"dense"``)."""
+        """The same weights with another expert path (``"auto"``, ``"ragged_dot"``, ``"capacity"``, ``"grouped"``, ``"tiled"``, ``"dense"``)."""
         return DeepseekV3(
             self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl
         )
