@@ -22,7 +22,7 @@ calls it leaves out.
 Every registered family's bench preset (``--model``). A dot inside a ``while`` loop or a ``cond``
 runs a number of times that follows the data (the MoE ``capacity`` kernel's overflow path, which
 runs only when an expert receives more rows than its capacity): such dots are listed, not
-counted, so for the MoE families the total is a floor on what the step's matmuls cost.
+counted, so for the MoE families the total leaves out the overflow's matmuls, when there are any.
 """
 
 from __future__ import annotations
@@ -247,22 +247,23 @@ def table(r: dict) -> str:
                        "alone, would reach it; the real step also norms, rotates, routes, updates the weights and so on.")]
     if r.get("data_dependent"):
         lines += ["", "Not counted (calls per step follow the routing; none run when no expert overflows its "
-                  "capacity), so the total is a floor: " + "; ".join(r["data_dependent"]) + "."]
+                  "capacity): " + "; ".join(r["data_dependent"]) + "."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent))
+    from placement import setup_platform
+    from train_step import MODELS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama", help="a registered model type's bench preset (llama, deepseek_v3, qwen3, qwen3_moe)")
+    p.add_argument("--model", default="llama", choices=MODELS, help="whose bench preset's train step")
     p.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--torch-python", default=None, help="interpreter with torch (default: this one, if it has torch and transformers)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per dot (median)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent))
-    from placement import setup_platform
-
     setup_platform(args.platform)
     r = run(args)
     if args.json:
