@@ -261,7 +261,9 @@ def test_presets_give_the_same_gradients(model_type):
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_no_map_matches_transformers(model_type):
-    _, g = grads(model_type, presets_program(model_type))[0]
+    # Its own small program: under pytest-xdist the presets' program (~25 s to compile) is often
+    # on the other worker.
+    _, g = grads(model_type, (None,))[0]
     np.testing.assert_allclose(global_norm(g), grad_norm_reference(model_type), rtol=1e-5)
 
 
