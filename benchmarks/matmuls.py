@@ -191,9 +191,9 @@ def run(args: argparse.Namespace) -> dict:
 
     dots, fused_attention, data_dependent = step_dots(args.model, args.platform)
     dtype = "bfloat16" if args.platform == "gpu" else "float32"
-    peak = peak_flops(args.platform)[dtype]
+    peak = peak_flops(args.platform, (dtype,))[dtype]
     xla_ms = time_xla(dots, args.reps)
-    peak = max(peak, peak_flops(args.platform)[dtype])  # the best of before and after, as train_step.py
+    peak = max(peak, peak_flops(args.platform, (dtype,))[dtype])  # the best of before and after, as train_step.py
     peer = time_torch(dots, args.torch_python or default_torch_python(), args.reps, args.platform)
     torch_ms = peer.get("ms") or [None] * len(dots)
     if len(torch_ms) != len(dots):

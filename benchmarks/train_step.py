@@ -137,14 +137,14 @@ def zoo_step_time(name: str, platform: str, steps: int, warmup: int, expert_impl
     }
 
 
-def peak_flops(platform: str) -> dict[str, float]:
-    """The machine's matmul peak (FLOP/s), float32 and bf16, measured now."""
+def peak_flops(platform: str, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, float]:
+    """The machine's matmul peak (FLOP/s) in each of ``dtypes``, measured now."""
     import jax.numpy as jnp
 
     from zoo.train import matmul_peak_flops
 
     n = 8192 if platform == "gpu" else 2048
-    return {"float32": matmul_peak_flops(jnp.float32, n=n), "bfloat16": matmul_peak_flops(jnp.bfloat16, n=n)}
+    return {d: matmul_peak_flops(jnp.dtype(d), n=n) for d in dtypes}
 
 
 def compile_vs_depth(depths: list[int], platform: str) -> list[dict]:

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from zoo.hooks import varying_axes, varying_over
+
 # Fastest forward + backward on the 2-core CPU (B=1, H=G=8, K=64, float32, S 512..4096; 128,
 # 512, 1024 and mixed 256/512 blocks measured too). Accelerators likely want larger blocks.
 DEFAULT_BLOCK_Q = 256
@@ -36,21 +38,13 @@ DEFAULT_BLOCK_KV = 256
 
 def _vma(*xs) -> tuple[str, ...]:
     """The ``shard_map`` mesh axes any of ``xs`` varies over (none outside ``shard_map``)."""
-    axes: set[str] = set()
-    for x in xs:
-        if x is None:
-            continue
-        aval = jax.typeof(x)
-        mat = getattr(aval, "mat", None)  # jax >= 0.12 spells it aval.mat.varying
-        axes |= set(mat.varying if mat is not None else (getattr(aval, "vma", None) or ()))
-    return tuple(sorted(axes))
+    return tuple(sorted(frozenset().union(*(varying_axes(x) for x in xs if x is not None))))
 
 
 def _full(shape, value, dtype, axes: tuple[str, ...]) -> Array:
     """A constant loop carry typed as varying over ``axes``: inside ``shard_map`` a carry must
     start with the type it ends with."""
-    x = jnp.full(shape, value, dtype)
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
+    return varying_over(jnp.full(shape, value, dtype), axes)
 
 
 def _sum_to_vma_of(x, like) -> Array:
