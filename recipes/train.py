@@ -121,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-checkpoints", type=int, default=3, help="how many recent checkpoints to keep (>= 1)")
     r.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured matmul peak)")
     r.add_argument("--save-hf", default=None, help="also write the trained model as a Hugging Face checkpoint here")
+    r.add_argument("--wandb", metavar="PROJECT", default=None,
+                   help="also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline logs without an "
+                        "account, files in RUN_DIR/wandb)")  # fmt: skip
     return p
 
 
@@ -210,7 +213,13 @@ def main(argv: list[str] | None = None) -> None:
 
     retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
     from zoo import train as ztrain
+    from zoo.errors import ConfigError
 
+    if args.wandb:
+        try:
+            ztrain.metrics.require_wandb()
+        except ConfigError as e:
+            parser().error(str(e))
     try:  # before any compiling: a run dir in use, or holding a run that is neither resumed nor replaced
         ztrain.check_run_dir(args.run_dir, resume=args.resume, overwrite=args.overwrite)
     except ztrain.RunDirError as e:
@@ -273,11 +282,11 @@ def main(argv: list[str] | None = None) -> None:
         model, history = ztrain.train(
             model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,
             placement=args.placement, mesh=mesh, param_memory=args.param_memory, opt_memory=args.opt_memory,
-            peak_flops=peak, consume=True,
+            peak_flops=peak, consume=True, wandb=args.wandb,
         )  # fmt: skip
     except ztrain.RunDirError as e:  # a run that started into the dir since the check above
         parser().error(str(e))
-    except (zoo.CheckpointError, ztrain.NonFiniteLoss) as e:  # the message names the step and the checkpoint
+    except (zoo.CheckpointError, zoo.ConfigError, ztrain.NonFiniteLoss) as e:  # each message names its culprit
         sys.exit(f"{parser().prog}: error: {e}")
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     if vals:

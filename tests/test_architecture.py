@@ -1,7 +1,7 @@
 """The architecture holds: generic code never asks which family it has.
 
-No generic module (``zoo/*.py``, ``zoo/layers``, ``zoo/hf``; the registry and the package face
-excepted) imports a family package or uses a name a family exports; every registered family
+No generic module (``zoo/*.py``, ``zoo/layers``, ``zoo/hf``, ``zoo/train``, ``zoo/plan``,
+``zoo/data``; the registry and the package face excepted) imports a family package or uses a name a family exports; every registered family
 implements the whole protocol."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from zoo.causal_lm import CausalLM, ModelConfig
 ZOO = Path(zoo.__file__).parent
 EXEMPT = {"__init__.py", "registry.py"}
 GENERIC = sorted(
-    p for p in [*ZOO.glob("*.py"), *(ZOO / "layers").glob("*.py"), *(ZOO / "hf").glob("*.py")] if p.name not in EXEMPT
-)
+    p for p in [*ZOO.glob("*.py"), *(ZOO / "layers").glob("*.py"), *(ZOO / "hf").glob("*.py"),
+                *(ZOO / "train").glob("*.py"), *(ZOO / "plan").glob("*.py"), *(ZOO / "data").glob("*.py")]
+    if p.name not in EXEMPT
+)  # fmt: skip
 
 
 def family_names() -> dict[str, str]:

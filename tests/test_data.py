@@ -1,6 +1,6 @@
 """Real data for training: tokenization with a checkpoint's tokenizer, sources (text, JSON lines,
 Parquet, saved datasets), the tokenize-once cache, packing, (seed, step) batches, supervised
-fine-tuning masks, clear errors on bad input, the TensorBoard writer and the evaluation recipe.
+fine-tuning masks, clear errors on bad input and the evaluation recipe (TensorBoard: test_metrics.py).
 
 Mostly numpy: only the recipe tests compile (the tiny fixture model, a few seconds)."""
 
@@ -20,7 +20,7 @@ from conftest import FIXTURES
 from zoo import data
 from zoo.data import DataError, PackedData, TokenData, load_data, load_tokenizer, pack_documents, plan_rows
 from zoo.errors import ConfigError
-from zoo.metrics_log import TensorBoardWriter, masked_crc, read_events
+from zoo.metrics_log import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = FIXTURES / "tokenizer-tiny"
@@ -468,38 +468,6 @@ def test_other_bad_specs(tok, tmp_path):
         load_data(str(tmp_path / "x.txt"), 256, tokenizer=tok, cache_dir=tmp_path / "c")
     with pytest.raises(DataError, match="data format must be one of"):
         load_data(str(tmp_path / "x.txt"), 256, tokenizer=tok, data_format="poetry")
-
-
-# --- TensorBoard ---------------------------------------------------------------------------------
-
-
-def test_tensorboard_events_read_back(tmp_path):
-    with TensorBoardWriter(tmp_path / "run") as w:
-        w.scalars(0, {"val_loss": 5.5})
-        w.scalars(25, {"loss": 2.25, "lr": 1e-3, "skipped_nan": float("nan"), "skipped_list": [1, 2]})
-    assert w.path.name.startswith("events.out.tfevents.")
-    events = read_events(w.path)  # every record's CRCs are checked
-    assert events[0]["file_version"] == "brain.Event:2"
-    assert [(e["step"], e["scalars"]) for e in events[1:]] == [(0, {"val_loss": 5.5}), (25, {"loss": 2.25, "lr": pytest.approx(1e-3)})]
-    raw = bytearray(w.path.read_bytes())
-    raw[-6] ^= 1
-    (tmp_path / "bad").write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match="record 2 at byte .* fails its CRC"):
-        read_events(tmp_path / "bad")
-    # An independent reader: tensorboardX's CRC and Event protobuf.
-    import tensorboardX as tbx  # a dev dependency
-    from tensorboardX.proto import event_pb2
-    from tensorboardX.record_writer import masked_crc32c
-
-    assert masked_crc(b"zoo") == masked_crc32c(b"zoo") and tbx
-    body = w.path.read_bytes()
-    n = int.from_bytes(body[:8], "little")
-    at = 16 + n
-    n = int.from_bytes(body[at : at + 8], "little")
-    at += 16 + n
-    n = int.from_bytes(body[at : at + 8], "little")
-    ev = event_pb2.Event.FromString(body[at + 12 : at + 12 + n])
-    assert ev.step == 25 and [(v.tag, round(v.simple_value, 6)) for v in ev.summary.value] == [("loss", 2.25), ("lr", 0.001)]
 
 
 # --- the recipes ---------------------------------------------------------------------------------

@@ -9,11 +9,12 @@
 Reference: ``docs/planning.md``.
 """
 
+from zoo.plan._step import StepOptions
 from zoo.plan.estimate import Estimate, estimate, measure
 from zoo.plan.hardware import HARDWARE, Hardware, hardware
 from zoo.plan.planner import Candidate, NothingFits, Plan, candidate_table, plan, price
 
 __all__ = [
-    "HARDWARE", "Candidate", "Estimate", "Hardware", "NothingFits", "Plan", "candidate_table", "estimate", "hardware",
+    "HARDWARE", "Candidate", "Estimate", "Hardware", "NothingFits", "Plan", "StepOptions", "candidate_table", "estimate", "hardware",
     "measure", "plan", "price",
 ]  # fmt: skip

@@ -12,7 +12,7 @@ import collections
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import equinox as eqx
 import jax
@@ -239,21 +239,28 @@ def _nbytes(x: Any) -> int:
     return math.prod(x.shape) * np.dtype(x.dtype).itemsize
 
 
-def make_step(
-    model_or_config: Any,
-    *,
-    batch_size: int,
-    seq_len: int,
-    placement: Any = None,
-    mesh: Any = None,
-    param_memory: str = "device",
-    opt_memory: str = "device",
-    compute_dtype: Any = None,
-) -> Step:
-    model = abstract_model(model_or_config, compute_dtype)
+class StepOptions(TypedDict, total=False):
+    """How a planned step is laid out besides its batch and sequence; every key is optional.
+    :func:`make_step`, ``estimate``, ``measure`` and the planner take them as keywords."""
+
+    placement: Any  # a placement map or its spec; None (the default): no jax.checkpoint
+    mesh: Any  # None (one device), a spec "data=9,fsdp=8", a mapping or a mesh
+    param_memory: str  # where parameters live between steps: "device" (default) or "pinned_host"
+    opt_memory: str  # the same for the optimizer state
+    compute_dtype: Any  # a config is built abstractly in this dtype (default float32)
+
+
+def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options: Unpack[StepOptions]) -> Step:
+    """The step of ``model_or_config`` (a model, whose arrays' shapes are used, or a config) on
+    a global batch of ``batch_size`` rows of ``seq_len`` tokens, laid out as ``options`` say."""
+    if unknown := set(options) - set(StepOptions.__annotations__):
+        raise TypeError(f"unknown step option(s) {sorted(unknown)}: the options are {list(StepOptions.__annotations__)}")
+    model = abstract_model(model_or_config, options.get("compute_dtype"))
+    placement = options.get("placement")
     if placement is not None:
         placement = resolve(placement, model)
-    return Step(model, mesh_sizes(mesh), int(batch_size), int(seq_len), placement, param_memory, opt_memory)
+    return Step(model, mesh_sizes(options.get("mesh")), int(batch_size), int(seq_len), placement,
+                options.get("param_memory", "device"), options.get("opt_memory", "device"))  # fmt: skip
 
 
 # -- reading the traced program -------------------------------------------------------------------
@@ -332,5 +339,5 @@ def stack_bytes(stacks: list[Stack]) -> dict[str, int]:
     return out
 
 
-__all__ = ["SDS", "Stack", "Step", "abstract_mesh", "abstract_model", "layer_stacks", "make_step", "mesh_sizes",
+__all__ = ["SDS", "Stack", "Step", "StepOptions", "abstract_mesh", "abstract_model", "layer_stacks", "make_step", "mesh_sizes",
            "mesh_spec", "stack_bytes"]  # fmt: skip

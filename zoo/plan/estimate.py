@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 
 from zoo.plan import _liveness
-from zoo.plan._step import SDS, Step, layer_stacks, make_step, mesh_spec, stack_bytes
+from zoo.plan._step import SDS, Step, StepOptions, layer_stacks, make_step, mesh_spec, stack_bytes
 
 GiB = 2**30
 
@@ -176,16 +176,7 @@ def _from_step(step: Step, *, unified: bool, jaxpr: Any = None) -> Estimate:
 
 
 def estimate(
-    model_or_config: Any,
-    *,
-    batch_size: int,
-    seq_len: int,
-    placement: Any = None,
-    mesh: Any = None,
-    param_memory: str = "device",
-    opt_memory: str = "device",
-    compute_dtype: Any = None,
-    unified_memory: bool = False,
+    model_or_config: Any, *, batch_size: int, seq_len: int, unified_memory: bool = False, **options: Unpack[StepOptions]
 ) -> Estimate:
     """Per-device bytes of one training step, from shapes alone (nothing allocated, no device
     needed): the step is traced on an abstract mesh and its temporaries found by a liveness
@@ -193,28 +184,18 @@ def estimate(
 
     ``model_or_config``: a model (its arrays' shapes are used) or a config (built abstractly
     in ``compute_dtype``, default float32). ``batch_size``: the global batch, split over the
-    mesh's ``data``, ``fsdp`` and ``expert`` axes. ``mesh``: ``None``, a spec
-    (``"data=9,fsdp=8"``), a mapping or a mesh. ``unified_memory``: count as XLA:CPU does,
-    host and device one memory (what :func:`measure` sees on CPU).
+    mesh's ``data``, ``fsdp`` and ``expert`` axes. ``options``: ``placement``, ``mesh`` (``None``,
+    a spec ``"data=9,fsdp=8"``, a mapping or a mesh), ``param_memory``, ``opt_memory``,
+    ``compute_dtype`` (:class:`~zoo.plan._step.StepOptions`). ``unified_memory``: count as
+    XLA:CPU does, host and device one memory (what :func:`measure` sees on CPU).
     """
-    step = make_step(
-        model_or_config, batch_size=batch_size, seq_len=seq_len, placement=placement, mesh=mesh,
-        param_memory=param_memory, opt_memory=opt_memory, compute_dtype=compute_dtype,
-    )  # fmt: skip
+    step = make_step(model_or_config, batch_size=batch_size, seq_len=seq_len, **options)
     return _from_step(step, unified=unified_memory)
 
 
 def measure(
-    model_or_config: Any,
-    *,
-    batch_size: int,
-    seq_len: int,
-    placement: Any = None,
-    mesh: Any = None,
-    param_memory: str = "device",
-    opt_memory: str = "device",
-    compute_dtype: Any = None,
-    compiler_options: Mapping[str, Any] | None = None,
+    model_or_config: Any, *, batch_size: int, seq_len: int, compiler_options: Mapping[str, Any] | None = None,
+    **options: Unpack[StepOptions],
 ) -> Estimate:
     """The same figures from XLA: the step compiled on the devices present (the mesh must fit
     them), its ``memory_analysis()`` per device: arguments + outputs + temporaries - aliases,
@@ -224,10 +205,7 @@ def measure(
     pinned host memory are among the device figures, and no host figure is reported. The
     residual and layer parts are the estimate's (XLA reports totals only), and ``predicted`` is
     the whole estimate of the same traced program (``unified`` on CPU)."""
-    step = make_step(
-        model_or_config, batch_size=batch_size, seq_len=seq_len, placement=placement, mesh=mesh,
-        param_memory=param_memory, opt_memory=opt_memory, compute_dtype=compute_dtype,
-    )  # fmt: skip
+    step = make_step(model_or_config, batch_size=batch_size, seq_len=seq_len, **options)
     jaxpr, compiled = step.compile(compiler_options)
     m = compiled.memory_analysis()
     device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes

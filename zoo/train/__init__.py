@@ -1,0 +1,37 @@
+"""Training: the optimizer, the jitted step, metrics, checkpoints, run directories and the loop.
+
+A step is a pure function ``(params, opt_state, batch, index) -> (params, opt_state, metrics)``;
+the loop around it is the only place with I/O. One module a concern, none importing the loop:
+
+- ``config``: ``TrainConfig``, the learning-rate schedule, the optimizer
+- ``batch``: what a batch holds, the (seed, step) batches, their rows placed on a mesh
+- ``step``: ``make_train_step``, ``make_eval``
+- ``checkpoints``: the orbax manager, saves with bit sums, audited restores, ``NonFiniteLoss``
+- ``run_dir``: the run dir's lock and the rules for a previous run
+- ``metrics``: the metrics log (JSON lines, TensorBoard, W&B, terminal), the loss plot, the matmul peak
+- ``loop``: ``train``
+
+Every name is importable from ``zoo.train`` itself (``from zoo import train; train.TrainConfig``).
+"""
+
+from zoo.train.batch import BATCH_FIELDS, as_batch, batches, local_rows, place_batch
+from zoo.train.checkpoints import NonFiniteLoss
+from zoo.train.config import TrainConfig, learning_rate, optimizer, param_specs
+from zoo.train.loop import train
+from zoo.train.metrics import (
+    MetricsLog,
+    TensorBoardWriter,
+    WandbWriter,
+    device_memory_in_use,
+    matmul_peak_flops,
+    plot_losses,
+)
+from zoo.train.run_dir import RunDirError, check_run_dir
+from zoo.train.step import loss_and_metrics, make_eval, make_train_step
+
+__all__ = [
+    "BATCH_FIELDS", "MetricsLog", "NonFiniteLoss", "RunDirError", "TensorBoardWriter", "TrainConfig", "WandbWriter",
+    "as_batch", "batches", "check_run_dir", "device_memory_in_use", "learning_rate", "local_rows", "loss_and_metrics",
+    "make_eval", "make_train_step", "matmul_peak_flops", "optimizer", "param_specs", "place_batch", "plot_losses",
+    "train",
+]  # fmt: skip

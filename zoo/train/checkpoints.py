@@ -1,0 +1,200 @@
+"""Training checkpoints: the orbax manager of a run dir, a save that first checks every array
+is finite and records its bit sums, and a restore that trusts a checkpoint only once its
+metadata reads, its arrays fit the model, restore, are finite and match those sums (damaged
+ones are moved aside, never deleted). ``NonFiniteLoss`` is the guard's stop."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, UInt32
+
+from zoo.errors import CheckpointError
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss, a metric, the parameters or the optimizer state became NaN or infinite.
+    Nothing non-finite is written: the last checkpoint is good and left untouched."""
+
+
+def open_manager(run_dir: Path, keep: int) -> Any:
+    """The orbax ``CheckpointManager`` of ``run_dir/checkpoints``: asynchronous saves, atomic
+    (written under a temporary name, renamed when complete), the last ``keep`` kept."""
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(
+        (run_dir / "checkpoints").absolute(), options=options, item_handlers=ocp.StandardCheckpointHandler()
+    )
+
+
+def stop_message(manager: Any, run_dir: Path | None, step: int, what: str) -> str:
+    """Why a run stops at ``step``, and which checkpoint it leaves good (after any save in flight)."""
+    if manager is not None:
+        manager.wait_until_finished()
+    last = manager.latest_step() if manager is not None else None
+    if last is not None:
+        kept = f"the last good checkpoint (step {last}, {run_dir / 'checkpoints' / str(last)}) is untouched"
+    else:
+        kept = "there is no checkpoint" if manager is not None else "nothing was saved (no run dir)"
+    return f"step {step}: {what}; stopping. Nothing non-finite was written: {kept}."
+
+
+def save(manager: Any, run_dir: Path | None, step: int, tree: Any, *, on_host: bool) -> None:
+    """Save ``tree`` (``{"params", "opt_state"}``) as checkpoint ``step``, with its arrays' bit
+    sums; raises ``NonFiniteLoss`` (nothing written) if any array is not finite: the update can
+    break what the loss did not show. ``on_host``: some of the tree is in pinned host memory."""
+    import orbax.checkpoint as ocp
+
+    finite, sums = audit(tree, to_device=on_host)
+    if (bad := first_non_finite(tree, finite)) is not None:
+        raise NonFiniteLoss(stop_message(manager, run_dir, step, f"the {bad} is not finite after the update"))
+    checksums = dict(zip(named_leaves(tree), np.asarray(sums).tolist()))
+    manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata={"zoo": {"checksums": checksums}}, force=True)
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """The array leaves of ``tree`` (arrays, shape structs, orbax metadata) by dotted path."""
+
+    def name(key) -> str:
+        for attr in ("name", "key", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(map(name, path)): x for path, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")}
+
+
+def _params_first(names: Iterable[str]) -> list[str]:
+    """Leaf names with the parameters' first: an error names a parameter where one is at fault."""
+    return sorted(names, key=lambda name: not name.startswith("params."))
+
+
+def _describe(name: str) -> str:
+    """A leaf of ``{"params": ..., "opt_state": ...}`` as a person would name it."""
+    return f"parameter {name.removeprefix('params.')}" if name.startswith("params.") else f"optimizer state {name}"
+
+
+def _bit_sum(x: Array) -> UInt32[Array, ""]:
+    """A wrapping uint32 sum of ``x``'s bits: changes with any damage to its stored bytes."""
+    if x.dtype == jnp.bool_:
+        return jnp.sum(x, dtype=jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)  # 8 bytes: two uint32 words
+    return jnp.sum(jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32), dtype=jnp.uint32)
+
+
+@functools.partial(jax.jit, static_argnames="to_device")
+def audit(tree: Any, to_device: bool = False) -> tuple[Bool[Array, " N"], UInt32[Array, " N"]]:
+    """Per array leaf of ``tree`` (in ``named_leaves`` order): whether it is finite, and its
+    bit sum, in one pass: cheap enough to run before every save."""
+    if to_device:  # pinned_host trees: computing needs them on the device
+        from zoo.placement import tree_placement
+
+        tree = tree_placement(tree, "device")
+    leaves = list(named_leaves(tree).values())
+    finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True) for x in leaves]
+    return jnp.stack(finite), jnp.stack([_bit_sum(x) for x in leaves])
+
+
+def first_non_finite(tree: Any, finite: Any) -> str | None:
+    """The first leaf that ``audit`` found non-finite, described (None: all finite)."""
+    bad = [name for name, ok in zip(named_leaves(tree), np.asarray(finite)) if not ok]
+    return _describe(_params_first(bad)[0]) if bad else None
+
+
+def _short(e: BaseException) -> str:
+    """An exception in one short line (orbax's and TensorStore's messages run to pages); the
+    innermost cause is the one that names the array and the file."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    line = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return line if len(line) <= 240 else line[:237] + "..."
+
+
+def _misfit(saved: Mapping[str, Any], abstract: Any) -> str | None:
+    """How a checkpoint's arrays (orbax metadata) differ from the model's, or None."""
+    want = named_leaves(abstract)
+    for name in _params_first(want):
+        leaf = want[name]
+        if name not in saved:
+            return f"{_describe(name)} {tuple(leaf.shape)} is not in the checkpoint"
+        if tuple(saved[name].shape) != tuple(leaf.shape):
+            return (f"{_describe(name)} has shape {tuple(saved[name].shape)} in the checkpoint, "
+                    f"{tuple(leaf.shape)} in the model")  # fmt: skip
+    extra = _params_first(name for name in saved if name not in want)
+    return f"{_describe(extra[0])} is in the checkpoint, not in the model" if extra else None
+
+
+def _try_restore(manager: Any, step: int, path: Path, abstract: Any, to_device: bool) -> tuple[str | None, Any]:
+    """``(None, tree)``, or ``(what is wrong, None)`` for a damaged checkpoint; raises
+    ``CheckpointError`` for a checkpoint of another model (falling back would not help)."""
+    import orbax.checkpoint as ocp
+
+    try:
+        meta = manager.item_metadata(step)
+    except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise plain Exceptions for damage)
+        return f"its metadata does not read ({_short(e)})", None
+    saved = named_leaves(meta) if meta is not None else {}
+    if not saved:
+        return "its metadata is missing", None
+    if (misfit := _misfit(saved, abstract)) is not None:
+        raise CheckpointError(f"checkpoint step {step} ({path}) does not fit the model: {misfit} "
+                              "(a checkpoint of another preset or model?)")  # fmt: skip
+    try:
+        tree = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # noqa: BLE001  (as above)
+        return f"it does not restore ({_short(e)})", None
+    finite, sums = audit(tree, to_device=to_device)
+    if (bad := first_non_finite(tree, finite)) is not None:
+        return f"its {bad} is not finite", None
+    try:  # the bit sums saved with it (none in a checkpoint without its _CHECKPOINT_METADATA)
+        expected = (manager.metadata(step).custom_metadata or {}).get("zoo", {}).get("checksums", {})
+    except Exception:  # noqa: BLE001  (unreadable: unchecked, as for a checkpoint saved without them)
+        expected = {}
+    got = dict(zip(named_leaves(tree), np.asarray(sums).tolist()))
+    for name in _params_first(got):
+        if name in expected and int(expected[name]) != got[name]:
+            return f"its {_describe(name)} does not match the checksum saved with it", None
+    return None, tree
+
+
+def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool) -> tuple[int, Any]:
+    """The newest checkpoint that restores and verifies: ``(step, tree)``; ``(0, None)`` if
+    there is none. Damaged newer ones are moved to ``run_dir/damaged-checkpoints`` (kept,
+    not deleted), saying so; with no good one left, ``CheckpointError`` names them all."""
+    ckpt_dir = run_dir / "checkpoints"
+    damaged: list[tuple[int, str]] = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        problem, tree = _try_restore(manager, step, ckpt_dir / str(step), abstract, to_device)
+        if problem is not None:
+            damaged.append((step, problem))
+            continue
+        for bad, why in damaged:
+            dest = run_dir / "damaged-checkpoints" / str(bad)
+            n = 1
+            while dest.exists():
+                dest, n = run_dir / "damaged-checkpoints" / f"{bad}.{n}", n + 1
+            dest.parent.mkdir(exist_ok=True)
+            shutil.move(ckpt_dir / str(bad), dest)  # a later save of this step would collide with it
+            print(f"checkpoint step {bad} ({ckpt_dir / str(bad)}) is damaged: {why}; moved it to {dest}; "
+                  f"falling back to step {step}", file=sys.stderr, flush=True)  # fmt: skip
+        if damaged:
+            manager.reload()
+        return step, tree
+    if damaged:
+        raise CheckpointError(
+            f"no checkpoint in {ckpt_dir} is usable: "
+            + "; ".join(f"step {s} ({ckpt_dir / str(s)}) is damaged: {why}" for s, why in damaged)
+            + ". Nothing to resume from: start over with --overwrite"
+        )
+    return 0, None

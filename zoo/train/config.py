@@ -1,0 +1,82 @@
+"""Optimisation settings and what they build: ``TrainConfig``, the learning-rate schedule and
+the optimizer (AdamW, clipping, weight decay and frozen buffers decided by the parameter
+description)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import optax
+
+from zoo.params import Param, map_params
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and loop settings (model shape lives in the model's config)."""
+
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0
+    seed: int = 0
+    # The model family's training options (``type(model).training_options``, e.g. DeepSeek-V3's
+    # MTP weight); None: the family's defaults.
+    model_options: Any = None
+    # loop
+    log_every: int = 25
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "checkpoint_every",
+                     "keep_checkpoints"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.warmup < 0 or self.warmup > self.steps:
+            raise ValueError(f"warmup must be in 0..steps ({self.steps}), got {self.warmup}")
+
+
+def param_specs(model: eqx.Module) -> dict[str, Param]:
+    """The model's parameter description (see :mod:`zoo.params`)."""
+    from zoo.registry import family_of
+
+    return family_of(model).param_specs(model.config)
+
+
+def learning_rate(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
+    )
+
+
+def optimizer(cfg: TrainConfig, model: eqx.Module) -> optax.GradientTransformation:
+    """AdamW with decoupled weight decay on weight matrices only (not norms or biases),
+    global-norm clipping, and no update at all for buffers (the router's correction bias)."""
+    specs = param_specs(model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    decay = map_params(lambda path, _: specs[path].trainable and specs[path].init == "normal", params)
+    labels = map_params(lambda path, _: "train" if specs[path].trainable else "frozen", params)
+    train = optax.chain(
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(learning_rate(cfg), cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=lambda _: decay),
+    )
+    # The trees are models, which are callable: optax would call them; hand it functions instead.
+    return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, lambda _: labels)

@@ -1,0 +1,222 @@
+"""The training loop, ``train``: the only place with I/O around the pure step. It takes the
+run dir's lock, restores the latest good checkpoint on resume, runs the steps with the
+batches of (seed, step), logs, evaluates, saves, and stops on anything non-finite."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zoo.errors import ConfigError
+from zoo.train import checkpoints
+from zoo.train.batch import batch_rows, batches, local_rows, place_batch
+from zoo.train.checkpoints import NonFiniteLoss
+from zoo.train.config import TrainConfig, optimizer
+from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
+from zoo.train.run_dir import RunDirLock
+from zoo.train.step import make_eval, make_train_step
+
+
+def train(
+    model: eqx.Module,
+    data: Any,
+    cfg: TrainConfig,
+    *,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    placement: Any = None,
+    mesh: Any = None,
+    param_memory: str = "device",
+    opt_memory: str = "device",
+    peak_flops: float | None = None,
+    stop_after: int | None = None,
+    consume: bool = False,
+    wandb: str | None = None,
+) -> tuple[eqx.Module, list[dict[str, Any]]]:
+    """Train ``model`` on ``data``; returns the trained model and the metric records.
+
+    Checkpoints (orbax, asynchronous, atomic, last ``keep_checkpoints`` kept) go to
+    ``run_dir/checkpoints`` every ``checkpoint_every`` steps and at the end. A run dir that
+    holds an earlier run is refused unless ``resume`` (continue from its latest good
+    checkpoint) or ``overwrite`` (remove it first); a run holds ``run_dir/.lock`` while it
+    lasts. ``stop_after``: stop (without a final save) after that many steps of this call —
+    for tests that interrupt a run. ``consume``: let the steps reuse the given model's
+    buffers (no copy; the caller's ``model`` is unusable afterwards). ``wandb``: also log to
+    this Weights & Biases project (needs ``wandb`` and a run dir).
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
+    if wandb is not None and run_dir is None:
+        raise ConfigError("wandb logging needs a run dir (its files go to RUN_DIR/wandb)")
+    run = _Run(model, data, cfg, None if run_dir is None else Path(run_dir), resume, placement, mesh, param_memory,
+               opt_memory, peak_flops, stop_after, consume, wandb)  # fmt: skip
+    if run.run_dir is None:
+        return _train(run)
+    with RunDirLock(run.run_dir, resume, overwrite):
+        return _train(run)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """``train``'s arguments, as the loop's parts read them."""
+
+    model: eqx.Module
+    data: Any
+    cfg: TrainConfig
+    run_dir: Path | None
+    resume: bool
+    placement: Any
+    mesh: Any
+    param_memory: str
+    opt_memory: str
+    peak_flops: float | None
+    stop_after: int | None
+    consume: bool
+    wandb: str | None
+
+
+def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
+    """``train`` in a checked and locked run dir: the state, restored on resume, then the loop."""
+    import orbax.checkpoint as ocp
+
+    model, cfg, run_dir = run.model, run.cfg, run.run_dir
+    tx = optimizer(cfg, model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    if not run.consume:  # the steps donate their inputs
+        params = jax.tree.map(jnp.copy, params)
+    static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+    if run.mesh is not None and run.mesh.size > 1:
+        from zoo import parallel
+
+        params = parallel.shard(params, run.mesh)
+        opt_state = parallel.replicate_unplaced(tx.init(params), run.mesh)
+    else:
+        opt_state = tx.init(params)
+    start = 0
+    previous: list[dict[str, Any]] = []  # the resumed run's metric records, for the loss curve
+    manager = checkpoints.open_manager(run_dir, cfg.keep_checkpoints) if run_dir is not None else None
+    try:
+        if manager is not None and run.resume:
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+            start, restored = checkpoints.restore_latest(manager, run_dir, abstract, to_device=False)
+            if restored is not None:
+                params, opt_state = restored["params"], restored["opt_state"]
+                print(f"resumed from {run_dir / 'checkpoints'} at step {start}", flush=True)
+            else:
+                print(f"no checkpoint in {run_dir / 'checkpoints'}: starting from step 0", flush=True)
+            if jax.process_index() == 0:
+                previous = truncate_metrics(run_dir / "metrics.jsonl", start)
+            if start >= cfg.steps:
+                print(f"run in {run_dir} already finished at step {start}; nothing to do", flush=True)
+                return eqx.combine(params, static), []
+        return _loop(run, manager, start, previous, tx, params, opt_state, static)
+    finally:
+        if manager is not None:
+            manager.close()  # waits for a save in flight: an interrupted run keeps it
+
+
+def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], tx: optax.GradientTransformation,
+          params: Any, opt_state: Any, static: Any) -> tuple[eqx.Module, list[dict[str, Any]]]:  # fmt: skip
+    """The steps from ``start``, with metrics, checks and checkpoints."""
+    from zoo.placement import tree_placement
+
+    model, data, cfg, run_dir, mesh = run.model, run.data, run.cfg, run.run_dir, run.mesh
+    param_memory, opt_memory = run.param_memory, run.opt_memory
+    if param_memory != "device":
+        params = tree_placement(params, param_memory, what="parameters")
+    if opt_memory != "device":
+        opt_state = tree_placement(opt_state, opt_memory, what="optimizer state")
+    step_fn = make_train_step(
+        model, cfg, tx, placement=run.placement, mesh=mesh, param_memory=param_memory, opt_memory=opt_memory
+    )
+    evaluate = make_eval(model, placement=run.placement)
+    seq = cfg.seq_len
+    flops_per_token = model.config.flops_per_token(seq)
+    # Process 0 writes the metrics (every process computes the same ones).
+    settings = run_settings(model, cfg, placement=run.placement, mesh=mesh, param_memory=param_memory,
+                            opt_memory=opt_memory)  # fmt: skip
+    log = MetricsLog(run_dir if jax.process_index() == 0 else None, cfg.steps, settings=settings, wandb=run.wandb,
+                     resume=run.resume, start=start)  # fmt: skip
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * seq
+    last_time, last_step, done = time.perf_counter(), start, start
+    on_host = param_memory != "device" or opt_memory != "device"
+
+    def stop(what: str) -> NonFiniteLoss:
+        return NonFiniteLoss(checkpoints.stop_message(manager, run_dir, done, what))
+
+    def save(step: int) -> None:
+        if manager is not None:
+            checkpoints.save(manager, run_dir, step, {"params": params, "opt_state": opt_state}, on_host=on_host)
+
+    mine = local_rows(mesh, cfg.batch_size)  # this process's rows of every batch: all, on one process
+
+    def validation_loss(params) -> float:
+        p = tree_placement(params, "device") if param_memory != "device" else params
+        batches_ = (
+            place_batch(batch_rows(data, mine, cfg.seed, i, cfg.batch_size, seq, split="valid"), mesh, micro=False,
+                        rows=mine, batch_size=cfg.batch_size)  # fmt: skip
+            for i in range(cfg.eval_batches)
+        )
+        return float(np.mean([float(evaluate(p, b)) for b in batches_]))
+
+    try:
+        if start == 0:  # where training starts from (about ln V for a fresh model)
+            log.write({"step": 0, "val_loss": validation_loss(params)})
+            last_time = time.perf_counter()
+        for step, batch in batches(data, cfg, start, rows=mine):
+            placed = place_batch(batch, mesh, rows=mine, batch_size=cfg.batch_size)
+            params, opt_state, metrics = step_fn(params, opt_state, placed, jnp.int32(step))
+            done = step + 1
+            is_log = done % cfg.log_every == 0 or done == cfg.steps
+            is_eval = done % cfg.eval_every == 0 or done == cfg.steps
+            is_save = done % cfg.checkpoint_every == 0
+            if is_log or is_eval or is_save:
+                loss = float(metrics["loss"])
+                if not math.isfinite(loss):
+                    raise stop(f"loss is {loss}")
+                now = time.perf_counter()
+                tps = tokens_per_step * (done - last_step) / (now - last_time)
+                last_time, last_step = now, done
+            if is_log or is_eval:
+                record = {"step": done, "loss": loss, "tokens_per_s": tps}
+                for k, v in metrics.items():
+                    if k != "loss":
+                        record[k] = float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+                if run.peak_flops:
+                    record["mfu"] = tps * flops_per_token / run.peak_flops
+                record["memory_bytes"] = device_memory_in_use()
+                if is_eval:
+                    record["val_loss"] = validation_loss(params)
+                    last_time = time.perf_counter()  # evaluation is not training throughput
+                for k, v in record.items():  # metrics.jsonl holds finite numbers only (JSON has no NaN)
+                    if v is not None and not np.all(np.isfinite(np.asarray(v, dtype=float))):
+                        raise stop(f"{k} is {v}")
+                log.write(record)
+            if done % cfg.checkpoint_every == 0 and done != cfg.steps:
+                save(done)
+            if run.stop_after is not None and done - start >= run.stop_after:
+                if manager is not None:
+                    manager.wait_until_finished()
+                return eqx.combine(params, static), log.history
+        if manager is not None:
+            if manager.latest_step() != done:
+                save(done)
+            manager.wait_until_finished()
+    finally:
+        log.close()
+    if run_dir is not None and log.history and jax.process_index() == 0:
+        plot_losses(previous + log.history, run_dir / "loss.png")
+    if param_memory != "device":
+        params = tree_placement(params, "device")
+    return eqx.combine(params, static), log.history

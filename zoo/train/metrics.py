@@ -1,0 +1,255 @@
+"""What a run reports: the metrics log (``metrics.jsonl``, TensorBoard event files written by
+tensorboardX, Weights & Biases where asked, a progress line on the terminal), the run's
+settings as text once, the loss-curve PNG, and the figures behind throughput and MFU (the
+machine's matmul peak, device memory in use)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.errors import ConfigError
+
+
+def _scalars(values: Mapping[str, Any]) -> dict[str, float]:
+    """The finite scalar values of a record (lists such as an expert load, and None, left out)."""
+    kept = {}
+    for k, v in values.items():
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(x):
+            kept[k] = x
+    return kept
+
+
+class TensorBoardWriter:
+    """Scalars per step, and text, into an event file in ``run_dir`` (created if missing),
+    written by tensorboardX; every call is flushed, so ``tensorboard --logdir RUN_DIR`` follows
+    a run live. Non-finite and non-scalar values are skipped."""
+
+    def __init__(self, run_dir: str | Path):
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(run_dir))
+
+    def scalars(self, step: int, values: Mapping[str, Any]) -> None:
+        for tag, x in _scalars(values).items():
+            self._writer.add_scalar(tag, x, int(step))
+        self._writer.flush()
+
+    def text(self, step: int, texts: Mapping[str, str]) -> None:
+        for tag, text in texts.items():  # TensorBoard renders Markdown: keep the text verbatim
+            self._writer.add_text(tag, f"```\n{text}\n```", int(step))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def __enter__(self) -> TensorBoardWriter:  # noqa: PYI034 (beartype checks no typing.Self here)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def require_wandb() -> Any:
+    """The ``wandb`` module, or a ``ConfigError`` saying how to get it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--wandb: the wandb package is not installed (pip install wandb, or "
+                          "pip install -e '.[wandb]')") from None  # fmt: skip
+    return wandb
+
+
+class WandbWriter:
+    """Scalars per step to a Weights & Biases run in ``project``, its files under
+    ``run_dir/wandb``; the run's settings are its config. ``WANDB_MODE=offline`` (wandb's own
+    setting) logs without an account, to be synced later. A resumed zoo run continues the same
+    W&B run (its id is kept in ``run_dir/wandb/zoo-run-id``)."""
+
+    def __init__(self, project: str, run_dir: Path, config: Mapping[str, Any], *, resume: bool):
+        wandb = require_wandb()
+        id_file = run_dir / "wandb" / "zoo-run-id"
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(project=project, dir=str(run_dir), config=dict(config), name=run_dir.name,
+                                  id=run_id, resume="allow" if run_id else None)  # fmt: skip
+        except Exception as e:  # noqa: BLE001  (wandb raises its own errors for a missing login or network)
+            raise ConfigError(f"--wandb {project}: wandb could not start a run ({type(e).__name__}: {e}); "
+                              "WANDB_MODE=offline logs without an account or network") from None  # fmt: skip
+        if run_id is None:
+            id_file.write_text(self.run.id)
+
+    def scalars(self, step: int, values: Mapping[str, Any]) -> None:
+        if kept := _scalars(values):
+            self.run.log(kept, step=int(step))
+
+    def text(self, step: int, texts: Mapping[str, str]) -> None:
+        pass  # the same settings are the run's config
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memory: str, opt_memory: str) -> dict[str, Any]:
+    """The run's settings as plain data: the model's class and config, the ``TrainConfig``,
+    the mesh, where parameters and optimizer state live, and the placement map as a spec."""
+    from zoo.placement import resolve
+
+    if placement is None:
+        where = "none (no jax.checkpoint: XLA keeps what the backward pass uses)"
+    else:
+        where = resolve(placement, model).spec()
+    return {
+        "model": type(model).__name__,
+        "model_config": dataclasses.asdict(model.config),
+        "train": dataclasses.asdict(cfg),
+        "mesh": dict(mesh.shape) if mesh is not None else None,
+        "param_memory": param_memory,
+        "opt_memory": opt_memory,
+        "placement": where,
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+class MetricsLog:
+    """Metrics as JSON lines, TensorBoard event files (beside each other in ``run_dir``) and,
+    with ``wandb`` (a project name), Weights & Biases; on the terminal a progress line (plain
+    lines when not a TTY). ``run_dir`` None: the terminal only (a run without a run dir, or a
+    process other than the first of a multi-host run). ``settings``: the run's, written once as
+    text (and as the W&B config)."""
+
+    def __init__(self, run_dir: Path | None, total_steps: int, *, settings: Mapping[str, Any] | None = None,
+                 wandb: str | None = None, resume: bool = False, start: int = 0):  # fmt: skip
+        self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
+        self.total = total_steps
+        self.tty = sys.stdout.isatty()
+        self.history: list[dict[str, Any]] = []
+        self.writers: list[Any] = []
+        if run_dir is None:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        settings = _jsonable(dict(settings or {}))
+        self.writers.append(TensorBoardWriter(run_dir))
+        if wandb is not None:
+            self.writers.append(WandbWriter(wandb, run_dir, settings, resume=resume))
+        if settings:
+            texts = {"config": json.dumps(settings, indent=2)}
+            if "placement" in settings:
+                texts["placement"] = str(settings["placement"])
+            for w in self.writers:
+                w.text(start, texts)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+        self.writers = []
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        record = {k: (float(v) if isinstance(v, (np.floating, float)) else v) for k, v in record.items()}
+        self.history.append(dict(record))
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        for w in self.writers:
+            w.scalars(record["step"], {k: v for k, v in record.items() if k != "step"})
+        parts = [f"step {record['step']}/{self.total}"]
+        for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("tokens_per_s", ".0f"), ("mfu", ".1%"),
+                         ("grad_norm", ".3f"), ("lr", ".2e")):  # fmt: skip
+            if record.get(key) is not None:
+                parts.append(f"{key} {format(record[key], fmt)}")
+        if record.get("memory_bytes"):
+            parts.append(f"mem {record['memory_bytes'] / 2**20:.0f}MiB")
+        line = "  ".join(parts)
+        if self.tty:
+            bar = int(30 * record["step"] / self.total)
+            print(f"\r[{'#' * bar}{'.' * (30 - bar)}] {line}", end="\n" if "val_loss" in record else "", flush=True)
+        else:
+            print(line, flush=True)
+
+
+def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records of steps up to ``step`` (none when 0: the run starts over), rewritten
+    atomically; returns them. A resumed run then appends, and no step is logged twice."""
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if step > 0 and isinstance(record, dict) and record.get("step", math.inf) <= step:
+            kept.append(record)
+            lines.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(x + "\n" for x in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
+
+
+def plot_losses(history: list[Mapping[str, Any]], path: Path) -> Path | None:
+    """Train and validation loss against step, as a PNG (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss-curve PNG", file=sys.stderr)
+        return None
+    train = [(r["step"], r["loss"]) for r in history if "loss" in r]
+    valid = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def matmul_peak_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+    """The machine's own matmul peak: FLOP/s of a large XLA matmul (best of ``repeats``)."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def device_memory_in_use() -> int | None:
+    """Bytes in use on the first local device, where the backend reports it."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else int(stats.get("bytes_in_use", 0))

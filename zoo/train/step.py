@@ -1,0 +1,130 @@
+"""The jitted step and evaluation: ``make_train_step`` (gradients, accumulation over
+micro-batches, the update, the family's after-step change, parameters and optimizer state
+brought from and back to their memory) and ``make_eval``; a step is a pure function
+``(params, opt_state, batch, index) -> (params, opt_state, metrics)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int
+
+from zoo.train.batch import as_batch
+from zoo.train.config import TrainConfig, learning_rate
+
+
+def loss_and_metrics(model: eqx.Module, input_ids: Int[Array, "B S"], *, cfg: TrainConfig, placement: Any = None,
+                     **fields: Any) -> tuple[Float[Array, ""], dict[str, Array]]:  # fmt: skip
+    """The model's training objective and what to log about it (``model.loss``); ``fields``:
+    the batch's positions / segment_ids / loss_mask."""
+    return model.loss(input_ids, options=cfg.model_options, placement=placement, **fields)
+
+
+def global_norm(tree: Any) -> Float[Array, ""]:
+    """The global L2 norm of a tree's inexact arrays, in float32."""
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
+    return jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))
+
+
+def make_train_step(
+    model: eqx.Module,
+    cfg: TrainConfig,
+    tx: optax.GradientTransformation,
+    *,
+    placement: Any = None,
+    mesh: Any = None,
+    param_memory: str = "device",
+    opt_memory: str = "device",
+) -> Callable:
+    """``step(params, opt_state, batch, index) -> (params, opt_state, metrics)``, jitted.
+
+    ``batch``: token ids ``[A, B, S]``, or a dict of them with any of :data:`BATCH_FIELDS`
+    (packed rows, SFT masks), each ``[A, B, S]``. ``A = grad_accum`` micro-batches are scanned
+    and their gradients averaged. With a
+    ``mesh`` the gradients come from :func:`zoo.parallel.value_and_grad` (shard_map); without,
+    from ``eqx.filter_value_and_grad``. ``param_memory`` / ``opt_memory``: where parameters and
+    optimizer state live between steps (``pinned_host`` trees are brought to device inside the
+    step and written back). After the update, ``model.after_step(metrics)`` makes the family's
+    changes outside the gradient (DeepSeek-V3's router bias from the step's expert load).
+    """
+    from zoo.causal_lm import options_or_default
+    from zoo.placement import memory_space, tree_placement
+
+    options_or_default(model, cfg.model_options)  # a clear error now if they are another family's
+
+    memory_space(param_memory, "parameters")  # a clear error now, not at the first step's trace
+    memory_space(opt_memory, "optimizer state")
+    static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+    schedule = learning_rate(cfg)
+
+    def loss_fn(m, ids, **fields):
+        return loss_and_metrics(m, ids, cfg=cfg, placement=placement, **fields)
+
+    if mesh is not None and mesh.size > 1:
+        from zoo import parallel
+
+        grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True)
+    else:
+        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+
+    def step(params, opt_state, batch, index):
+        if param_memory != "device":
+            params = tree_placement(params, "device")
+        if opt_memory != "device":
+            opt_state = tree_placement(opt_state, "device")
+
+        batch = as_batch(batch)
+
+        def grads_of(p, b):
+            fields = {k: v for k, v in b.items() if k != "input_ids"}
+            return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
+
+        def micro(acc, b):
+            (loss, metrics), grads = grads_of(params, b)
+            grads = eqx.filter(grads, eqx.is_inexact_array)
+            acc = jax.tree.map(jnp.add, acc, (loss, metrics, grads))
+            return acc, None
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        zeros = jax.tree.map(jnp.zeros_like, eqx.filter_eval_shape(grads_of, params, first))
+        zeros = (zeros[0][0], zeros[0][1], eqx.filter(zeros[1], eqx.is_inexact_array))
+        (loss, metrics, grads), _ = jax.lax.scan(micro, zeros, batch)
+        n = batch["input_ids"].shape[0]
+        loss = loss / n
+        # Counts (integer metrics, such as an expert load) add up over micro-batches; the rest average.
+        metrics = {k: (v if jnp.issubdtype(v.dtype, jnp.integer) else v / n) for k, v in metrics.items()}
+        grads = jax.tree.map(lambda g: g / n, grads)
+        # optax raises Python floats to int32 step counts, which strict promotion rejects.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            lr = schedule(index)
+        params = eqx.apply_updates(params, updates)
+        params = eqx.filter(eqx.combine(params, static).after_step(metrics, cfg.model_options), eqx.is_inexact_array)
+        out = {"loss": loss, "grad_norm": global_norm(grads), "lr": jnp.asarray(lr, jnp.float32), **metrics}
+        if param_memory != "device":
+            params = tree_placement(params, param_memory)
+        if opt_memory != "device":
+            opt_state = tree_placement(opt_state, opt_memory)
+        return params, opt_state, out
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval(model: eqx.Module, *, placement: Any = None) -> Callable:
+    """``evaluate(params, batch) -> mean next-token loss`` (the plain LM loss), jitted; ``batch``:
+    token ids ``[B, S]`` or a dict of them with any of :data:`BATCH_FIELDS`."""
+    from zoo.loss import lm_loss
+
+    static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+
+    @jax.jit
+    def evaluate(params, batch):
+        b = as_batch(batch)
+        return lm_loss(eqx.combine(params, static), placement=placement, **b)
+
+    return evaluate
