@@ -180,6 +180,23 @@ def plan_placement(args: argparse.Namespace, model, mesh) -> None:
     args.placement, args.param_memory, args.opt_memory = result.placement, result.param_memory, result.opt_memory
 
 
+def build_model(args: argparse.Namespace, mesh, param_dtype, compute_dtype):
+    """The model of ``--checkpoint`` or ``--model``/``--preset``, made in place on ``mesh`` where
+    there is one: each process reads or initialises only its devices' shards."""
+    import jax.random as jr
+
+    import zoo
+
+    if args.checkpoint:
+        return zoo.from_pretrained(args.checkpoint, dtype=param_dtype, compute_dtype=compute_dtype,
+                                   attention=args.attention, mesh=mesh)  # fmt: skip
+    cls = registry.by_model_type(args.model, "--model")
+    config = dataclasses.replace(cls.config_cls.preset(args.preset, args.model), attention=args.attention)
+    if getattr(config, "num_nextn_predict_layers", 0) == 1:  # DeepSeek-V3 presets: train their MTP module
+        config = dataclasses.replace(config, mtp=True)
+    return cls(config, key=jr.key(args.seed), mesh=mesh, param_dtype=param_dtype, compute_dtype=compute_dtype)
+
+
 def load_training_data(args: argparse.Namespace, vocab_size: int):
     """The data of ``--data``, tokenized with the checkpoint's tokenizer.json (bytes without one);
     says which tokenizer it uses. Bad data is a usage error before anything compiles."""
@@ -231,7 +248,6 @@ def main(argv: list[str] | None = None) -> None:
             jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     import jax.numpy as jnp
-    import jax.random as jr
 
     import zoo
     from zoo import parallel
@@ -240,27 +256,25 @@ def main(argv: list[str] | None = None) -> None:
     parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     generation = {}
+    mesh = None
+    if args.mesh or jax.process_count() > 1:
+        try:
+            mesh = parallel.make_mesh(args.mesh)
+        except zoo.MeshError as e:
+            parser().error(f"--mesh: {e}")
+    try:
+        model = build_model(args, mesh, dtype[args.param_dtype], dtype[args.compute_dtype])
+    except zoo.MeshError as e:  # a dimension the mesh does not divide, named
+        parser().error(f"--mesh {args.mesh}: {e}")
     if args.checkpoint:
-        model = zoo.from_pretrained(args.checkpoint, dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype],
-                                    attention=args.attention)  # fmt: skip
         if args.save_hf:  # its sampling settings go with the weights; a bad file stops the run before training
             try:
                 generation = zoo.hf.pretrained.read_generation_config(args.checkpoint)
             except zoo.CheckpointError as e:
                 parser().error(str(e))
-    else:
-        cls = registry.by_model_type(args.model, "--model")
-        config = dataclasses.replace(cls.config_cls.preset(args.preset, args.model), attention=args.attention)
-        if getattr(config, "num_nextn_predict_layers", 0) == 1:  # DeepSeek-V3 presets: train their MTP module
-            config = dataclasses.replace(config, mtp=True)
-        model = cls(config, key=jr.key(args.seed), param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])
     if args.seq_len > model.config.max_position_embeddings:
         parser().error(f"--seq-len {args.seq_len} is beyond the model's max_position_embeddings "
                        f"{model.config.max_position_embeddings}")  # fmt: skip
-    mesh = None
-    if args.mesh or jax.process_count() > 1:
-        mesh = parallel.make_mesh(args.mesh)
-        parallel.validate_mesh(mesh, model.config)
     if args.placement == "auto":
         plan_placement(args, model, mesh)
     data = load_training_data(args, model.config.vocab_size)

@@ -46,9 +46,10 @@ def supported_compile_options(options: dict) -> dict:
     return known
 
 
-def run_in_fresh_process(script: str, timeout: int = 600) -> str:
+def run_in_fresh_process(script: str, timeout: int = 600, *, xla_defaults: bool = False) -> str:
     """Run ``script`` in a new Python (8 CPU devices, strict promotion, the tests folder on the
     path, no persistent compilation cache) and return its stdout; its stderr on failure.
+    ``xla_defaults``: without the suite's compile-time XLA_FLAGS (conftest.py), as users compile.
 
     For multi-device programs that touch pinned host memory: jaxlib 0.10's XLA:CPU aborts or
     deadlocks a multi-device program in a process where a host-memory program ran before, and
@@ -66,6 +67,8 @@ def run_in_fresh_process(script: str, timeout: int = 600) -> str:
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
            "JAX_ENABLE_COMPILATION_CACHE": "false"}  # fmt: skip
+    if xla_defaults:
+        env.pop("XLA_FLAGS", None)
     out = subprocess.run([sys.executable, "-c", prelude + script], capture_output=True, text=True, env=env,
                          timeout=timeout, check=False)  # fmt: skip
     assert out.returncode == 0, f"exit code {out.returncode}:\n{out.stderr[-3000:]}"

@@ -121,11 +121,11 @@ def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = pretrained.write_safetensors
 
-    def failing(path, tensors, metadata=None):
+    def failing(path, tensors, metadata=None, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt("simulated kill mid-save")
-        return real(path, tensors, metadata)
+        return real(path, tensors, metadata, **kw)
 
     monkeypatch.setattr(pretrained, "write_safetensors", failing)
     with pytest.raises(KeyboardInterrupt):

@@ -195,13 +195,14 @@ def partition_specs(model: PyTree, mesh: AnyMesh) -> PyTree[PartitionSpec]:
     """A ``PartitionSpec`` per array leaf, derived from the model's ``Param`` axes.
 
     ``model`` may also be any tree holding models (an optimizer state's ``mu``/``nu`` are
-    models with the same leaves); arrays outside a model are replicated (``P()``).
+    models with the same leaves), or their ``jax.eval_shape``; arrays outside a model are
+    replicated (``P()``).
     """
 
     def sub(x):
         if is_model(x):
             return _spec_tree(x, mesh)
-        return PartitionSpec() if isinstance(x, (jax.Array, np.ndarray)) else x
+        return PartitionSpec() if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) else x
 
     return jax.tree.map(sub, model, is_leaf=is_model)
 
@@ -220,6 +221,46 @@ def shard(model_or_tree: PyTree, mesh: Mesh, *, memory_kind: str | None = None) 
         return jax.device_put(x, NamedSharding(mesh, spec, memory_kind=memory_kind))
 
     return jax.tree.map(put, model_or_tree, specs)
+
+
+def param_shardings(config: Any, mesh: Mesh, *, memory_kind: str | None = None) -> dict[str, NamedSharding]:
+    """The ``NamedSharding`` of every parameter of ``config``'s family, by path, from its
+    description: what :func:`shard` would give the whole model, for arrays made in place."""
+    rules = _rules(config)
+    specs = family_of(config).param_specs(config)
+    return {
+        path: NamedSharding(mesh, PartitionSpec(*param_axes(p, mesh, rules=rules)), memory_kind=memory_kind)
+        for path, p in specs.items()
+    }
+
+
+def init_sharded(init: Callable[[Any], Mapping[str, Any]], key: Any, config: Any, mesh: Mesh, *,
+                 memory_kind: str | None = None) -> dict[str, jax.Array]:  # fmt: skip
+    """``init(key)`` (a function returning ``{path: array}``) run jitted with every output laid
+    out as :func:`param_shardings` says: each device computes only its shard, and the values
+    are those of the unsharded ``jax.jit(init)(key)`` (JAX's partitionable threefry). The key
+    enters as its raw data, so every process of a multi-host run passes the same host value."""
+    import jax.random as jr
+
+    validate_mesh(mesh, config)
+    shardings = param_shardings(config, mesh, memory_kind=memory_kind)
+    impl = jr.key_impl(key)
+    out = jax.eval_shape(init, key)
+    missing = sorted(set(out) - set(shardings))
+    if missing:
+        raise KeyError(f"{type(config).__name__}: array {missing[0]!r} has no Param description")
+    fn = jax.jit(lambda data: init(jr.wrap_key_data(data, impl=impl)), out_shardings={k: shardings[k] for k in out})
+    return fn(np.asarray(jax.random.key_data(key)))
+
+
+def init_optimizer(tx: Any, params: PyTree, mesh: Mesh) -> PyTree:
+    """``tx.init(params)`` jitted with its moments laid out like the parameters (their
+    :func:`partition_specs`) and its step counts replicated: no device holds more than its
+    share of the optimizer state, at any point."""
+    abstract = jax.eval_shape(tx.init, params)
+    specs = partition_specs(abstract, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
 def replicate_unplaced(tree: PyTree, mesh: Mesh) -> PyTree:
@@ -480,7 +521,28 @@ def initialize_distributed(
 
 
 __all__ = [
-    "AXES", "BATCH_AXES", "GATHERED", "MeshError", "gather_layer", "in_step", "initialize_distributed",
-    "make_mesh", "param_axes", "param_bytes", "parse_mesh", "partition_specs", "remat_policy", "replicate_unplaced",
-    "routed_experts", "shard", "sum_to_varying_of", "tensor_psum", "validate_mesh", "value_and_grad", "varying_like",
+    "AXES",
+    "BATCH_AXES",
+    "GATHERED",
+    "MeshError",
+    "gather_layer",
+    "in_step",
+    "init_optimizer",
+    "init_sharded",
+    "initialize_distributed",
+    "make_mesh",
+    "param_axes",
+    "param_bytes",
+    "param_shardings",
+    "parse_mesh",
+    "partition_specs",
+    "remat_policy",
+    "replicate_unplaced",
+    "routed_experts",
+    "shard",
+    "sum_to_varying_of",
+    "tensor_psum",
+    "validate_mesh",
+    "value_and_grad",
+    "varying_like",
 ]  # fmt: skip

@@ -116,23 +116,39 @@ def init_params(
 ) -> dict[str, Array]:
     """Fresh arrays for every parameter: normal(0, std), ones or zeros.
 
-    All normal draws come from one random vector sliced per parameter: one RNG op compiles
-    in milliseconds where one per parameter takes seconds on CPU.
+    Each normal parameter draws from its own key (split from ``key`` in path order), shaped as
+    the parameter: under a sharded jit each device then computes only its shard (JAX's
+    partitionable threefry), where one vector sliced per parameter was made whole first.
     """
-    shapes = {path: p.shape(sizes) for path, p in sorted(specs.items())}
     normal = [path for path, p in sorted(specs.items()) if p.init == "normal"]
-    total = sum(math.prod(shapes[path]) for path in normal)
-    flat = (std * jr.normal(key, (total,), jnp.float32)).astype(dtype)
-    out, offset = {}, 0
+    keys = dict(zip(normal, jr.split(key, max(len(normal), 1))))
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    out = {}
     for path, p in sorted(specs.items()):
-        shape = shapes[path]
+        shape = p.shape(sizes)
         if p.init == "normal":
-            n = math.prod(shape)
-            out[path] = flat[offset : offset + n].reshape(shape)
-            offset += n
+            by_shape.setdefault(shape, []).append(path)
         else:
             out[path] = (jnp.ones if p.init == "ones" else jnp.zeros)(shape, dtype)
+    # One draw per distinct shape, vmapped over its parameters' keys (the same values as a draw
+    # each): XLA:CPU compiles each draw for seconds, and a model has few distinct shapes.
+    for shape, paths in by_shape.items():
+        draws = jax.vmap(lambda k, shape=shape: jr.normal(k, shape, jnp.float32))(jnp.stack([keys[q] for q in paths]))
+        for i, path in enumerate(paths):
+            out[path] = (std * draws[i]).astype(dtype)
     return out
+
+
+def init_arrays(init: Callable[[PRNGKeyArray], Mapping[str, Array]], key: PRNGKeyArray, config: object,
+                mesh: object = None) -> dict[str, Array]:  # fmt: skip
+    """A family's fresh parameters: ``init(key)`` jitted; with a ``mesh``, each array made in
+    place with its sharding (:func:`zoo.parallel.init_sharded`: every device computes only its
+    shard, same values)."""
+    if mesh is None:
+        return jax.jit(init)(key)
+    from zoo import parallel
+
+    return parallel.init_sharded(init, key, config, mesh)
 
 
 def init_with_stacks(
@@ -211,10 +227,11 @@ def flatten(module: eqx.Module) -> dict[str, Array]:
 
 
 def map_params(fn: Callable[[str, Array], object], module: eqx.Module) -> eqx.Module:
-    """Apply ``fn(path, array)`` to every array leaf of a model, keeping the structure."""
+    """Apply ``fn(path, array)`` to every array leaf of a model (arrays or their
+    ``ShapeDtypeStruct``), keeping the structure."""
 
     def leaf(path, x):
-        if isinstance(x, (jax.Array, np.ndarray)):
+        if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             return fn(".".join(str(getattr(p, "name", p)) for p in path), x)
         return x
 

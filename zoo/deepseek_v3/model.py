@@ -34,7 +34,7 @@ from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
 from zoo.layers.stack import scan_layers
 from zoo.loss import shifted_targets
-from zoo.params import Param, build, flatten, init_with_stacks
+from zoo.params import Param, build, flatten, init_arrays, init_with_stacks
 
 
 def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
@@ -263,6 +263,8 @@ class DeepseekV3(CausalLM):
 
     Build fresh with ``DeepseekV3(config, key=key)``, or from arrays (``{path: array}``, as
     :func:`zoo.from_pretrained` does) with ``DeepseekV3(config, arrays=arrays)``.
+    With ``mesh=`` a fresh model is made in place, sharded over the mesh: each device creates
+    only its shard (:func:`zoo.params.init_arrays`), with the values of the unsharded init.
     ``expert_impl``: the routed experts' path (:func:`zoo.layers.moe.resolve_expert_impl`), all
     dropless: ``"ragged_dot"`` (``jax.lax.ragged_dot``), ``"capacity"`` (a batched matmul over a
     static per-expert capacity, the overflow through the tile loop; :mod:`zoo.layers.capacity_mlp`),
@@ -293,6 +295,7 @@ class DeepseekV3(CausalLM):
         *,
         key: PRNGKeyArray | None = None,
         arrays: Mapping[str, Array] | None = None,
+        mesh: Any = None,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         expert_impl: str = "auto",
@@ -303,7 +306,7 @@ class DeepseekV3(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("DeepseekV3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = jax.jit(lambda k: self._init(specs, k, param_dtype))(key)
+            arrays = init_arrays(lambda k: self._init(specs, k, param_dtype), key, config, mesh)
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.num_dense_layers else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.num_moe_layers else None

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import fnmatch
 import functools
+import itertools
 import json
 import logging
 import math
@@ -70,17 +71,78 @@ def read_config(path: str | Path, **options) -> tuple[type, Any, dict[str, Any]]
     return family, config, raw
 
 
-def _block_dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], key: str, file: Path) -> np.ndarray:
-    """``w * scale_inv`` per ``block`` tile (tiles at the edges may be partial), in float32."""
-    rows, cols = w.shape
-    expected = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    if tuple(scale_inv.shape) != expected:
+def _check_scale_shape(weight: tuple[int, ...], scale: tuple[int, ...], block: tuple[int, int], key: str,
+                       file: Path) -> None:  # fmt: skip
+    expected = (math.ceil(weight[0] / block[0]), math.ceil(weight[1] / block[1]))
+    if tuple(scale) != expected:
         raise CheckpointError(
-            f"{file}: {key}_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} "
-            f"for weight {tuple(w.shape)} in {block[0]}x{block[1]} tiles"
+            f"{file}: {key}_scale_inv has shape {tuple(scale)}, expected {expected} "
+            f"for weight {tuple(weight)} in {block[0]}x{block[1]} tiles"
         )
+
+
+def _block_dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], key: str, file: Path, *,
+                      check: bool = True) -> np.ndarray:  # fmt: skip
+    """``w * scale_inv`` per ``block`` tile (tiles at the edges may be partial), in float32.
+    ``check=False``: ``w`` is a block-aligned box of the weight and ``scale_inv`` its tiles."""
+    rows, cols = w.shape
+    if check:
+        _check_scale_shape(w.shape, scale_inv.shape, block, key, file)
     scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)[:rows, :cols]
     return w.astype(np.float32) * scale
+
+
+def _take(t: np.ndarray, indices: list[np.ndarray]) -> np.ndarray:
+    """``t`` at the (ascending) ``indices`` of each axis, as a new array: the bounding box is
+    sliced (a view of the memory-mapped file), then only the axes whose indices have gaps are
+    gathered, so only the bytes of the box are touched."""
+    box = t[tuple(slice(int(i[0]), int(i[-1]) + 1) for i in indices)]
+    gathered = False
+    for axis, i in enumerate(indices):
+        if len(i) != int(i[-1]) - int(i[0]) + 1:
+            box, gathered = np.take(box, i - i[0], axis=axis), True
+    return box if gathered else np.array(box)
+
+
+def _stored_indices(p: Param, sizes: Mapping[str, int], inner: tuple[slice, ...]) -> list[np.ndarray]:
+    """For each axis of ``p``'s stored tensor, the indices that the slice ``inner`` of our
+    layout (without the stacked axes) reads, ascending. A stored axis that merges letters
+    (``"(H K)"``) reads the merged positions of their slices."""
+    by_letter = dict(zip(p._inner(), inner))
+    out = []
+    for group in p.hf_groups():
+        idx = np.zeros(1, np.int64)
+        for letter in group:
+            idx = (idx[:, None] * sizes[letter] + np.arange(sizes[letter])[by_letter[letter]][None, :]).ravel()
+        out.append(idx)
+    return out
+
+
+def _load_sharded(source: _TensorSource, p: Param, sizes: Mapping[str, int], dtype: np.dtype,
+                  sharding: jax.sharding.NamedSharding) -> jax.Array:  # fmt: skip
+    """One parameter as a global array laid out by ``sharding``, each of this process's devices
+    given its shard read from the stored tensors' byte ranges it covers: one shard on the host
+    at a time (devices with the same shard share one read)."""
+    shape = p.shape(sizes)
+    keys = dict(p.hf_keys(sizes))
+    n = len(p.stacked)
+    by_index: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(s.indices(dim)[:2] for s, dim in zip(index, shape))
+        by_index.setdefault(bounds, []).append(device)
+    arrays = []
+    for bounds, devices in by_index.items():
+        region = [slice(a, b) for a, b in bounds]
+        host = np.empty([b - a for a, b in bounds], dtype)
+        sliced = {**sizes, **{letter: b - a for letter, (a, b) in zip(p._inner(), bounds[n:])}}
+        for local in itertools.product(*(range(b - a) for a, b in bounds[:n])):
+            stored = tuple(a + i for (a, _), i in zip(bounds[:n], local))
+            part = source.region(keys[stored], _stored_indices(p, sizes, tuple(region[n:])))
+            host[local] = p.from_hf(part, sliced)
+        for device in devices:
+            arrays.append(jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)))
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _count_nonfinite(t: np.ndarray) -> int:
@@ -119,33 +181,70 @@ class _TensorSource:
             log.warning("%s: tensor %r has %d non-finite values (NaN or infinite) of %d", file, key, bad, t.size)
         return t
 
+    def region(self, key: str, indices: list[np.ndarray]) -> np.ndarray:
+        """The part of stored tensor ``key`` at ``indices`` (ascending indices per stored axis),
+        FP8 weights dequantized over the blocks it touches only; then its pages are released."""
+        t = self.files.get(key)
+        if self.files.dtype_name(key).startswith("F8_"):
+            scale_key = self._check_fp8(key)
+            scale = self.files.get(scale_key)
+            _check_scale_shape(t.shape, scale.shape, self.block, key, self.files.file_of(key))
+            (r0, r1), (c0, c1) = ((int(i[0]) // b * b, min(-(-(int(i[-1]) + 1) // b) * b, n))
+                                  for i, b, n in zip(indices, self.block, t.shape))  # fmt: skip
+            box = _block_dequantize(np.asarray(t[r0:r1, c0:c1]),
+                                    np.asarray(scale[r0 // self.block[0] : -(-r1 // self.block[0]),
+                                                     c0 // self.block[1] : -(-c1 // self.block[1])]),
+                                    self.block, key, self.files.file_of(key), check=False)  # fmt: skip
+            out = _take(box, [indices[0] - r0, indices[1] - c0])
+            self.files.release(scale_key)
+        else:
+            out = _take(t, indices)
+        self.files.release(key)
+        bad = _count_nonfinite(out)
+        if bad:
+            log.warning("%s: tensor %r has %d non-finite values (NaN or infinite) in the part this process reads",
+                        self.files.file_of(key), key, bad)  # fmt: skip
+        return out
+
+    def _check_fp8(self, key: str) -> str:
+        """The scale tensor's key of FP8 weight ``key``, or a ``CheckpointError`` saying what is wrong."""
+        scale_key = key + "_scale_inv"
+        if self.block is None:
+            raise CheckpointError(
+                f"{self.files.file_of(key)}: {key} is {self.files.dtype_name(key)} but config.json has no quantization_config"
+            )
+        if scale_key not in self.files.keys():
+            raise CheckpointError(f"{self.files.file_of(key)}: FP8 weight {key} has no scale tensor {scale_key}")
+        stored = self.files.dtype_name(scale_key)
+        if stored not in FLOATS or stored.startswith("F8_"):
+            raise CheckpointError(
+                f"{self.files.file_of(scale_key)}: scale tensor {scale_key!r} is stored as {stored}, "
+                f"but a block scale is floating point (F32, BF16, F16 or F64)"
+            )
+        return scale_key
+
     def get(self, key: str) -> np.ndarray:
         t = self._read(key)
         if self.files.dtype_name(key).startswith("F8_"):
-            scale_key = key + "_scale_inv"
-            if self.block is None:
-                raise CheckpointError(
-                    f"{self.files.file_of(key)}: {key} is {self.files.dtype_name(key)} but config.json has no quantization_config"
-                )
-            if scale_key not in self.files.keys():
-                raise CheckpointError(f"{self.files.file_of(key)}: FP8 weight {key} has no scale tensor {scale_key}")
-            stored = self.files.dtype_name(scale_key)
-            if stored not in FLOATS or stored.startswith("F8_"):
-                raise CheckpointError(
-                    f"{self.files.file_of(scale_key)}: scale tensor {scale_key!r} is stored as {stored}, "
-                    f"but a block scale is floating point (F32, BF16, F16 or F64)"
-                )
+            scale_key = self._check_fp8(key)
             return _block_dequantize(t, self._read(scale_key), self.block, key, self.files.file_of(key))
         return t
 
 
 def load_arrays(
-    source: _TensorSource, specs: Mapping[str, Param], sizes: Mapping[str, int], dtype, skipped: set[str] = frozenset()
+    source: _TensorSource,
+    specs: Mapping[str, Param],
+    sizes: Mapping[str, int],
+    dtype,
+    skipped: set[str] = frozenset(),
+    shardings: Mapping[str, jax.sharding.NamedSharding] | None = None,
 ) -> dict[str, jax.Array]:
     """Read every parameter, stacking per-layer / per-expert tensors into one array each.
 
     Each parameter is assembled in one host buffer and moved to the device before the next
     is read, so the host never holds more than one parameter beyond the memory-mapped files.
+    With ``shardings`` (path -> ``NamedSharding``), each process reads only its devices' shards
+    (:func:`_load_sharded`).
     """
     files = source.files
     expected = {key for p in specs.values() if p.hf for _, key in p.hf_keys(sizes)}
@@ -164,9 +263,8 @@ def load_arrays(
     for path, p in specs.items():
         if p.hf is None:
             continue
-        buf = np.empty(p.shape(sizes), np_dtype)
         want = p.hf_shape(sizes)
-        for idx, key in p.hf_keys(sizes):
+        for _, key in p.hf_keys(sizes):
             if tuple(files.shape(key)) != want:
                 raise CheckpointError(
                     f"{files.file_of(key)}: tensor {key!r} has shape {tuple(files.shape(key))}, expected {want}"
@@ -177,14 +275,27 @@ def load_arrays(
                     f"{files.file_of(key)}: tensor {key!r} is stored as {stored}, but its parameter is "
                     f"floating point ({np_dtype}); a float weight cannot be {stored}"
                 )
+        if shardings is not None:
+            out[path] = _load_sharded(source, p, sizes, np_dtype, shardings[path])
+            continue
+        buf = np.empty(p.shape(sizes), np_dtype)
+        for idx, key in p.hf_keys(sizes):
             buf[idx] = p.from_hf(source.get(key), sizes)
         out[path] = jax.device_put(buf)
         del buf
     return out
 
 
-def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attention: str | None = None, **options):
+def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attention: str | None = None, mesh=None,
+                    memory_kind: str | None = None, **options):  # fmt: skip
     """Load a Hugging Face checkpoint directory (``config.json`` + safetensors) as a zoo model.
+
+    mesh: a :func:`zoo.parallel.make_mesh` mesh: every parameter is created directly with the
+        sharding :func:`zoo.parallel.partition_specs` gives it, each process reading from the
+        files only its devices' shards (memory-mapped byte ranges; layout changes, stacking and
+        FP8 dequantisation per slice), so no process ever holds the whole model. Call it in
+        every process of a multi-host run. ``memory_kind``: with a mesh, where the parameters
+        live (``"pinned_host"`` keeps them in host memory).
 
     dtype: parameter dtype; default the checkpoint's own (``torch_dtype`` / ``dtype`` in
         config.json), float32 if it names none. FP8 weights are dequantized to it.
@@ -213,27 +324,66 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attenti
     if skipped:
         log.info("%s: skipping %d tensors not used by this model (%s ...)", path, len(skipped), sorted(skipped)[0])
     copies = set(family.hf_duplicates(config)) & files.keys()
-    arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies)
+    shardings = None
+    if mesh is not None:
+        from zoo import parallel
+
+        parallel.validate_mesh(mesh, config)
+        shardings = parallel.param_shardings(config, mesh, memory_kind=memory_kind)
+    elif memory_kind is not None:
+        raise TypeError("from_pretrained: memory_kind= goes with mesh= (without one, use zoo.placement.tree_placement)")
+    arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies, shardings)
     return family(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
 
 
-def _hf_tensors(
-    model, specs: Mapping[str, Param], sizes: Mapping[str, int], duplicates: Mapping[str, str]
-) -> Iterator[tuple[str, np.ndarray]]:
+class _HostTensors:
+    """A model's stored tensors on the host, one at a time. An array on one device is fetched
+    once for all the tensors it stores (a layer stack: one per layer); a sharded one is gathered
+    per stored tensor, every process taking part (each then holds that tensor, never the model)."""
+
+    def __init__(self, model: Any):
+        self.arrays = flatten(model)
+        self._path, self._value = None, None
+
+    def get(self, path: str, idx: tuple[int, ...]) -> np.ndarray:
+        x = self.arrays[path]
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)[idx]
+        if len(x.sharding.device_set) == 1:
+            if self._path != path:
+                self._path, self._value = path, np.asarray(jax.device_get(x))
+            return self._value[idx]
+        if x.sharding.memory_kind == "pinned_host":  # slicing computes: bring this parameter's shards to device
+            if self._path != path:
+                self._path, self._value = path, jax.device_put(x, x.sharding.with_memory_kind("device"))
+            x = self._value
+        part = x[idx]
+        if part.is_fully_addressable:
+            return np.asarray(jax.device_get(part))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(part, tiled=True))
+
+
+def _stored_dtype(x: Any) -> np.dtype:
+    dtype = np.dtype(x.dtype)
+    return dtype if dtype in DTYPES.values() else np.dtype(np.float32)
+
+
+def _hf_layout(model: Any, specs: Mapping[str, Param], sizes: Mapping[str, int], duplicates: Mapping[str, str]
+               ) -> list[tuple[str, tuple[int, ...], np.dtype, str, tuple[int, ...]]]:  # fmt: skip
+    """Every stored tensor of ``model`` in file order: (key, shape, dtype, parameter path, index
+    along its stacked axes), known from the description without reading any data."""
     arrays = flatten(model)
-
-    def host(path):
-        value = np.asarray(jax.device_get(arrays[path]))
-        return value if value.dtype in DTYPES.values() else value.astype(np.float32)
-
+    out = []
     for path, p in specs.items():
         if p.hf is None:
             continue
-        value = host(path)
         for idx, key in p.hf_keys(sizes):
-            yield key, p.to_hf(value[idx], sizes)
+            out.append((key, p.hf_shape(sizes), _stored_dtype(arrays[path]), path, idx))
     for key, path in duplicates.items():
-        yield key, specs[path].to_hf(host(path), sizes)
+        out.append((key, specs[path].hf_shape(sizes), _stored_dtype(arrays[path]), path, ()))
+    return out
 
 
 def save_pretrained(
@@ -245,6 +395,10 @@ def save_pretrained(
     The directory appears complete or not at all: it is written under a temporary name and
     swapped into place. Saving over an existing checkpoint replaces its model files (config,
     safetensors, index) and keeps everything else in it (tokenizer, README, subfolders).
+
+    A sharded model (on a mesh, over many processes too): call it in every process. The
+    tensors are gathered one at a time and streamed into the files by process 0, so no process
+    holds more than its own shards and one tensor; the files are those of an unsharded save.
 
     ``generation_config.json`` gets the model config's BOS and EOS ids on top of the settings of
     ``generation_config`` (a dict, e.g. the source checkpoint's sampling settings) or, without
@@ -258,10 +412,34 @@ def save_pretrained(
     path = Path(path)
     if path.is_symlink():
         path = path.resolve()  # replace what the link names, keeping the link
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _recover(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path}: exists and is not a directory; a checkpoint is one, so not replacing it")
+    specs = family.param_specs(config)
+    layout = _hf_layout(model, specs, config.sizes, family.hf_duplicates(config))
+    files: list[list[int]] = [[]]  # entries per file, filled up to max_shard_bytes
+    size = 0
+    for i, (_, shape, dtype, _, _) in enumerate(layout):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(i)
+        size += nbytes
+    host = _HostTensors(model)
+
+    def tensors(entries: list[int]) -> Iterator[tuple[str, np.ndarray]]:
+        for i in entries:
+            key, _, dtype, param, idx = layout[i]
+            yield key, specs[param].to_hf(host.get(param, idx).astype(dtype, copy=False), config.sizes)
+
+    if jax.process_index() != 0:  # the others take part in every gather, in the same order
+        for entries in files:
+            for _ in tensors(entries):
+                pass
+        _barrier("zoo.save_pretrained")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _recover(path)
     if generation_config is None:
         generation_config = read_generation_config(path)
     # The pid in the name tells a later save whether the process writing it is still alive.
@@ -276,24 +454,13 @@ def save_pretrained(
         gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None})
         if gen:
             _write_text(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
-        # Stream: each shard is written as soon as it is full, so at most one is held in memory.
-        shard_keys: list[list[str]] = []
-        pending: list[tuple[str, np.ndarray]] = []
-        size = total = 0
-
-        def flush():
-            write_safetensors(tmp / f"shard-{len(shard_keys)}.tmp", pending)
-            shard_keys.append([k for k, _ in pending])
-            pending.clear()
-
-        for key, t in _hf_tensors(model, family.param_specs(config), config.sizes, family.hf_duplicates(config)):
-            if pending and size + t.nbytes > max_shard_bytes:
-                flush()
-                size = 0
-            pending.append((key, t))
-            size += t.nbytes
-            total += t.nbytes
-        flush()
+        # Streamed: each tensor is written as it is gathered, so one is in memory at a time.
+        shard_keys = []
+        for k, entries in enumerate(files):
+            write_safetensors(tmp / f"shard-{k}.tmp", tensors(entries),
+                              layout=[layout[i][:3] for i in entries])  # fmt: skip
+            shard_keys.append([layout[i][0] for i in entries])
+        total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _, _ in layout)
         n = len(shard_keys)
         if n == 1:
             os.replace(tmp / "shard-0.tmp", tmp / "model.safetensors")
@@ -326,11 +493,20 @@ def save_pretrained(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _barrier("zoo.save_pretrained")  # every process returns once the checkpoint is in place
     if retired is not None:
         try:
             shutil.rmtree(retired)
         except OSError as e:  # the new checkpoint is in place; the next save retries the removal
             log.warning("%s: saved, but could not remove the previous checkpoint at %s (%s)", path, retired, e)
+
+
+def _barrier(name: str) -> None:
+    """All processes of a multi-host run reach ``name`` before any goes on (none with one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def read_generation_config(path: str | Path) -> dict[str, Any]:

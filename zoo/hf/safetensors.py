@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import ml_dtypes
@@ -137,22 +138,51 @@ class SafetensorsFile:
         raw = self._map[self._data_start + begin : self._data_start + end]
         return raw.view(dtype).reshape(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the pages of tensor ``name`` that reading touched from this process's resident
+        memory (they stay in the page cache; a later read maps them again). A sharded load
+        reads one tensor's slices at a time, so its resident memory stays near its shards."""
+        if self._map is None:
+            return
+        begin, end = (self._data_start + x for x in self.header[name]["data_offsets"])
+        page = mmap.PAGESIZE
+        start = begin // page * page
+        stop = min(-(-end // page) * page, len(self._map))
+        if stop > start:
+            self._map._mmap.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
 
 def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``(name, array)`` pairs to ``path`` atomically (a temporary file, then a rename)."""
+def write_safetensors(
+    path: str | Path,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    layout: Sequence[tuple[str, tuple[int, ...], np.dtype]] | None = None,
+) -> None:
+    """Write ``(name, array)`` pairs to ``path`` atomically (a temporary file, then a rename).
+
+    ``layout``: every tensor's ``(name, shape, dtype)`` in order, known before any data: the
+    header is written first and each array as ``tensors`` yields it, so only one is ever in
+    memory (a sharded model's save gathers them one at a time). Without it, ``tensors`` is
+    read whole first."""
     path = Path(path)
-    items = [(name, np.ascontiguousarray(t)) for name, t in tensors]
+    if layout is None:
+        items = [(name, np.ascontiguousarray(t)) for name, t in tensors]
+        layout = [(name, tuple(t.shape), t.dtype) for name, t in items]
+        tensors = items
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
-    for name, t in items:
-        if t.dtype not in NAMES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
+    for name, shape, dtype in layout:
+        dtype = np.dtype(dtype)
+        if dtype not in NAMES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes, as the reference writer does
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -161,8 +191,12 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-            for _, t in items:
-                f.write(t.tobytes())
+            for (name, shape, dtype), (got, t) in zip(layout, tensors, strict=True):
+                t = np.ascontiguousarray(t)
+                if got != name or tuple(t.shape) != tuple(shape) or t.dtype != np.dtype(dtype):
+                    raise CheckpointError(f"{path}: tensor {got!r} {t.dtype}{list(t.shape)} is not the "
+                                          f"{name!r} {np.dtype(dtype)}{list(shape)} of its header")  # fmt: skip
+                f.write(t.reshape(-1).view(np.uint8))  # no copy (bfloat16 and FP8 have no buffer format)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -235,3 +269,7 @@ class CheckpointFiles:
         if key not in self.where:
             raise CheckpointError(f"{self.directory}: tensor {key!r} is missing from the checkpoint")
         return self._file(self.where[key]).get(key)
+
+    def release(self, key: str) -> None:
+        """:meth:`SafetensorsFile.release` for the file holding ``key``."""
+        self._file(self.where[key]).release(key)

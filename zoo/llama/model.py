@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -27,7 +26,7 @@ from zoo.layers.mlp import SwiGLU
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
 from zoo.llama.placement import LlamaPlacement
-from zoo.params import Param, build, init_params, strip_prefix
+from zoo.params import Param, build, init_arrays, init_with_stacks
 
 
 def llama_params(config: LlamaConfig) -> dict[str, Param]:
@@ -120,15 +119,7 @@ def llama_post_attention(
 
 def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArray, dtype) -> dict[str, Array]:
     """Fresh weights; the layer stack is built by ``filter_vmap`` over per-layer keys."""
-    k_layers, k_rest = jr.split(key)
-    std = config.initializer_range
-    rest = {p: s for p, s in specs.items() if not p.startswith("layers.")}
-    arrays = init_params(rest, config.sizes, key=k_rest, std=std, dtype=dtype)
-    layer_specs = strip_prefix(specs, "layers", "L")
-    stacked = eqx.filter_vmap(lambda k: init_params(layer_specs, config.sizes, key=k, std=std, dtype=dtype))(
-        jr.split(k_layers, config.num_layers)
-    )
-    return arrays | {f"layers.{p}": a for p, a in stacked.items()}
+    return init_with_stacks(specs, config.sizes, {"layers": "L"}, key=key, std=config.initializer_range, dtype=dtype)
 
 
 class Llama(CausalLM):
@@ -136,6 +127,8 @@ class Llama(CausalLM):
 
     Build fresh with ``Llama(config, key=key)``, or from arrays (``{path: array}``, as
     :func:`zoo.from_pretrained` does) with ``Llama(config, arrays=arrays)``.
+    With ``mesh=`` a fresh model is made in place, sharded over the mesh: each device creates
+    only its shard (:func:`zoo.params.init_arrays`), with the values of the unsharded init.
     """
 
     embed: Float[Array, "V D"]
@@ -155,6 +148,7 @@ class Llama(CausalLM):
         *,
         key: PRNGKeyArray | None = None,
         arrays: Mapping[str, Array] | None = None,
+        mesh: Any = None,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
     ):
@@ -164,7 +158,7 @@ class Llama(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("Llama needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = jax.jit(lambda k: _init_llama(config, specs, k, param_dtype))(key)
+            arrays = init_arrays(lambda k: _init_llama(config, specs, k, param_dtype), key, config, mesh)
         self.layers = build(LlamaLayer, arrays, "layers.")
         self.embed = arrays["embed"]
         self.final_norm = arrays["final_norm"]

@@ -28,7 +28,7 @@ from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_s
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import moe_experts, resolve_expert_impl
 from zoo.layers.stack import scan_layers
-from zoo.params import Param, build, flatten, init_with_stacks
+from zoo.params import Param, build, flatten, init_arrays, init_with_stacks
 from zoo.qwen3.config import Qwen3Config
 from zoo.qwen3.loss import Qwen3Training, RouterStats, layer_router_stats, switch_balance_loss
 from zoo.qwen3.placement import Qwen3Placement
@@ -207,6 +207,8 @@ class Qwen3(CausalLM):
     """Qwen3 / Qwen3-MoE causal language model: ``model(input_ids) -> logits``.
 
     Build fresh with ``Qwen3(config, key=key)``, or from arrays with ``Qwen3(config, arrays=arrays)``.
+    With ``mesh=`` a fresh model is made in place, sharded over the mesh: each device creates
+    only its shard (:func:`zoo.params.init_arrays`), with the values of the unsharded init.
     ``expert_impl``: the routed experts' path (:func:`zoo.layers.moe.resolve_expert_impl`).
     """
 
@@ -230,6 +232,7 @@ class Qwen3(CausalLM):
         *,
         key: PRNGKeyArray | None = None,
         arrays: Mapping[str, Array] | None = None,
+        mesh: Any = None,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         expert_impl: str = "auto",
@@ -240,7 +243,7 @@ class Qwen3(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("Qwen3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = jax.jit(lambda k: _init(config, specs, k, param_dtype))(key)
+            arrays = init_arrays(lambda k: _init(config, specs, k, param_dtype), key, config, mesh)
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.dense_layer_ids else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.moe_layer_ids else None

@@ -99,8 +99,9 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
     if run.mesh is not None and run.mesh.size > 1:
         from zoo import parallel
 
+        # A no-op for a model made or loaded on the mesh (Family(..., mesh=), from_pretrained(mesh=)).
         params = parallel.shard(params, run.mesh)
-        opt_state = parallel.replicate_unplaced(tx.init(params), run.mesh)
+        opt_state = parallel.init_optimizer(tx, params, run.mesh)
     else:
         opt_state = tx.init(params)
     start = 0

@@ -86,7 +86,7 @@ class RunDirLock:
             return self
         _refuse_a_file(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.run_dir / ".lock", "a")  # noqa: SIM115 (closed by __exit__)
+        self.file = open(self.run_dir / ".lock", "a")  # closed by __exit__
         _flock(self.file, self.run_dir)
         try:
             _refuse_previous_run(self.run_dir, self.resume, self.overwrite)

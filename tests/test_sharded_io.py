@@ -1,0 +1,234 @@
+"""No process holds the whole model: checkpoints loaded onto a mesh shard by shard, fresh
+models and optimizer state made in place, sharded models saved tensor by tensor; on one
+process x 8 CPU devices and on 2 processes x 2 (the few-GB memory figures are
+benchmarks/sharded_io.py's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import zoo
+from zoo import parallel, train
+from zoo.hf.safetensors import CheckpointFiles
+from zoo.params import flatten
+
+from helpers import run_in_fresh_process
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+# (fixture, mesh, from_pretrained options): every family, FP8 blocks cut by the shards
+# (32x32 tiles, 16-wide shards), experts split over the expert axis, tensor and FSDP axes.
+CASES = [
+    ("llama3_1-tiny", "fsdp=4,tensor=2", {}),
+    ("llama3_1-tiny-tied-mqa", "fsdp=8", {}),
+    ("deepseek_v3-tiny-fp8", "fsdp=4,expert=2", {}),
+    ("deepseek_v3-tiny-16e-mtp", "tensor=2,expert=4", {"mtp": True}),
+    ("qwen3_moe-tiny", "expert=4,fsdp=2", {}),
+    ("qwen3_moe-tiny-mixed-sharded", "fsdp=2,tensor=2,expert=2", {}),
+    ("qwen3-tiny-tied", "data=2,fsdp=4", {}),
+]
+
+
+def _check_layout(arrays: dict, mesh, config) -> None:
+    shardings = parallel.param_shardings(config, mesh)
+    assert arrays.keys() <= shardings.keys()
+    for path, x in arrays.items():
+        assert x.sharding.is_equivalent_to(shardings[path], x.ndim), (path, x.sharding.spec, shardings[path].spec)
+
+
+@pytest.mark.parametrize("fixture, spec, options", CASES, ids=[c[0] + ":" + c[1] for c in CASES])
+def test_from_pretrained_onto_a_mesh_equals_the_whole_load(fixture, spec, options):
+    mesh = parallel.make_mesh(spec)
+    whole = flatten(zoo.from_pretrained(FIXTURES / fixture, **options))
+    model = zoo.from_pretrained(FIXTURES / fixture, mesh=mesh, **options)
+    sharded = flatten(model)
+    assert sharded.keys() == whole.keys()
+    _check_layout(sharded, mesh, model.config)
+    for path in whole:
+        assert sharded[path].dtype == whole[path].dtype
+        np.testing.assert_array_equal(np.asarray(sharded[path]), np.asarray(whole[path]), err_msg=path)
+
+
+def test_each_device_reads_only_its_experts(monkeypatch):
+    """Under expert parallelism a device's shard needs only its experts' stored tensors: the
+    loader reads each expert tensor once, for the devices that hold it."""
+    from zoo.hf import pretrained
+
+    reads: list[str] = []
+    region = pretrained._TensorSource.region
+    monkeypatch.setattr(pretrained._TensorSource, "region", lambda self, key, idx: reads.append(key) or region(self, key, idx))
+    zoo.from_pretrained(FIXTURES / "qwen3_moe-tiny", mesh=parallel.make_mesh("expert=8"))
+    experts = [k for k in reads if ".experts." in k]
+    assert experts and len(experts) == len(set(experts))  # each once: 8 devices, one expert each
+
+
+FRESH = [("llama", "fsdp=4,tensor=2"), ("deepseek_v3", "fsdp=2,expert=4"), ("qwen3_moe", "expert=4,fsdp=2")]
+
+
+@pytest.mark.parametrize("family, spec", FRESH)
+def test_a_fresh_model_is_made_in_place(family, spec):
+    cls = zoo.registry.by_model_type(family)
+    config = cls.config_cls.preset("tiny", family)
+    mesh = parallel.make_mesh(spec)
+    _check_layout(flatten(cls(config, key=jax.random.key(3), mesh=mesh)), mesh, config)
+
+
+def test_a_fresh_model_made_in_place_has_the_unsharded_values():
+    """Bit for bit, under XLA's own settings: the suite's compile-time flags (-O0 with the
+    classic emitters, conftest.py) round 1 in 30 normal draws of a shard 1 ulp apart."""
+    out = run_in_fresh_process(
+        f"""
+import jax, numpy as np, zoo
+from zoo import parallel
+from zoo.params import flatten
+for family, spec in {FRESH!r}:
+    cls = zoo.registry.by_model_type(family)
+    config = cls.config_cls.preset("tiny", family)
+    whole = flatten(cls(config, key=jax.random.key(3)))
+    sharded = flatten(cls(config, key=jax.random.key(3), mesh=parallel.make_mesh(spec)))
+    for path in whole:
+        assert np.array_equal(np.asarray(sharded[path]), np.asarray(whole[path])), (family, path)
+    print("equal", family, len(whole))
+""",
+        xla_defaults=True,
+    )
+    assert out.split() == [w for f, _ in FRESH for w in ("equal", f, str(_count(f)))]
+
+
+def _count(family: str) -> int:
+    cls = zoo.registry.by_model_type(family)
+    return len(jax.eval_shape(lambda: flatten(cls(cls.config_cls.preset("tiny", family), key=jax.random.key(0)))))
+
+
+def test_fresh_init_never_makes_a_whole_parameter_on_a_device():
+    """The compiled in-place init of Llama 3.2 1B on fsdp=8: each device's temporaries stay near
+    its share (1/8 of 4.9 GB), where slicing one random vector per model made 7 GB on each."""
+    from zoo.llama import preset
+    from zoo.llama.model import _init_llama, llama_params
+
+    config = preset("llama3.2-1b")
+    mesh = parallel.make_mesh("fsdp=8")
+    specs = llama_params(config)
+    shardings = parallel.param_shardings(config, mesh)
+    fn = jax.jit(lambda k: _init_llama(config, specs, k, np.float32), out_shardings=shardings)
+    memory = fn.lower(jax.random.key(0)).compile().memory_analysis()
+    total = sum(np.prod(p.shape(config.sizes)) * 4 for p in specs.values())
+    assert memory.output_size_in_bytes < total / 8 * 1.01
+    assert memory.temp_size_in_bytes < total / 8 * 2.5, memory.temp_size_in_bytes / total
+
+
+def test_optimizer_state_is_made_sharded_like_the_parameters():
+    model = zoo.from_pretrained(FIXTURES / "llama3_1-tiny", mesh=parallel.make_mesh("fsdp=4,tensor=2"))
+    mesh = parallel.make_mesh("fsdp=4,tensor=2")
+    tx = train.optimizer(train.TrainConfig(steps=2, warmup=0), model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = parallel.init_optimizer(tx, params, mesh)
+    specs = jax.tree.leaves(parallel.partition_specs(state, mesh), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves = jax.tree.leaves(state)
+    assert sum(bool(any(s)) for s in specs) == 2 * len(jax.tree.leaves(params))  # mu and nu split, counts not
+    for leaf, spec in zip(leaves, specs, strict=True):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
+    unsharded = tx.init(jax.tree.map(np.asarray, params))
+    for a, b in zip(leaves, jax.tree.leaves(unsharded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fixture, spec, options, memory_kind",
+                         [("llama3_1-tiny", "fsdp=4,tensor=2", {}, None),
+                          ("deepseek_v3-tiny-16e-mtp", "tensor=2,expert=4", {"mtp": True}, None),
+                          ("qwen3_moe-tiny-mixed-sharded", "expert=4,fsdp=2", {}, "pinned_host")])  # fmt: skip
+def test_a_sharded_save_writes_the_unsharded_files(fixture, spec, options, memory_kind, tmp_path):
+    mesh = parallel.make_mesh(spec)
+    model = zoo.from_pretrained(FIXTURES / fixture, **options)
+    zoo.save_pretrained(model, tmp_path / "whole", max_shard_bytes=60_000)
+    sharded = zoo.from_pretrained(FIXTURES / fixture, mesh=mesh, memory_kind=memory_kind, **options)
+    if memory_kind:
+        assert {x.sharding.memory_kind for x in flatten(sharded).values()} == {memory_kind}
+    zoo.save_pretrained(sharded, tmp_path / "sharded", max_shard_bytes=60_000)
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "sharded").iterdir()) and len(names) > 3
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "sharded" / name).read_bytes(), name
+
+
+def test_a_mesh_that_does_not_divide_a_tensor_is_refused_by_name():
+    with pytest.raises(zoo.MeshError, match=r"LlamaConfig.num_kv_heads = 2 is not divisible by mesh axis 'tensor' of size 4"):
+        zoo.from_pretrained(FIXTURES / "llama3_1-tiny", mesh=parallel.make_mesh("tensor=4,fsdp=2"))
+    with pytest.raises(TypeError, match="memory_kind= goes with mesh="):
+        zoo.from_pretrained(FIXTURES / "llama3_1-tiny", memory_kind="pinned_host")
+
+
+def test_a_missing_or_truncated_shard_file_is_named(tmp_path):
+    src = FIXTURES / "qwen3_moe-tiny-mixed-sharded"
+    mesh = parallel.make_mesh("expert=4,fsdp=2")
+    shutil.copytree(src, tmp_path / "missing")
+    victim = sorted((tmp_path / "missing").glob("model-*.safetensors"))[3]
+    victim.unlink()
+    with pytest.raises(zoo.CheckpointError, match=f"names shard '{victim.name}', which is not in"):
+        zoo.from_pretrained(tmp_path / "missing", mesh=mesh)
+    shutil.copytree(src, tmp_path / "cut")
+    victim = sorted((tmp_path / "cut").glob("model-*.safetensors"))[5]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    with pytest.raises(zoo.CheckpointError, match=rf"{victim.name}: tensor .* runs past the end of the file"):
+        zoo.from_pretrained(tmp_path / "cut", mesh=mesh)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The mesh's last axis varies fastest over the devices: on 2 processes x 2 devices, fsdp=4 splits
+# every tensor across the processes, expert=4 gives each process half of the experts.
+@pytest.mark.parametrize("fixture, spec, options", [("deepseek_v3-tiny-fp8", "fsdp=4", {}),
+                                                    ("deepseek_v3-tiny-16e-mtp", "expert=4", {"mtp": True}),
+                                                    ("qwen3_moe-tiny-mixed-sharded", "expert=4", {})])  # fmt: skip
+def test_two_processes_load_init_and_save_only_their_shards(fixture, spec, options, tmp_path):
+    """2 processes x 2 CPU devices, the mesh across both: each process's shards equal the whole
+    load's (an expert-parallel mesh: each reads only its experts), a fresh model and the
+    optimizer state are made in place, and the saved files hold the source's tensors exactly."""
+    # XLA's own settings (not the suite's compile-time flags): fresh values are compared bit for bit.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "XLA_FLAGS"))}
+    env |= {"PYTHONPATH": str(ROOT), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2"}
+    out = tmp_path / "saved"
+    cmd = [sys.executable, str(ROOT / "tests" / "sharded_io_worker.py"), str(FIXTURES / fixture), spec, "2", str(out),
+           *(f"{k}={json.dumps(v)}" for k, v in options.items())]  # fmt: skip
+    procs = [subprocess.Popen(cmd, env=env | {"JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]  # fmt: skip
+    results = []
+    for p in procs:
+        text, _ = p.communicate(timeout=400)
+        assert p.returncode == 0, text[-3000:]
+        results.append(json.loads(next(x for x in text.splitlines() if x.startswith("RESULT "))[7:]))
+    for r in results:
+        assert r["wrong"] == [], r["wrong"]
+    source, saved = CheckpointFiles(FIXTURES / fixture), CheckpointFiles(out)
+    stored = {k for k in source.keys() if not k.endswith("_scale_inv")}
+    experts = [{k for k in r["read"] if ".experts." in k} for r in results]
+    if spec.startswith("expert"):
+        assert experts[0] and experts[1] and not experts[0] & experts[1]  # each process only its experts
+        assert experts[0] | experts[1] == {k for k in stored if ".experts." in k}
+    else:
+        assert experts[0] == experts[1] == {k for k in stored if ".experts." in k}  # each a slice of every one
+    assert saved.keys() == stored
+    for key in saved.keys():
+        if not fixture.endswith("fp8"):  # an FP8 source is saved dequantized
+            np.testing.assert_array_equal(saved.get(key), source.get(key), err_msg=key)
+    whole = flatten(zoo.from_pretrained(FIXTURES / fixture, **options))
+    again = flatten(zoo.from_pretrained(out, **options))
+    for path in whole:
+        np.testing.assert_array_equal(np.asarray(again[path]), np.asarray(whole[path]), err_msg=path)
