@@ -262,10 +262,19 @@ def main(argv: list[str] | None = None) -> None:
             mesh = parallel.make_mesh(args.mesh)
         except zoo.MeshError as e:
             parser().error(f"--mesh: {e}")
+    from zoo.runtime import reset_resident_peak, resident_memory
+
+    before = reset_resident_peak()
     try:
         model = build_model(args, mesh, dtype[args.param_dtype], dtype[args.compute_dtype])
     except zoo.MeshError as e:  # a dimension the mesh does not divide, named
         parser().error(f"--mesh {args.mesh}: {e}")
+    if mesh is not None:  # what this process holds: its devices' shards, never the whole model
+        arrays = [x for x in jax.tree.leaves(model) if isinstance(x, jax.Array)]
+        mine = sum(s.data.nbytes for x in arrays for s in x.addressable_shards)
+        grew = "" if before is None else f"; resident memory grew {(resident_memory()[1] - before) / 2**20:.0f} MiB at most"
+        print(f"model built on the mesh: {mine / 2**20:.0f} MiB on this process's devices of "
+              f"{sum(x.nbytes for x in arrays) / 2**20:.0f} MiB{grew}", flush=True)  # fmt: skip
     if args.checkpoint:
         if args.save_hf:  # its sampling settings go with the weights; a bad file stops the run before training
             try:
@@ -305,13 +314,14 @@ def main(argv: list[str] | None = None) -> None:
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     if vals:
         print(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {args.run_dir}/metrics.jsonl, curve: {args.run_dir}/loss.png)")
-    if args.save_hf:
+    if args.save_hf:  # every process takes part (a sharded model is gathered tensor by tensor); process 0 writes
         zoo.save_pretrained(model, args.save_hf, generation_config=generation or None)
-        if args.checkpoint:  # the tokenizer goes with the weights
-            from zoo.data import copy_tokenizer_files
+        if jax.process_index() == 0:
+            if args.checkpoint:  # the tokenizer goes with the weights
+                from zoo.data import copy_tokenizer_files
 
-            copy_tokenizer_files(args.checkpoint, args.save_hf)
-        print(f"saved {args.save_hf}")
+                copy_tokenizer_files(args.checkpoint, args.save_hf)
+            print(f"saved {args.save_hf}")
 
 
 if __name__ == "__main__":

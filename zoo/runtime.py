@@ -39,3 +39,30 @@ def retain_host_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX))
     return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def resident_memory() -> tuple[int, int] | None:
+    """``(now, peak)`` resident bytes of this process (``VmRSS``, ``VmHWM`` of Linux's
+    /proc/self/status); ``None`` where there is no such file."""
+    try:
+        text = open("/proc/self/status").read()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (KeyError, ValueError):
+        return None
+
+
+def reset_resident_peak() -> int | None:
+    """Set this process's resident peak (``VmHWM``) to its current resident memory (Linux's
+    ``/proc/self/clear_refs`` 5), so a later :func:`resident_memory` peak is that of what ran
+    since; returns the current resident bytes (``None`` where Linux's files are missing)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    now = resident_memory()
+    return None if now is None else now[0]

@@ -133,12 +133,15 @@ def _load_sharded(source: _TensorSource, p: Param, sizes: Mapping[str, int], dty
     arrays = []
     for bounds, devices in by_index.items():
         region = [slice(a, b) for a, b in bounds]
-        host = np.empty([b - a for a, b in bounds], dtype)
         sliced = {**sizes, **{letter: b - a for letter, (a, b) in zip(p._inner(), bounds[n:])}}
-        for local in itertools.product(*(range(b - a) for a, b in bounds[:n])):
-            stored = tuple(a + i for (a, _), i in zip(bounds[:n], local))
-            part = source.region(keys[stored], _stored_indices(p, sizes, tuple(region[n:])))
-            host[local] = p.from_hf(part, sliced)
+        indices = _stored_indices(p, sizes, tuple(region[n:]))
+        if n == 0:  # one stored tensor (embedding, head, norms): its slice is the shard, no second copy
+            host = np.ascontiguousarray(p.from_hf(source.region(keys[()], indices), sliced), dtype=dtype)
+        else:
+            host = np.empty([b - a for a, b in bounds], dtype)
+            for local in itertools.product(*(range(b - a) for a, b in bounds[:n])):
+                stored = tuple(a + i for (a, _), i in zip(bounds[:n], local))
+                host[local] = p.from_hf(source.region(keys[stored], indices), sliced)
         for device in devices:
             arrays.append(jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)))
         del host
