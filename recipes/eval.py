@@ -26,14 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), "
+                   "or a recipes/train.py run directory (its latest good checkpoint)")
     p.add_argument("--data", default="stdlib", help="as recipes/train.py's --data (default: the embedded corpus)")
     p.add_argument("--text-field", default="text", help="the field of a record that holds its text")
     p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto")
     p.add_argument("--data-cache", default=None, help="where tokenized data is cached (default ~/.cache/zoo/data)")
     p.add_argument("--split", choices=["valid", "train", "all"], default="valid",
                    help="the held-out documents (default), the training ones, or all")  # fmt: skip
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per packed row")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per packed row (default: a run directory's own --seq-len, else 512)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     p.add_argument("--max-rows", type=int, default=None, help="evaluate only the first N rows (bytes then estimated)")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
@@ -59,25 +61,37 @@ def split_targets(data, split: str) -> int:
     return total
 
 
+def load_model(path: str, compute_dtype, p: argparse.ArgumentParser):
+    """The model of a Hugging Face checkpoint or of a training run directory, and the run's
+    settings (``{}`` for a checkpoint); a usage error naming the directory otherwise."""
+    from zoo import train
+    from zoo.errors import CheckpointError, ConfigError
+
+    try:
+        return train.load_model(path, compute_dtype=compute_dtype)
+    except (CheckpointError, ConfigError, OSError) as e:
+        p.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = parser()
     args = p.parse_args(argv)
+    import jax.numpy as jnp
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.compute_dtype]
+    model, settings = load_model(args.checkpoint, dtype, p)
+    if args.seq_len is None:
+        args.seq_len = int(settings.get("train", {}).get("seq_len", 512))
     for name in ("seq_len", "batch_size"):
         if getattr(args, name) < (2 if name == "seq_len" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'seq_len' else 1}, got {getattr(args, name)}")
     import equinox as eqx
-    import jax.numpy as jnp
     import numpy as np
 
     import zoo
     from zoo import data as zdata
-    from zoo.errors import CheckpointError, ConfigError
+    from zoo.errors import ConfigError
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.compute_dtype]
-    try:
-        model = zoo.from_pretrained(args.checkpoint, compute_dtype=dtype)
-    except (CheckpointError, ConfigError, OSError) as e:
-        p.error(str(e))
     limit = model.config.max_position_embeddings
     if args.seq_len > limit:
         p.error(f"--seq-len {args.seq_len} is beyond the model's max_position_embeddings {limit}")
@@ -98,7 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
         return zoo.lm_loss(model, ids, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask)
 
     nats, count, start = 0.0, 0, time.perf_counter()
+    batches, last = -(-rows // args.batch_size), start
+    print(f"evaluating {rows:,} rows of {args.seq_len} tokens in {batches:,} batches of {args.batch_size}", flush=True)
     for first in range(0, rows, args.batch_size):
+        if time.perf_counter() - last > 10:  # a progress line every 10 s or so
+            last = time.perf_counter()
+            print(f"  batch {first // args.batch_size + 1:,}/{batches:,} ({last - start:.0f} s)", flush=True)
         index = np.arange(first, min(first + args.batch_size, rows))
         batch = data.rows(index, args.seq_len, args.split)
         if len(index) < args.batch_size:  # padding rows: segment 0, nothing counts; one compiled shape

@@ -3,11 +3,14 @@
     python recipes/generate.py [CHECKPOINT_DIR] [--prompt TEXT ...] [--max-new-tokens N]
                                [--temperature T] [--top-k K] [--top-p P] [--seed S]
                                [--eos ID[,ID...] | --ignore-eos] [--mla absorbed|reexpand|expanded]
+                               [--chat [TEXT] [--system TEXT]]
 
 Without a directory it loads the tiny Llama 3.1 checkpoint in tests/fixtures (random
-weights: expect noise). The prompt is tokenized with the checkpoint's tokenizer.json
-through the `tokenizers` library when the checkpoint has one (pip install tokenizers), as
-bytes otherwise. Several --prompt flags make a batch of prompts of different lengths; the
+weights: expect noise); a recipes/train.py run directory works too (its latest good
+checkpoint). The prompt is tokenized with the checkpoint's tokenizer.json when it has one,
+as bytes otherwise. ``--chat "question"`` (and ``--system``) renders a conversation with the
+checkpoint's chat template and streams the answer to the end of its turn; ``--chat`` alone
+keeps a conversation going, a line at a time. Several --prompt flags make a batch of prompts of different lengths; the
 first streams, and every completion is printed at the end. Generation stops at the
 checkpoint's end-of-sequence tokens (generation_config.json, else config.json) unless
 --eos or --ignore-eos says otherwise. Temperature 0 (the default) is greedy decoding.
@@ -55,16 +58,11 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's tokenizer.json through the `tokenizers` library (imported only here)."""
+    """A checkpoint's tokenizer.json through the `tokenizers` library, decoding a stream of tokens."""
 
     def __init__(self, path: Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise SystemExit(
-                f"error: {path} has a tokenizer.json: install the tokenizers library (pip install tokenizers), "
-                "or pass --bytes to feed the prompt as bytes"
-            ) from None
+        from tokenizers import Tokenizer
+
         self.tok = Tokenizer.from_file(str(path))
         self.done: list[int] = []
         self.shown = ""
@@ -107,7 +105,8 @@ def positive_int(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", nargs="?", default=str(DEFAULT), help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("checkpoint", nargs="?", default=str(DEFAULT),
+                   help="checkpoint directory (config.json + safetensors), or a recipes/train.py run directory")  # fmt: skip
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The quick brown fox')")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -123,7 +122,68 @@ def parser() -> argparse.ArgumentParser:
                         "re-expanded every step, or an expanded per-head cache")  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--bytes", action="store_true", help="tokenize as bytes even if the checkpoint has a tokenizer.json")
+    p.add_argument("--chat", nargs="?", const="", default=None, metavar="TEXT",
+                   help="ask TEXT as a chat: rendered with the checkpoint's chat template (its default system prompt "
+                        "included), answer streamed until the end of the turn; without TEXT, an interactive "
+                        "conversation read from standard input (an empty line or end of input stops)")  # fmt: skip
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
     return p
+
+
+def end_of_turn(encoder, tokenizer) -> set[int]:
+    """The special token the chat template closes an assistant's turn with (``<|im_end|>``,
+    ``<|eot_id|>``): what it renders right after an answer, where that is one special token."""
+    marker = "zoo-end-of-turn-probe"
+    text = encoder.render([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}])
+    after = text[text.index(marker) + len(marker) :]
+    ids = tokenizer.encode_batch([after])[0].tolist() if after else []
+    special = set(tokenizer.tok.get_added_tokens_decoder())
+    return {ids[0]} if ids and ids[0] in special else set()
+
+
+def chat(args: argparse.Namespace, model, path: Path, p: argparse.ArgumentParser, eos: tuple[int, ...]) -> list[str]:
+    """``--chat``: one question, or a conversation read line by line; returns the answers."""
+    from zoo import data as zdata
+
+    tokenizer = zdata.load_tokenizer(path)
+    try:
+        encoder = zdata.ChatEncoder(tokenizer)
+    except zoo.ConfigError as e:
+        p.error(f"--chat: {e}")
+    stop = tuple(sorted(set(eos) | end_of_turn(encoder, tokenizer) | ({tokenizer.eos_id} - {None})))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    answers = []
+    questions = [args.chat] if args.chat else _lines()
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        ids = tokenizer.encode_batch([encoder.render(messages, add_generation_prompt=True)])[0]
+        if len(ids) + args.max_new_tokens > model.config.max_position_embeddings:
+            p.error(f"the conversation ({len(ids)} tokens) and --max-new-tokens pass the model's positions")
+        streamer, reply = HFTokenizer(path / "tokenizer.json"), []
+        for step in gen.stream(model, jnp.asarray([ids], jnp.int32), None, max_new_tokens=args.max_new_tokens,
+                               key=jax.random.key(args.seed), temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, eos_token_id=stop):  # fmt: skip
+            token = int(step[0])
+            if token in stop:
+                break
+            reply.append(token)
+            print(streamer.stream(token), end="", flush=True)
+        print(flush=True)
+        answers.append(tokenizer.decode(reply))
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers
+
+
+def _lines():
+    """Questions typed on standard input, one a line, until an empty line or its end."""
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if not line.strip():
+            return
+        yield line
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,15 +191,24 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     path = Path(args.checkpoint)
     if not (path / "config.json").is_file():
-        p.error(f"{path} is not a checkpoint directory (no config.json)")
+        p.error(f"{path} is not a checkpoint directory or a training run directory (no config.json)")
     try:
         gen.check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         message = str(e).replace(" or None", "").replace("temperature", "--temperature")
         p.error(message.replace("top_k", "--top-k").replace("top_p", "--top-p"))
+    if args.chat is not None and args.prompt:
+        p.error("--chat and --prompt exclude each other: a chat renders its own prompt")
+    if args.system is not None and args.chat is None:
+        p.error("--system goes with --chat")
     prompts = args.prompt or ["The quick brown fox"]
 
-    model = zoo.from_pretrained(path, compute_dtype=None if args.dtype is None else jnp.dtype(args.dtype))
+    from zoo import train
+
+    try:
+        model, _ = train.load_model(path, compute_dtype=None if args.dtype is None else jnp.dtype(args.dtype))
+    except (zoo.CheckpointError, zoo.ConfigError) as e:
+        p.error(str(e))
     vocab = model.config.vocab_size
     use_hf = (path / "tokenizer.json").is_file() and not args.bytes
     make_tokenizer = (lambda: HFTokenizer(path / "tokenizer.json")) if use_hf else (lambda: ByteTokenizer(vocab))
@@ -153,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     if max(max(ids) for ids in encoded) >= vocab:
         p.error(f"the prompt has token ids beyond the model's vocabulary of {vocab}")
     eos = () if args.ignore_eos else (args.eos if args.eos is not None else gen.eos_token_ids(path))
+    if args.chat is not None:
+        return {"answers": chat(args, model, path, p, eos)}
     ids, lengths = gen.pad_prompts(encoded)
     kw = {
         "max_new_tokens": args.max_new_tokens, "key": jax.random.key(args.seed), "temperature": args.temperature,

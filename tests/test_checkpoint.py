@@ -505,3 +505,25 @@ def test_saved_checkpoint_follows_the_umask(tmp_path, mask):
     assert len(files) > 3
     for p in files:
         assert p.stat().st_mode & 0o777 == 0o666 & ~mask, p.name
+
+
+def test_a_save_keeps_every_config_field_it_does_not_model(tmp_path):
+    """config.json round trip: fields zoo does not model (pad_token_id, custom keys, the
+    transformers version) come back as they were; what it models is written from the model
+    (the dtype of the saved weights in both spellings, no quantization for dequantized FP8)."""
+    import jax.numpy as jnp
+
+    src = tmp_path / "src"
+    shutil.copytree(LLAMA, src)
+    raw = json.loads((src / "config.json").read_text())
+    raw |= {"pad_token_id": 7, "my_custom": {"a": [1, 2]}, "architectures": ["LlamaForCausalLM"]}
+    (src / "config.json").write_text(json.dumps(raw))
+    zoo.save_pretrained(zoo.from_pretrained(src), tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: saved.get(k) for k in raw} == raw
+    zoo.save_pretrained(zoo.from_pretrained(src, dtype=jnp.bfloat16), tmp_path / "bf16")
+    saved = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert saved["dtype"] == saved["torch_dtype"] == "bfloat16" and saved["pad_token_id"] == 7
+    zoo.save_pretrained(zoo.from_pretrained(FIXTURES / "deepseek_v3-tiny-fp8"), tmp_path / "fp8")
+    saved = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert "quantization_config" not in saved and "pad_token_id" in saved

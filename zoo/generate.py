@@ -47,19 +47,22 @@ def init_cache(model: CausalLM, batch: int, max_len: int, **cache_options: Any) 
 def prefill(
     model: CausalLM,
     input_ids: Int[Array, "B S"],
-    lengths: Int[Array, " B"],
+    lengths: Int[Array, " B"] | Sequence[int] | None = None,
     *,
     max_len: int,
     all_logits: bool = False,
     **cache_options: Any,
 ) -> tuple[Float[Array, "B V"] | Float[Array, "B S V"], eqx.Module]:
     """Run right-padded prompts (row b: ``lengths[b]`` tokens, then padding) through the
-    model and fill a fresh cache of ``max_len`` slots.
+    model and fill a fresh cache of ``max_len`` slots. ``lengths=None``: every row is full
+    (``S`` tokens), as in :func:`generate` and :func:`stream`.
 
     Returns float32 logits at each row's last prompt token (``all_logits``: at every
     position, those after ``lengths[b]`` being padding's) and the cache, ``lengths`` set.
     """
     _check_model(model)
+    b, width = input_ids.shape
+    lengths = jnp.full((b,), width, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     return model.prefill(input_ids, lengths, max_len=max_len, all_logits=all_logits, **cache_options)
 
 

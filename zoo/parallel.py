@@ -234,25 +234,6 @@ def param_shardings(config: Any, mesh: Mesh, *, memory_kind: str | None = None) 
     }
 
 
-def init_sharded(init: Callable[[Any], Mapping[str, Any]], key: Any, config: Any, mesh: Mesh, *,
-                 memory_kind: str | None = None) -> dict[str, jax.Array]:  # fmt: skip
-    """``init(key)`` (a function returning ``{path: array}``) run jitted with every output laid
-    out as :func:`param_shardings` says: each device computes only its shard, and the values
-    are those of the unsharded ``jax.jit(init)(key)`` (JAX's partitionable threefry). The key
-    enters as its raw data, so every process of a multi-host run passes the same host value."""
-    import jax.random as jr
-
-    validate_mesh(mesh, config)
-    shardings = param_shardings(config, mesh, memory_kind=memory_kind)
-    impl = jr.key_impl(key)
-    out = jax.eval_shape(init, key)
-    missing = sorted(set(out) - set(shardings))
-    if missing:
-        raise KeyError(f"{type(config).__name__}: array {missing[0]!r} has no Param description")
-    fn = jax.jit(lambda data: init(jr.wrap_key_data(data, impl=impl)), out_shardings={k: shardings[k] for k in out})
-    return fn(np.asarray(jax.random.key_data(key)))
-
-
 def init_optimizer(tx: Any, params: PyTree, mesh: Mesh) -> PyTree:
     """``tx.init(params)`` jitted with its moments laid out like the parameters (their
     :func:`partition_specs`) and its step counts replicated: no device holds more than its
@@ -528,7 +509,6 @@ __all__ = [
     "gather_layer",
     "in_step",
     "init_optimizer",
-    "init_sharded",
     "initialize_distributed",
     "make_mesh",
     "param_axes",

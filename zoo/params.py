@@ -9,6 +9,7 @@ lives in a Hugging Face checkpoint (key template and the tensor's layout in the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, Key, PRNGKeyArray
 
 Init = Literal["normal", "ones", "zeros"]
 _FIELD = re.compile(r"\{(\w+)(?:\+(\d+))?\}")
@@ -95,6 +96,11 @@ class Param:
         t = t.reshape([sizes[a] for a in flat])
         return t.transpose([flat.index(a) for a in self._inner()])
 
+    def hf_layout_is_ours(self) -> bool:
+        """Whether the stored tensor is our layout (without the stacked axes) as it is: the same
+        letters in the same order, merged or not, so a block of rows is a block of stored rows."""
+        return [a for g in self.hf_groups() for a in g] == list(self._inner())
+
     def to_hf(self, t: np.ndarray, sizes: Mapping[str, int]) -> np.ndarray:
         """Our layout without the stacked axes -> one stored tensor (HF layout)."""
         flat = [a for g in self.hf_groups() for a in g]
@@ -111,62 +117,101 @@ class Param:
             yield idx, _FIELD.sub(lambda m: str(at[m.group(1)] + int(m.group(2) or 0)), self.hf)
 
 
+@functools.cache
+def _maker(shape: tuple[int, ...], init: str, std: float, dtype: jnp.dtype, impl: str, length: int | None,
+           sharding: jax.sharding.Sharding | None) -> Callable:  # fmt: skip
+    """One parameter's jitted maker, from its key's raw data (``[length, 2]`` per layer for a
+    stack): a normal(0, std) draw or a constant, laid out by ``sharding``. One compile per
+    distinct shape and layout, shared by every parameter that has them."""
+
+    def one(data):
+        return (std * jr.normal(jr.wrap_key_data(data, impl=impl), shape, jnp.float32)).astype(dtype)
+
+    def make(data):
+        if init != "normal":
+            fill = jnp.ones if init == "ones" else jnp.zeros
+            return fill(shape if length is None else (length, *shape), dtype)
+        return one(data) if length is None else jax.vmap(one)(data)
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+def _host(data: Array) -> Array | np.ndarray:
+    """Key data as a host value where it is concrete: every process of a multi-host run passes
+    the same one into a program whose output spans them all."""
+    return data if isinstance(data, jax.core.Tracer) else np.asarray(data)
+
+
 def init_params(
-    specs: Mapping[str, Param], sizes: Mapping[str, int], *, key: PRNGKeyArray, std: float, dtype
+    specs: Mapping[str, Param],
+    sizes: Mapping[str, int],
+    *,
+    key: PRNGKeyArray | Key[Array, " L"],
+    std: float,
+    dtype,
+    shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+    prefix: str = "",
+    length: int | None = None,
 ) -> dict[str, Array]:
     """Fresh arrays for every parameter: normal(0, std), ones or zeros.
 
     Each normal parameter draws from its own key (split from ``key`` in path order), shaped as
-    the parameter: under a sharded jit each device then computes only its shard (JAX's
-    partitionable threefry), where one vector sliced per parameter was made whole first.
+    the parameter, in a program of its own: with ``shardings`` (``prefix + path`` -> sharding)
+    each device computes only its shard (JAX's partitionable threefry: the same values as
+    unsharded), and at most one parameter's temporaries exist at a time (one program for the
+    whole model held them all at once). ``length``: ``key`` holds one key per layer of a
+    stack of that many (each layer splits its own keys, as a vmap over layers would).
     """
     normal = [path for path, p in sorted(specs.items()) if p.init == "normal"]
-    keys = dict(zip(normal, jr.split(key, max(len(normal), 1))))
-    by_shape: dict[tuple[int, ...], list[str]] = {}
+    n = max(len(normal), 1)
+    split = jr.split(key, n) if length is None else jax.vmap(lambda k: jr.split(k, n))(key)
+    data = jr.key_data(split)
+    impl = str(jr.key_impl(key))
+    index = {path: i for i, path in enumerate(normal)}
     out = {}
     for path, p in sorted(specs.items()):
-        shape = p.shape(sizes)
-        if p.init == "normal":
-            by_shape.setdefault(shape, []).append(path)
-        else:
-            out[path] = (jnp.ones if p.init == "ones" else jnp.zeros)(shape, dtype)
-    # One draw per distinct shape, vmapped over its parameters' keys (the same values as a draw
-    # each): XLA:CPU compiles each draw for seconds, and a model has few distinct shapes.
-    for shape, paths in by_shape.items():
-        draws = jax.vmap(lambda k, shape=shape: jr.normal(k, shape, jnp.float32))(jnp.stack([keys[q] for q in paths]))
-        for i, path in enumerate(paths):
-            out[path] = (std * draws[i]).astype(dtype)
+        sharding = None if shardings is None else shardings[prefix + path]
+        make = _maker(p.shape(sizes), p.init, float(std), jnp.dtype(dtype), impl, length, sharding)
+        i = index.get(path, 0)
+        out[path] = make(_host(data[i] if length is None else data[:, i]))
     return out
 
 
-def init_arrays(init: Callable[[PRNGKeyArray], Mapping[str, Array]], key: PRNGKeyArray, config: object,
-                mesh: object = None) -> dict[str, Array]:  # fmt: skip
-    """A family's fresh parameters: ``init(key)`` jitted; with a ``mesh``, each array made in
-    place with its sharding (:func:`zoo.parallel.init_sharded`: every device computes only its
-    shard, same values)."""
+def init_arrays(init: Callable[..., Mapping[str, Array]], key: PRNGKeyArray, config: object, mesh: object = None,
+                *, memory_kind: str | None = None) -> dict[str, Array]:  # fmt: skip
+    """A family's fresh parameters, ``init(key, shardings)``; with a ``mesh``, every array made
+    in place with the sharding :func:`zoo.parallel.param_shardings` gives it (``memory_kind``
+    too): each device computes only its shard, with the values of the unsharded init."""
     if mesh is None:
-        return jax.jit(init)(key)
+        return dict(init(key, None))
     from zoo import parallel
 
-    return parallel.init_sharded(init, key, config, mesh)
+    parallel.validate_mesh(mesh, config)
+    return dict(init(key, parallel.param_shardings(config, mesh, memory_kind=memory_kind)))
 
 
 def init_with_stacks(
-    specs: Mapping[str, Param], sizes: Mapping[str, int], stacks: Mapping[str, str], *, key: PRNGKeyArray, std: float, dtype
+    specs: Mapping[str, Param],
+    sizes: Mapping[str, int],
+    stacks: Mapping[str, str],
+    *,
+    key: PRNGKeyArray,
+    std: float,
+    dtype,
+    shardings: Mapping[str, jax.sharding.Sharding] | None = None,
 ) -> dict[str, Array]:
     """Fresh arrays for a model whose layers come in stacks (``{path prefix: stacked letter}``,
-    e.g. ``{"dense_layers": "Ld", "moe_layers": "Lm"}``): each stack built by ``filter_vmap``
-    over per-layer keys, the rest by :func:`init_params`. A stack of size 0 is left out."""
+    e.g. ``{"dense_layers": "Ld", "moe_layers": "Lm"}``): each stack from per-layer keys, the
+    rest by :func:`init_params` (``shardings``: by full path). A stack of size 0 is left out."""
     keys = dict(zip(["rest", *stacks], jr.split(key, len(stacks) + 1)))
     rest = {p: s for p, s in specs.items() if p.split(".")[0] not in stacks}
-    arrays = init_params(rest, sizes, key=keys["rest"], std=std, dtype=dtype)
+    arrays = init_params(rest, sizes, key=keys["rest"], std=std, dtype=dtype, shardings=shardings)
     for prefix, axis in stacks.items():
         if not sizes[axis]:
             continue
         layer_specs = strip_prefix(specs, prefix, axis)
-        stacked = eqx.filter_vmap(
-            lambda k, layer_specs=layer_specs: init_params(layer_specs, sizes, key=k, std=std, dtype=dtype)
-        )(jr.split(keys[prefix], sizes[axis]))
+        stacked = init_params(layer_specs, sizes, key=jr.split(keys[prefix], sizes[axis]), std=std, dtype=dtype,
+                              shardings=shardings, prefix=prefix + ".", length=sizes[axis])  # fmt: skip
         arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
     return arrays
 
@@ -224,6 +269,13 @@ def flatten(module: eqx.Module) -> dict[str, Array]:
         if isinstance(leaf, (jax.Array, np.ndarray)):
             out[".".join(str(getattr(p, "name", p)) for p in path)] = leaf
     return out
+
+
+def is_param(x: object) -> bool:
+    """A parameter leaf: a floating array, or its ``ShapeDtypeStruct`` (an abstract model's)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(x.dtype, jnp.inexact)
+    return eqx.is_inexact_array(x)
 
 
 def map_params(fn: Callable[[str, Array], object], module: eqx.Module) -> eqx.Module:

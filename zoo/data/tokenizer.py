@@ -132,7 +132,8 @@ class HFTokenizer:
 
     def describe(self) -> str:
         bos = f"BOS {self.bos_id}" if self.add_bos else "no BOS"
-        eos = f"EOS {self.eos_id} after each document" if self.eos_id is not None else "no EOS"
+        eos = (f"EOS {self.eos_id} after each text and completion; chats end as their template renders them"
+               if self.eos_id is not None else "no EOS")  # fmt: skip
         return f"{self.path} (vocabulary {self.vocab_size}; {bos}; {eos})"
 
 

@@ -306,7 +306,7 @@ class DeepseekV3(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("DeepseekV3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k: self._init(specs, k, param_dtype), key, config, mesh)
+            arrays = init_arrays(lambda k, sh: self._init(specs, k, param_dtype, sh), key, config, mesh)
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.num_dense_layers else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.num_moe_layers else None
@@ -320,10 +320,11 @@ class DeepseekV3(CausalLM):
             self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl
         )
 
-    def _init(self, specs, key, dtype) -> dict[str, Array]:
-        """Fresh weights; each layer stack is built by ``filter_vmap`` over per-layer keys."""
+    def _init(self, specs, key, dtype, shardings=None) -> dict[str, Array]:
+        """Fresh weights; each layer stack from per-layer keys (``shardings``: made in place)."""
         stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
-        return init_with_stacks(specs, self.config.sizes, stacks, key=key, std=self.config.initializer_range, dtype=dtype)
+        return init_with_stacks(specs, self.config.sizes, stacks, key=key, std=self.config.initializer_range, dtype=dtype,
+                                shardings=shardings)  # fmt: skip
 
     def forward(
         self,

@@ -68,7 +68,29 @@ def read_config(path: str | Path, **options) -> tuple[type, Any, dict[str, Any]]
         raise ConfigError(f"{cfg_path}: {e}") from None  # a range check of the typed config: name the file too
     except TypeError as e:
         raise TypeError(f"from_pretrained: option not understood for model_type {model_type!r}: {e}") from None
-    return family, config, raw
+    return family, dataclasses.replace(config, hf_extra=_unmodelled(family, raw, config, options)), raw
+
+
+# What a save decides itself: the parameters' dtype (both spellings) and no quantization (an FP8
+# checkpoint is saved dequantized).
+_SAVE_WRITES = frozenset({"torch_dtype", "dtype", "quantization_config"})
+
+
+def _unmodelled(family: type, raw: Mapping[str, Any], config: Any, options: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The fields of ``raw`` that ``config`` neither writes back (``to_hf``) nor reads: the
+    config parsed without the field is the same config. A save keeps them as they were."""
+    written = config.to_hf()
+    out = []
+    for key, value in raw.items():
+        if key in written or key in _SAVE_WRITES:
+            continue
+        try:
+            same = family.config_cls.from_hf({k: v for k, v in raw.items() if k != key}, **options) == config
+        except (ConfigError, TypeError, ValueError, KeyError):
+            same = False
+        if same:
+            out.append((key, json.dumps(value)))
+    return tuple(out)
 
 
 def _check_scale_shape(weight: tuple[int, ...], scale: tuple[int, ...], block: tuple[int, int], key: str,
@@ -342,30 +364,66 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attenti
 class _HostTensors:
     """A model's stored tensors on the host, one at a time. An array on one device is fetched
     once for all the tensors it stores (a layer stack: one per layer); a sharded one is gathered
-    per stored tensor, every process taking part (each then holds that tensor, never the model)."""
+    per stored tensor, every process taking part, in row blocks of at most :data:`GATHER_BYTES`
+    where the stored layout is ours (an embedding, a head), so that no process holds more than
+    a block beyond its shards: the blocks are written as they come."""
 
     def __init__(self, model: Any):
         self.arrays = flatten(model)
         self._path, self._value = None, None
 
-    def get(self, path: str, idx: tuple[int, ...]) -> np.ndarray:
+    def _array(self, path: str) -> Any:
         x = self.arrays[path]
-        if not isinstance(x, jax.Array):
-            return np.asarray(x)[idx]
-        if len(x.sharding.device_set) == 1:
-            if self._path != path:
-                self._path, self._value = path, np.asarray(jax.device_get(x))
-            return self._value[idx]
-        if x.sharding.memory_kind == "pinned_host":  # slicing computes: bring this parameter's shards to device
-            if self._path != path:
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 and x.sharding.memory_kind == "pinned_host":
+            if self._path != path:  # slicing computes: bring this parameter's shards to device
                 self._path, self._value = path, jax.device_put(x, x.sharding.with_memory_kind("device"))
-            x = self._value
-        part = x[idx]
-        if part.is_fully_addressable:
-            return np.asarray(jax.device_get(part))
-        from jax.experimental import multihost_utils
+            return self._value
+        return x
 
-        return np.asarray(multihost_utils.process_allgather(part, tiled=True))
+    def chunks(self, path: str, idx: tuple[int, ...], p: Param, sizes: Mapping[str, int], dtype: np.dtype
+               ) -> Iterator[np.ndarray]:  # fmt: skip
+        """The stored tensor ``idx`` of parameter ``path`` in the checkpoint's layout, as
+        consecutive pieces of its bytes."""
+        x = self._array(path)
+        if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
+            if not isinstance(x, jax.Array):
+                value = np.asarray(x)
+            elif self._path != path:
+                self._path, self._value = path, np.asarray(jax.device_get(x))
+                value = self._value
+            else:
+                value = self._value
+            yield p.to_hf(value[idx].astype(dtype, copy=False), sizes)
+            return
+        shape = x.shape[len(idx) :]
+        if not x.is_fully_addressable and p.hf_layout_is_ours() and len(shape) > 1:
+            # Across processes, in row blocks: every process receives each gathered block.
+            rows = max(1, GATHER_BYTES // (math.prod(shape[1:]) * x.dtype.itemsize))
+            part = x[idx] if idx else x
+            for start in range(0, shape[0], rows):
+                n = min(rows, shape[0] - start)
+                yield _gather(_rows(part, jnp.int32(start), n)).astype(dtype, copy=False)
+            return
+        yield p.to_hf(_gather(x[idx]).astype(dtype, copy=False), sizes)
+
+
+# The most a sharded save gathers at once across processes, beyond each process's shards.
+GATHER_BYTES = 64 * 2**20
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _rows(x: jax.Array, start: jax.Array, n: int) -> jax.Array:
+    """Rows ``start .. start + n`` of ``x`` (one compile for every block of a size)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, n)
+
+
+def _gather(x: jax.Array) -> np.ndarray:
+    """A global array's value on the host of every process (one process: from its devices)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _stored_dtype(x: Any) -> np.dtype:
@@ -430,15 +488,16 @@ def save_pretrained(
         size += nbytes
     host = _HostTensors(model)
 
-    def tensors(entries: list[int]) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(entries: list[int]) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
         for i in entries:
             key, _, dtype, param, idx = layout[i]
-            yield key, specs[param].to_hf(host.get(param, idx).astype(dtype, copy=False), config.sizes)
+            yield key, host.chunks(param, idx, specs[param], config.sizes, dtype)
 
     if jax.process_index() != 0:  # the others take part in every gather, in the same order
         for entries in files:
-            for _ in tensors(entries):
-                pass
+            for _, chunks in tensors(entries):
+                for _ in chunks:
+                    pass
         _barrier("zoo.save_pretrained")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -450,11 +509,10 @@ def save_pretrained(
     try:
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would outlive the rename
         _remove_stale(path, tmp)
-        hf_config = config.to_hf()
-        hf_config["torch_dtype"] = str(np.dtype(model.embed.dtype))
-        _write_text(tmp / "config.json", json.dumps(hf_config, indent=2) + "\n")
+        hf = hf_config(model)
+        _write_text(tmp / "config.json", json.dumps(hf, indent=2) + "\n")
         gen = dict(generation_config or {})
-        gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None})
+        gen.update({k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None})
         if gen:
             _write_text(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
         # Streamed: each tensor is written as it is gathered, so one is in memory at a time.
@@ -502,6 +560,16 @@ def save_pretrained(
             shutil.rmtree(retired)
         except OSError as e:  # the new checkpoint is in place; the next save retries the removal
             log.warning("%s: saved, but could not remove the previous checkpoint at %s (%s)", path, retired, e)
+
+
+def hf_config(model: Any) -> dict[str, Any]:
+    """The ``config.json`` of ``model``: its config's fields, the source's fields it does not
+    model (``config.hf_extra``), and the dtype of its parameters."""
+    config = model.config
+    out = config.to_hf()
+    out.update({k: json.loads(v) for k, v in config.hf_extra if k not in out})
+    out["torch_dtype"] = out["dtype"] = str(np.dtype(model.embed.dtype))
+    return out
 
 
 def _barrier(name: str) -> None:

@@ -166,9 +166,9 @@ def write_safetensors(
     """Write ``(name, array)`` pairs to ``path`` atomically (a temporary file, then a rename).
 
     ``layout``: every tensor's ``(name, shape, dtype)`` in order, known before any data: the
-    header is written first and each array as ``tensors`` yields it, so only one is ever in
-    memory (a sharded model's save gathers them one at a time). Without it, ``tensors`` is
-    read whole first."""
+    header is written first and each array as ``tensors`` yields it (or an iterator of its
+    consecutive pieces), so only one piece is ever in memory (a sharded model's save gathers
+    them one at a time). Without it, ``tensors`` is read whole first."""
     path = Path(path)
     if layout is None:
         items = [(name, np.ascontiguousarray(t)) for name, t in tensors]
@@ -192,11 +192,19 @@ def write_safetensors(
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for (name, shape, dtype), (got, t) in zip(layout, tensors, strict=True):
-                t = np.ascontiguousarray(t)
-                if got != name or tuple(t.shape) != tuple(shape) or t.dtype != np.dtype(dtype):
-                    raise CheckpointError(f"{path}: tensor {got!r} {t.dtype}{list(t.shape)} is not the "
-                                          f"{name!r} {np.dtype(dtype)}{list(shape)} of its header")  # fmt: skip
-                f.write(t.reshape(-1).view(np.uint8))  # no copy (bfloat16 and FP8 have no buffer format)
+                # An array, or an iterator of its consecutive pieces (each C-ordered, in order).
+                pieces = [t] if isinstance(t, np.ndarray) else t
+                nbytes = 0
+                for piece in pieces:
+                    piece = np.ascontiguousarray(piece)
+                    if got != name or piece.dtype != np.dtype(dtype):
+                        raise CheckpointError(f"{path}: tensor {got!r} of dtype {piece.dtype} is not the "
+                                              f"{name!r} {np.dtype(dtype)} of its header")  # fmt: skip
+                    f.write(piece.reshape(-1).view(np.uint8))  # no copy (bfloat16 and FP8 have no buffer format)
+                    nbytes += piece.nbytes
+                if nbytes != math.prod(shape) * np.dtype(dtype).itemsize:
+                    raise CheckpointError(f"{path}: tensor {name!r} got {nbytes} bytes, its header's shape "
+                                          f"{list(shape)} of {np.dtype(dtype)} is {math.prod(shape) * np.dtype(dtype).itemsize}")  # fmt: skip
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -117,9 +117,11 @@ def llama_post_attention(
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 
-def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArray, dtype) -> dict[str, Array]:
-    """Fresh weights; the layer stack is built by ``filter_vmap`` over per-layer keys."""
-    return init_with_stacks(specs, config.sizes, {"layers": "L"}, key=key, std=config.initializer_range, dtype=dtype)
+def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None
+                ) -> dict[str, Array]:  # fmt: skip
+    """Fresh weights; the layer stack from per-layer keys (``shardings``: made in place)."""
+    return init_with_stacks(specs, config.sizes, {"layers": "L"}, key=key, std=config.initializer_range, dtype=dtype,
+                            shardings=shardings)  # fmt: skip
 
 
 class Llama(CausalLM):
@@ -158,7 +160,7 @@ class Llama(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("Llama needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k: _init_llama(config, specs, k, param_dtype), key, config, mesh)
+            arrays = init_arrays(lambda k, sh: _init_llama(config, specs, k, param_dtype, sh), key, config, mesh)
         self.layers = build(LlamaLayer, arrays, "layers.")
         self.embed = arrays["embed"]
         self.final_norm = arrays["final_norm"]

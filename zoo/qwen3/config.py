@@ -80,6 +80,9 @@ class Qwen3Config(ModelConfig):
     eos_token_id: int | list[int] | None = None
     # Not architecture: which attention path runs (zoo.layers.attention; never in config.json).
     attention: str = "auto"
+    # The source config.json's fields this config does not model (pad_token_id, architectures'
+    # companions, custom keys), as (name, JSON text) pairs: a save writes them back unchanged.
+    hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         check_attention(self)

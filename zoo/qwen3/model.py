@@ -243,7 +243,7 @@ class Qwen3(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("Qwen3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k: _init(config, specs, k, param_dtype), key, config, mesh)
+            arrays = init_arrays(lambda k, sh: _init(config, specs, k, param_dtype, sh), key, config, mesh)
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.dense_layer_ids else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.moe_layer_ids else None
@@ -352,7 +352,9 @@ class Qwen3(CausalLM):
         check_layer_kinds(config, keys)
 
 
-def _init(config: Qwen3Config, specs: Mapping[str, Param], key: PRNGKeyArray, dtype) -> dict[str, Array]:
-    """Fresh weights; each layer stack is built by ``filter_vmap`` over per-layer keys."""
+def _init(config: Qwen3Config, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None
+          ) -> dict[str, Array]:  # fmt: skip
+    """Fresh weights; each layer stack from per-layer keys (``shardings``: made in place)."""
     stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
-    return init_with_stacks(specs, config.sizes, stacks, key=key, std=config.initializer_range, dtype=dtype)
+    return init_with_stacks(specs, config.sizes, stacks, key=key, std=config.initializer_range, dtype=dtype,
+                            shardings=shardings)  # fmt: skip

@@ -15,7 +15,7 @@ Every name is importable from ``zoo.train`` itself (``from zoo import train; tra
 """
 
 from zoo.train.batch import BATCH_FIELDS, as_batch, batches, local_rows, place_batch
-from zoo.train.checkpoints import NonFiniteLoss
+from zoo.train.checkpoints import NonFiniteLoss, is_run_dir, load_model, load_run
 from zoo.train.config import TrainConfig, learning_rate, optimizer, param_specs
 from zoo.train.loop import train
 from zoo.train.metrics import (
@@ -30,8 +30,29 @@ from zoo.train.run_dir import RunDirError, check_run_dir
 from zoo.train.step import loss_and_metrics, make_eval, make_train_step
 
 __all__ = [
-    "BATCH_FIELDS", "MetricsLog", "NonFiniteLoss", "RunDirError", "TensorBoardWriter", "TrainConfig", "WandbWriter",
-    "as_batch", "batches", "check_run_dir", "device_memory_in_use", "learning_rate", "local_rows", "loss_and_metrics",
-    "make_eval", "make_train_step", "matmul_peak_flops", "optimizer", "param_specs", "place_batch", "plot_losses",
+    "BATCH_FIELDS",
+    "MetricsLog",
+    "NonFiniteLoss",
+    "RunDirError",
+    "TensorBoardWriter",
+    "TrainConfig",
+    "WandbWriter",
+    "as_batch",
+    "batches",
+    "check_run_dir",
+    "device_memory_in_use",
+    "is_run_dir",
+    "learning_rate",
+    "load_model",
+    "load_run",
+    "local_rows",
+    "loss_and_metrics",
+    "make_eval",
+    "make_train_step",
+    "matmul_peak_flops",
+    "optimizer",
+    "param_specs",
+    "place_batch",
+    "plot_losses",
     "train",
 ]  # fmt: skip

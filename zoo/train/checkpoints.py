@@ -168,10 +168,12 @@ def _try_restore(manager: Any, step: int, path: Path, abstract: Any, to_device: 
     return None, tree
 
 
-def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool) -> tuple[int, Any]:
+def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool, *, move_damaged: bool = True
+                   ) -> tuple[int, Any]:  # fmt: skip
     """The newest checkpoint that restores and verifies: ``(step, tree)``; ``(0, None)`` if
     there is none. Damaged newer ones are moved to ``run_dir/damaged-checkpoints`` (kept,
-    not deleted), saying so; with no good one left, ``CheckpointError`` names them all."""
+    not deleted; ``move_damaged=False``: left in place, for a reader), saying so; with no good
+    one left, ``CheckpointError`` names them all."""
     ckpt_dir = run_dir / "checkpoints"
     damaged: list[tuple[int, str]] = []
     for step in sorted(manager.all_steps(), reverse=True):
@@ -179,6 +181,11 @@ def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool) 
         if problem is not None:
             damaged.append((step, problem))
             continue
+        if not move_damaged:
+            for bad, why in damaged:
+                print(f"checkpoint step {bad} ({ckpt_dir / str(bad)}) is damaged: {why}; using step {step}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            return step, tree
         for bad, why in damaged:
             dest = run_dir / "damaged-checkpoints" / str(bad)
             n = 1
@@ -198,3 +205,60 @@ def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool) 
             + ". Nothing to resume from: start over with --overwrite"
         )
     return 0, None
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a training run directory (``zoo.train.train``'s: its model's
+    ``config.json`` beside ``checkpoints/``)."""
+    path = Path(path)
+    return (path / "checkpoints").is_dir() and (path / "config.json").is_file()
+
+
+def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, int, dict[str, Any]]:
+    """The model of a training run directory at its latest good checkpoint: ``(model, step,
+    settings)``, the settings those the run wrote to ``run.json`` (its ``TrainConfig`` under
+    ``"train"``). Nothing in the directory is changed (a damaged checkpoint is passed over)."""
+    import json
+
+    import equinox as eqx
+    import orbax.checkpoint as ocp
+
+    from zoo.hf.pretrained import _DTYPE_NAMES, read_config
+    from zoo.params import is_param
+    from zoo.train.config import TrainConfig, optimizer
+
+    run_dir = Path(run_dir)
+    if not is_run_dir(run_dir):
+        raise CheckpointError(f"{run_dir}: not a training run directory (no config.json beside checkpoints/)")
+    family, config, raw = read_config(run_dir)
+    dtype = _DTYPE_NAMES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", jnp.float32)
+    compute_dtype = dtype if compute_dtype is None else compute_dtype
+    abstract = jax.eval_shape(lambda: family(config, key=jax.random.key(0), param_dtype=dtype, compute_dtype=compute_dtype))
+    params = eqx.filter(abstract, is_param)
+    opt_state = jax.eval_shape(optimizer(TrainConfig(steps=2, warmup=1), abstract).init, params)
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
+                                    item_handlers=ocp.StandardCheckpointHandler())  # fmt: skip
+    try:
+        step, tree = restore_latest(manager, run_dir, {"params": params, "opt_state": opt_state}, to_device=False,
+                                    move_damaged=False)  # fmt: skip
+    finally:
+        manager.close()
+    if tree is None:
+        raise CheckpointError(f"{run_dir / 'checkpoints'}: no checkpoint yet")
+    static = eqx.filter(abstract, is_param, inverse=True)
+    settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    return eqx.combine(tree["params"], static), step, settings
+
+
+def load_model(path: str | Path, *, compute_dtype: Any = None) -> tuple[Any, dict[str, Any]]:
+    """A model from a Hugging Face checkpoint directory or a training run directory (its latest
+    good checkpoint, saying which): ``(model, settings)``, ``settings`` the run's (``{}`` for a
+    checkpoint). What ``recipes/eval.py`` and ``recipes/generate.py`` load."""
+    import zoo
+
+    if is_run_dir(path):
+        model, step, settings = load_run(path, compute_dtype=compute_dtype)
+        print(f"{path}: training run, its checkpoint of step {step}", flush=True)
+        return model, settings
+    return zoo.from_pretrained(path, compute_dtype=compute_dtype), {}

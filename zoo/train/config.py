@@ -11,7 +11,7 @@ from typing import Any
 import equinox as eqx
 import optax
 
-from zoo.params import Param, map_params
+from zoo.params import Param, is_param, map_params
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def optimizer(cfg: TrainConfig, model: eqx.Module) -> optax.GradientTransformati
     """AdamW with decoupled weight decay on weight matrices only (not norms or biases),
     global-norm clipping, and no update at all for buffers (the router's correction bias)."""
     specs = param_specs(model)
-    params = eqx.filter(model, eqx.is_inexact_array)
+    params = eqx.filter(model, is_param)  # an abstract model's (jax.eval_shape) too
     decay = map_params(lambda path, _: specs[path].trainable and specs[path].init == "normal", params)
     labels = map_params(lambda path, _: "train" if specs[path].trainable else "frozen", params)
     train = optax.chain(

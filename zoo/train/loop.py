@@ -5,6 +5,7 @@ batches of (seed, step), logs, evaluates, saves, and stops on anything non-finit
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,14 @@ from zoo.train import checkpoints
 from zoo.train.batch import batch_rows, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
-from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
+from zoo.train.metrics import (
+    MetricsLog,
+    device_memory_in_use,
+    plot_losses,
+    run_settings,
+    truncate_metrics,
+    write_run_files,
+)
 from zoo.train.run_dir import RunDirLock
 from zoo.train.step import make_eval, make_train_step
 
@@ -65,6 +73,26 @@ def train(
         return _train(run)
     with RunDirLock(run.run_dir, resume, overwrite):
         return _train(run)
+
+
+class RisingLoss:
+    """Warns, once, when the training loss rises sharply early in a run: by a fifth over the
+    first logged loss within the first quarter of the steps, the mark of a learning rate too
+    high for the model (a pretrained checkpoint fine-tuned at a pretraining rate)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg, self.first, self.warned = cfg, None, False
+
+    def check(self, step: int, loss: float) -> None:
+        if self.first is None:
+            self.first = (step, loss)
+            return
+        if self.warned or step > max(self.cfg.steps // 4, 2 * self.first[0]) or loss <= 1.2 * self.first[1]:
+            return
+        self.warned = True
+        print(f"warning: the loss rose from {self.first[1]:.3f} at step {self.first[0]} to {loss:.3f} at step {step}: "
+              f"the learning rate ({self.cfg.lr:g}) may be too high for this model (a pretrained checkpoint is "
+              "usually fine-tuned at 1e-5 to 1e-4: --lr)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -149,6 +177,8 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
                             opt_memory=opt_memory)  # fmt: skip
     log = MetricsLog(run_dir if jax.process_index() == 0 else None, cfg.steps, settings=settings, wandb=run.wandb,
                      resume=run.resume, start=start)  # fmt: skip
+    if run_dir is not None and jax.process_index() == 0:  # what load_run (eval, generate) rebuilds the model from
+        write_run_files(run_dir, model, settings)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * seq
     last_time, last_step, done = time.perf_counter(), start, start
     on_host = param_memory != "device" or opt_memory != "device"
@@ -161,6 +191,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
             checkpoints.save(manager, run_dir, step, {"params": params, "opt_state": opt_state}, on_host=on_host)
 
     mine = local_rows(mesh, cfg.batch_size)  # this process's rows of every batch: all, on one process
+    rising = RisingLoss(cfg)
 
     def validation_loss(params) -> float:
         p = tree_placement(params, "device") if param_memory != "device" else params
@@ -204,6 +235,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
                     if v is not None and not np.all(np.isfinite(np.asarray(v, dtype=float))):
                         raise stop(f"{k} is {v}")
                 log.write(record)
+                rising.check(done, loss)
             if done % cfg.checkpoint_every == 0 and done != cfg.steps:
                 save(done)
             if run.stop_after is not None and done - start >= run.stop_after:

@@ -126,6 +126,17 @@ def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memor
     }
 
 
+def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
+    """``run_dir/config.json`` (the model's Hugging Face config, as a save writes it) and
+    ``run_dir/run.json`` (the run's settings), each written atomically."""
+    from zoo.hf.pretrained import hf_config
+
+    for name, value in (("config.json", hf_config(model)), ("run.json", _jsonable(dict(settings)))):
+        tmp = run_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(value, indent=2) + "\n")
+        os.replace(tmp, run_dir / name)
+
+
 def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
@@ -172,8 +183,11 @@ class MetricsLog:
         for w in self.writers:
             w.scalars(record["step"], {k: v for k, v in record.items() if k != "step"})
         parts = [f"step {record['step']}/{self.total}"]
-        for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("tokens_per_s", ".0f"), ("mfu", ".1%"),
-                         ("grad_norm", ".3f"), ("lr", ".2e")):  # fmt: skip
+        # "loss" is the training objective; where the family adds terms to it, "lm_loss" is its
+        # next-token part (val_loss is always the next-token loss).
+        shown = [("loss", ".4f")] + ([("lm_loss", ".4f")] if record.get("lm_loss") != record.get("loss") else [])
+        for key, fmt in (*shown, ("val_loss", ".4f"), ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("grad_norm", ".3f"),
+                         ("lr", ".2e")):  # fmt: skip
             if record.get(key) is not None:
                 parts.append(f"{key} {format(record[key], fmt)}")
         if record.get("memory_bytes"):
@@ -209,6 +223,20 @@ def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     return kept
 
 
+# The curves of the loss plot: the training objective, its next-token part, the validation loss.
+CURVES = (("loss", "-"), ("lm_loss", "-"), ("val_loss", "o-"))
+
+
+def curve_labels(history: list[Mapping[str, Any]]) -> tuple[str | None, str | None, str | None]:
+    """What each curve of :data:`CURVES` is: the training objective is the next-token loss only
+    where the family adds nothing to it (DeepSeek-V3 adds MTP and balance terms, Qwen3-MoE its
+    balance loss); then its next-token part has a curve of its own (``None``: no curve)."""
+    extra = any("lm_loss" in r and "loss" in r and r["lm_loss"] != r["loss"] for r in history)
+    if extra:
+        return "train objective (next-token loss + the family's terms)", "train next-token loss", "validation next-token loss"
+    return "train next-token loss", None, "validation next-token loss"
+
+
 def plot_losses(history: list[Mapping[str, Any]], path: Path) -> Path | None:
     """Train and validation loss against step, as a PNG (needs matplotlib)."""
     try:
@@ -219,15 +247,13 @@ def plot_losses(history: list[Mapping[str, Any]], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no loss-curve PNG", file=sys.stderr)
         return None
-    train = [(r["step"], r["loss"]) for r in history if "loss" in r]
-    valid = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train")
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation")
+    for (key, fmt), label in zip(CURVES, curve_labels(history)):
+        points = [(r["step"], r[key]) for r in history if key in r]
+        if points and label:
+            ax.plot(*zip(*points), fmt, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("next-token loss (nats)")
+    ax.set_ylabel("nats per token")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -236,16 +262,27 @@ def plot_losses(history: list[Mapping[str, Any]], path: Path) -> Path | None:
     return path
 
 
-def matmul_peak_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 5) -> float:
-    """The machine's own matmul peak: FLOP/s of a large XLA matmul (best of ``repeats``)."""
+def matmul_peak_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 20, min_seconds: float = 1.0) -> float:
+    """The machine's own matmul peak: FLOP/s of a large XLA matmul, the best of at least
+    ``repeats`` runs lasting ``min_seconds`` together, after three warm-up runs (five runs moved
+    the figure 10-25% between two runs on a loaded 2-core machine: the first runs pay for
+    clocks and caches, and one quiet run is the peak). For bf16 or fp16 on an accelerator in
+    zoo.plan's hardware table, the table's dense peak: the figure MFU is quoted against."""
+    from zoo.plan.hardware import HARDWARE, for_device
+
+    device = jax.devices()[0]
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if half and device.platform != "cpu" and (name := for_device(device)) in HARDWARE:
+        return HARDWARE[name].peak_flops
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
+    for _ in range(3):
+        f(a).block_until_ready()
+    best, runs, start = math.inf, 0, time.perf_counter()
+    while runs < repeats or time.perf_counter() - start < min_seconds:
         t = time.perf_counter()
         f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
+        best, runs = min(best, time.perf_counter() - t), runs + 1
     return 2 * n**3 / best
 
 

@@ -18,7 +18,7 @@ class RunDirError(ValueError):
 
 # What a run writes into its run dir (and ``overwrite`` clears), and TensorBoard's event files.
 EVENTS = "events.out.tfevents.*"
-RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb")
+RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb", "run.json")
 
 
 def _flock(f: IO[Any], run_dir: Path) -> None:
@@ -68,8 +68,8 @@ def _refuse_previous_run(run_dir: Path, resume: bool, overwrite: bool) -> None:
     found = _previous_run(run_dir) if run_dir.is_dir() else []
     if found and not (resume or overwrite):
         raise RunDirError(
-            f"run dir {run_dir} holds a previous run ({', '.join(found)}): "
-            "continue it with --resume or replace it with --overwrite"
+            f"run dir {run_dir} holds a previous run ({', '.join(found)}): choose another one with --run-dir, "
+            "continue that run with --resume (the same model and settings), or replace it with --overwrite"
         )
 
 
