@@ -179,3 +179,26 @@ def test_the_docs_match_the_dependencies():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_the_readmes_fine_tuning_and_sft_lines_lower_the_held_out_loss(kind, tmp_path):
+    """`recipes/train.py --checkpoint DIR --data ...` with the defaults (the README's lines), on
+    the tiny BPE checkpoint: the held-out loss falls."""
+    import inspect
+
+    docs = [inspect.getdoc(f) or "" for f in (zoo.from_pretrained, zoo.save_pretrained, ztrain.train, ztrain.make_train_step)]
+    if kind == "text":
+        records = [{"text": d} for d in docs for _ in range(6)]
+    else:
+        records = [{"messages": [{"role": "user", "content": f"explain {i}"}, {"role": "assistant", "content": d}]}
+                   for i, d in enumerate(docs * 6)]  # fmt: skip
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _recipe("train").main(["--checkpoint", str(TINY), "--data", str(data), "--data-cache", str(tmp_path / "c"), "--steps",
+                           "30", "--batch-size", "4", "--seq-len", "64", "--eval-every", "30", "--run-dir",
+                           str(tmp_path / "run"), "--save-hf", str(tmp_path / "tuned"), "--peak-tflops", "1"])  # fmt: skip
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert vals[-1] < vals[0], vals
+    assert (tmp_path / "tuned" / "tokenizer.json").is_file()

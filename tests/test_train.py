@@ -275,7 +275,7 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(corpus
     cfg = _cfg(steps=3)
     ztrain.train(model, corpus, cfg, run_dir=tmp_path)
     before = (tmp_path / "metrics.jsonl").read_text()
-    message = f"run dir {tmp_path} holds a previous run (metrics.jsonl, loss.png, checkpoints, events.out.tfevents.*)"
+    message = f"run dir {tmp_path} holds a previous run (metrics.jsonl, loss.png, checkpoints, run.json, events.out.tfevents.*)"
     with pytest.raises(ztrain.RunDirError, match=re.escape(message) + ".*--resume.*--overwrite"):
         ztrain.train(model, corpus, cfg, run_dir=tmp_path)
     args, env = _recipe(tmp_path)

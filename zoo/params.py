@@ -139,7 +139,10 @@ def _maker(shape: tuple[int, ...], init: str, std: float, dtype: jnp.dtype, impl
 def _host(data: Array) -> Array | np.ndarray:
     """Key data as a host value where it is concrete: every process of a multi-host run passes
     the same one into a program whose output spans them all."""
-    return data if isinstance(data, jax.core.Tracer) else np.asarray(data)
+    try:
+        return np.asarray(data)
+    except jax.errors.TracerArrayConversionError:  # traced (an abstract model, a model made inside jit)
+        return data
 
 
 def init_params(
