@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     if max(max(ids) for ids in encoded) >= vocab:
         p.error(f"the prompt has token ids beyond the model's vocabulary of {vocab}")
     eos = () if args.ignore_eos else (args.eos if args.eos is not None else gen.eos_token_ids(path))
+    if eos and max(eos) >= vocab:
+        p.error(f"--eos {max(eos)} is outside the model's vocabulary 0..{vocab - 1}")
     if args.chat is not None:
         return {"answers": chat(args, model, path, p, eos)}
     ids, lengths = gen.pad_prompts(encoded)

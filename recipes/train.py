@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "keep_checkpoints"):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        p.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
     for name, value in (FINE_TUNING if args.checkpoint else PRETRAINING).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

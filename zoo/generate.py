@@ -195,8 +195,9 @@ def eos_token_ids(source: str | Path | CausalLM | int | Sequence[int] | None) ->
     return ids
 
 
-def _plan(model: CausalLM, input_ids, lengths, max_new_tokens: int) -> tuple[np.ndarray, int]:
-    """Check the request against the model; returns the lengths and the cache size."""
+def _plan(model: CausalLM, input_ids, lengths, max_new_tokens: int, pad_id: int | None = None) -> tuple[np.ndarray, int]:
+    """Check the request against the model (every id, padding included, and ``pad_id`` within
+    its vocabulary); returns the lengths and the cache size."""
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(input_ids.shape)}")
     b, s = input_ids.shape
@@ -207,6 +208,17 @@ def _plan(model: CausalLM, input_ids, lengths, max_new_tokens: int) -> tuple[np.
         raise ValueError(f"lengths must be in 1..{s} (the padded prompt width), got {lengths.tolist()}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    vocab = model.config.vocab_size
+    try:
+        ids = np.asarray(input_ids)
+    except jax.errors.TracerArrayConversionError:  # traced: the model call checks what it can
+        ids = None
+    if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        row, col = np.argwhere((ids < 0) | (ids >= vocab))[0].tolist()
+        raise ValueError(f"input_ids[{row}, {col}] = {int(ids[row, col])} is outside the model's vocabulary "
+                         f"0..{vocab - 1} (padding too: pad_prompts's pad_id must be a token id)")  # fmt: skip
+    if pad_id is not None and not 0 <= int(pad_id) < vocab:
+        raise ValueError(f"pad_id {pad_id} is outside the model's vocabulary 0..{vocab - 1}")
     limit = model.config.max_position_embeddings
     longest = int(lengths.max())
     if longest + max_new_tokens > limit:
@@ -283,7 +295,7 @@ def generate(
     _check_model(model)
     options = _cache_options(model, cache_options)
     sampling = Sampling.of(temperature, top_k, top_p)
-    lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens)
+    lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens, pad_id)
     eos = eos_token_ids(model if eos_token_id is None else eos_token_id)
     eos_ids = jnp.asarray(eos or (-1,), jnp.int32)  # -1: never sampled
     key = _key(key, temperature)
@@ -330,7 +342,7 @@ def stream(
     _check_model(model)
     options = _cache_options(model, cache_options)
     sampling = Sampling.of(temperature, top_k, top_p)
-    lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens)
+    lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens, pad_id)
     eos = np.asarray(eos_token_ids(model if eos_token_id is None else eos_token_id), np.int32)
     key = _key(key, temperature)
     token, cache = _prefill_sample(model, input_ids, jnp.asarray(lengths), key, sampling, max_len, options)

@@ -10,7 +10,6 @@ import dataclasses
 
 import ctypes
 import errno
-import fnmatch
 import functools
 import itertools
 import json
@@ -469,6 +468,8 @@ def save_pretrained(
         family = family_of(model)
     except TypeError as e:
         raise TypeError(f"save_pretrained: {e}") from None
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"save_pretrained: max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
     config = model.config
     path = Path(path)
     if path.is_symlink():
@@ -601,8 +602,13 @@ _TMP_NAME = re.compile(r"(?:(\d+)\.)?[a-z0-9_]{8}\.tmp")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
+# The weight files a save writes: model.safetensors or model-00001-of-00003.safetensors. Other
+# safetensors in the directory (model-orig.safetensors, a backup) are the user's and stay.
+_WEIGHT_FILE = re.compile(r"model(?:-\d{5}-of-\d{5})?\.safetensors")
+
+
 def _is_model_file(name: str) -> bool:
-    return name in _MODEL_FILES or fnmatch.fnmatchcase(name, "model*.safetensors")
+    return name in _MODEL_FILES or _WEIGHT_FILE.fullmatch(name) is not None
 
 
 def _write_text(path: Path, text: str) -> None:

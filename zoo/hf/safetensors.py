@@ -237,7 +237,9 @@ class CheckpointFiles:
         single = self.directory / "model.safetensors"
         self._files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, str] = {}
-        if index.exists():
+        if single.exists():  # as transformers does: the single file first, where both are present
+            self.where = {k: single.name for k in self._file(single.name).keys()}
+        elif index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -246,8 +248,6 @@ class CheckpointFiles:
                 if not (self.directory / name).exists():
                     raise CheckpointError(f"{index}: names shard {name!r}, which is not in {self.directory}")
             self.where = dict(weight_map)
-        elif single.exists():
-            self.where = {k: single.name for k in self._file(single.name).keys()}
         else:
             found = sorted(p.name for p in self.directory.glob("*.safetensors"))
             hint = f" (found {found}, but no model.safetensors.index.json)" if found else ""

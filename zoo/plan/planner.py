@@ -461,6 +461,8 @@ def plan(
     e2 = _from_step(probe2, unified=hw.unified)
     cm = CostModel(probe, e1, e2, j1, hw, seq_len, second)
 
+    if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
+        raise ConfigError(f"plan: margin is the fraction of each budget kept free, in [0, 1); got {margin!r}")
     usable = (device_budget * (1 - margin), host_budget * (1 - margin))
     budgets = usable
     best, fixed_b = None, None if batch_size is None else batch_size // shards

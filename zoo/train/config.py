@@ -61,7 +61,10 @@ def param_specs(model: eqx.Module) -> dict[str, Param]:
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``;
+    ``warmup=0``: the first step at ``lr`` (a warm-up of one step would make it 0)."""
+    if cfg.warmup == 0:
+        return optax.cosine_decay_schedule(cfg.lr, max(cfg.steps, 1), alpha=cfg.min_lr_ratio)
     return optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
     )
