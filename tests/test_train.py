@@ -339,6 +339,7 @@ def _damage(step_dir: Path, how: str) -> None:
         data.write_bytes(bytes(raw))
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reads of a damaged checkpoint
 @pytest.mark.parametrize("how", ["metadata removed", "data file removed", "4 KiB flipped", "one bit flipped"])
 def test_a_damaged_checkpoint_is_named_and_the_one_before_resumed(corpus, finished_run, tmp_path, capsys, how):
     """Resuming failed with orbax internals, or (flipped bytes) trained on from damaged values.
@@ -356,6 +357,7 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_resumed(corpus, finish
     np.testing.assert_array_equal(full[3:], [r["loss"] for r in rest])
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reads of a damaged checkpoint
 def test_no_usable_checkpoint_is_an_error_naming_each(corpus, finished_run, tmp_path):
     run = shutil.copytree(finished_run[0], tmp_path / "run")
     _damage(run / "checkpoints" / "6", "metadata removed")
@@ -367,6 +369,7 @@ def test_no_usable_checkpoint_is_an_error_naming_each(corpus, finished_run, tmp_
     assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]  # nothing moved: there is nothing to fall back to
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reads of a damaged checkpoint
 def test_a_checkpoint_of_another_preset_is_a_one_line_error(corpus, finished_run, tmp_path):
     """It was orbax's shape error (262 lines of asyncio traceback from the recipe)."""
     run = shutil.copytree(finished_run[0], tmp_path / "run")
