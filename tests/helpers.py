@@ -73,3 +73,12 @@ def run_in_fresh_process(script: str, timeout: int = 600, *, xla_defaults: bool 
                          timeout=timeout, check=False)  # fmt: skip
     assert out.returncode == 0, f"exit code {out.returncode}:\n{out.stderr[-3000:]}"
     return out.stdout
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now (a coordinator's, for multi-process tests)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

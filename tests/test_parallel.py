@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import run_in_fresh_process
+from helpers import free_port, run_in_fresh_process
 
 import zoo
 from zoo import parallel, registry
@@ -522,17 +521,11 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_workers(n: int, devices: int) -> list[tuple[float, float]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if n > 1:
-        env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": str(n)}
+        env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": str(n)}
     procs = [
         subprocess.Popen([sys.executable, "-c", _WORKER, str(devices)], env=env | ({"JAX_PROCESS_ID": str(i)} if n > 1 else {}),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -577,7 +570,7 @@ def test_two_processes_train_on_a_text_file_like_one(tmp_path):
                 "--mesh", "data=2,fsdp=2", "--cpu-devices", str(devices), "--run-dir", str(tmp_path / run),
                 "--peak-tflops", "1", *extra]  # fmt: skip
 
-    port = _free_port()
+    port = free_port()
     two = [
         subprocess.Popen(recipe("two", 2, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
                                 "--data-cache", str(tmp_path / "cache")),

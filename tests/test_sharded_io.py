@@ -16,14 +16,13 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers import free_port, run_in_fresh_process, supported_compile_options
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zoo
 from zoo import parallel, train
 from zoo.hf.safetensors import CheckpointFiles
 from zoo.params import flatten
-
-from helpers import run_in_fresh_process, supported_compile_options
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -202,14 +201,6 @@ def test_a_missing_or_truncated_shard_file_is_named(tmp_path):
         zoo.from_pretrained(tmp_path / "cut", mesh=mesh)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The mesh's last axis varies fastest over the devices: on 2 processes x 2 devices, fsdp=4 splits
 # every tensor across the processes, expert=4 gives each process half of the experts.
 @pytest.mark.parametrize("fixture, spec, options", [("deepseek_v3-tiny-fp8", "fsdp=4", {}),
@@ -245,7 +236,7 @@ def test_two_processes_load_init_and_save_only_their_shards(fixture, spec, optio
 def _two_processes(script: str, *args: str) -> list[dict]:
     # XLA's own settings (not the suite's compile-time flags): fresh values are compared bit for bit.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "XLA_FLAGS"))}
-    env |= {"PYTHONPATH": str(ROOT), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2"}
+    env |= {"PYTHONPATH": str(ROOT), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / script), *args], env=env | {"JAX_PROCESS_ID": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]  # fmt: skip
     results = []
@@ -283,7 +274,7 @@ def test_the_recipe_fine_tunes_on_two_processes_each_holding_its_half(tmp_path):
     (tmp_path / "corpus.txt").write_text((ROOT / "zoo" / "hf" / "pretrained.py").read_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
     env |= {"PYTHONPATH": str(ROOT)}
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "--checkpoint", str(tmp_path / "base"), "--data",
            str(tmp_path / "corpus.txt"), "--data-cache", str(tmp_path / "cache"), "--mesh", "fsdp=4", "--cpu-devices", "2",
            "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--run-dir", str(tmp_path / "run"), "--save-hf",

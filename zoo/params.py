@@ -180,17 +180,17 @@ def init_params(
     return out
 
 
-def init_arrays(init: Callable[..., Mapping[str, Array]], key: PRNGKeyArray, config: object, mesh: object = None,
-                *, memory_kind: str | None = None) -> dict[str, Array]:  # fmt: skip
+def init_arrays(init: Callable[..., Mapping[str, Array]], key: PRNGKeyArray, config: object,
+                mesh: object = None) -> dict[str, Array]:  # fmt: skip
     """A family's fresh parameters, ``init(key, shardings)``; with a ``mesh``, every array made
-    in place with the sharding :func:`zoo.parallel.param_shardings` gives it (``memory_kind``
-    too): each device computes only its shard, with the values of the unsharded init."""
+    in place with the sharding :func:`zoo.parallel.param_shardings` gives it: each device
+    computes only its shard, with the values of the unsharded init."""
     if mesh is None:
         return dict(init(key, None))
     from zoo import parallel
 
     parallel.validate_mesh(mesh, config)
-    return dict(init(key, parallel.param_shardings(config, mesh, memory_kind=memory_kind)))
+    return dict(init(key, parallel.param_shardings(config, mesh)))
 
 
 def init_with_stacks(

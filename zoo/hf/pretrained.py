@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -369,31 +369,24 @@ class _HostTensors:
 
     def __init__(self, model: Any):
         self.arrays = flatten(model)
-        self._path, self._value = None, None
+        self._path, self._value = None, None  # the one parameter held for its stored tensors
 
-    def _array(self, path: str) -> Any:
-        x = self.arrays[path]
-        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 and x.sharding.memory_kind == "pinned_host":
-            if self._path != path:  # slicing computes: bring this parameter's shards to device
-                self._path, self._value = path, jax.device_put(x, x.sharding.with_memory_kind("device"))
-            return self._value
-        return x
+    def _held(self, path: str, fetch: Callable[[], Any]) -> Any:
+        if self._path != path:
+            self._path, self._value = path, fetch()
+        return self._value
 
     def chunks(self, path: str, idx: tuple[int, ...], p: Param, sizes: Mapping[str, int], dtype: np.dtype
                ) -> Iterator[np.ndarray]:  # fmt: skip
         """The stored tensor ``idx`` of parameter ``path`` in the checkpoint's layout, as
         consecutive pieces of its bytes."""
-        x = self._array(path)
+        x = self.arrays[path]
         if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
-            if not isinstance(x, jax.Array):
-                value = np.asarray(x)
-            elif self._path != path:
-                self._path, self._value = path, np.asarray(jax.device_get(x))
-                value = self._value
-            else:
-                value = self._value
+            value = self._held(path, lambda: np.asarray(jax.device_get(x)))
             yield p.to_hf(value[idx].astype(dtype, copy=False), sizes)
             return
+        if x.sharding.memory_kind == "pinned_host":  # slicing computes: this parameter's shards to device
+            x = self._held(path, lambda: jax.device_put(x, x.sharding.with_memory_kind("device")))
         shape = x.shape[len(idx) :]
         if not x.is_fully_addressable and p.hf_layout_is_ours() and len(shape) > 1:
             # Across processes, in row blocks: every process receives each gathered block.

@@ -22,15 +22,8 @@ from zoo.train import checkpoints
 from zoo.train.batch import batch_rows, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
-from zoo.train.metrics import (
-    MetricsLog,
-    device_memory_in_use,
-    plot_losses,
-    run_settings,
-    truncate_metrics,
-    write_run_files,
-)
-from zoo.train.run_dir import RunDirLock
+from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
+from zoo.train.run_dir import RunDirLock, write_run_files
 from zoo.train.step import make_eval, make_train_step
 
 

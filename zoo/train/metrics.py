@@ -126,18 +126,8 @@ def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memor
     }
 
 
-def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
-    """``run_dir/config.json`` (the model's Hugging Face config, as a save writes it) and
-    ``run_dir/run.json`` (the run's settings), each written atomically."""
-    from zoo.hf.pretrained import hf_config
-
-    for name, value in (("config.json", hf_config(model)), ("run.json", _jsonable(dict(settings)))):
-        tmp = run_dir / f".{name}.tmp"
-        tmp.write_text(json.dumps(value, indent=2) + "\n")
-        os.replace(tmp, run_dir / name)
-
-
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """``x`` as plain JSON data (dtypes and other objects as their text)."""
     return json.loads(json.dumps(x, default=str))
 
 
@@ -158,7 +148,7 @@ class MetricsLog:
         if run_dir is None:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        settings = _jsonable(dict(settings or {}))
+        settings = jsonable(dict(settings or {}))
         self.writers.append(TensorBoardWriter(run_dir))
         if wandb is not None:
             self.writers.append(WandbWriter(wandb, run_dir, settings, resume=resume))

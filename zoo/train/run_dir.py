@@ -1,11 +1,15 @@
-"""Run directories: what a run writes there, the lock a running run holds (``fcntl.flock`` on
+"""Run directories: what a run writes there (and ``config.json`` / ``run.json``, from which a
+run's model is rebuilt), the lock a running run holds (``fcntl.flock`` on
 ``RUN_DIR/.lock``), and the rules for a directory that holds an earlier run (refused unless
 resumed or overwritten; ``overwrite`` removes only the run's own files)."""
 
 from __future__ import annotations
 
 import fcntl
+import json
+import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -103,3 +107,15 @@ class RunDirLock:
     def __exit__(self, *exc: object) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
+    """``run_dir/config.json`` (the model's Hugging Face config, as a save writes it) and
+    ``run_dir/run.json`` (the run's settings), each written atomically."""
+    from zoo.hf.pretrained import hf_config
+    from zoo.train.metrics import jsonable
+
+    for name, value in (("config.json", hf_config(model)), ("run.json", jsonable(dict(settings)))):
+        tmp = run_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(value, indent=2) + "\n")
+        os.replace(tmp, run_dir / name)
