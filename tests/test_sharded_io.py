@@ -118,9 +118,9 @@ XLA_DEFAULTS = supported_compile_options({"xla_backend_optimization_level": 2, "
 def test_fresh_init_never_makes_a_whole_parameter_on_a_device():
     """Llama 3.2 1B made in place on fsdp=8, program by program as zoo.Llama(mesh=) runs them
     (one per parameter shape and layout): each device's output is its 1/8 share and its
-    temporaries 3x that (threefry's counters and bits for the shard), under half a parameter;
-    one program for the whole model held 7 GB of temporaries on every device, more than the
-    whole 4.9 GB model."""
+    temporaries a few draw blocks (4 MB each), whatever the parameter's size; one program for
+    the whole model held 7 GB of temporaries on every device, and one jax.random.normal per
+    parameter 3x the device's share (threefry's counters and bits for all of it)."""
     from zoo import params
     from zoo.llama import preset
     from zoo.llama.model import llama_params
@@ -128,21 +128,56 @@ def test_fresh_init_never_makes_a_whole_parameter_on_a_device():
     config = preset("llama3.2-1b")
     mesh = parallel.make_mesh("fsdp=8")
     shardings = parallel.param_shardings(config, mesh)
-    seen = set()
+    block = params.DRAW_BLOCK * 4
+    seen, largest = set(), 0
     for path, p in llama_params(config).items():
         stacked = path.startswith("layers.")
         shape = p.shape(config.sizes)[1:] if stacked else p.shape(config.sizes)
         length = config.num_layers if stacked else None
-        maker = params._maker(shape, p.init, 0.02, np.dtype(np.float32), "threefry2x32", length, shardings[path])
-        if maker in seen:
-            continue
-        seen.add(maker)
-        data = jax.ShapeDtypeStruct((2,) if length is None else (length, 2), np.uint32)
-        memory = maker.lower(data).compile(XLA_DEFAULTS).memory_analysis()
-        whole = np.prod(p.shape(config.sizes)) * 4
-        assert memory.output_size_in_bytes <= whole / 8 + 64, path
-        assert memory.temp_size_in_bytes <= whole / 8 * 3.01 + 2**20, (path, memory.temp_size_in_bytes / (whole / 8))
-    assert len(seen) >= 5
+        for sharding in (shardings[path], None):
+            maker = params._maker(shape, p.init, 0.02, np.dtype(np.float32), "threefry2x32", length, sharding)
+            if maker in seen:
+                continue
+            seen.add(maker)
+            data = jax.ShapeDtypeStruct((2,) if length is None else (length, 2), np.uint32)
+            memory = maker.lower(data).compile(XLA_DEFAULTS).memory_analysis()
+            whole = np.prod(p.shape(config.sizes)) * 4
+            assert memory.output_size_in_bytes <= whole / (1 if sharding is None else 8) + 64, path
+            assert memory.temp_size_in_bytes <= 4 * block + 2**20, (path, memory.temp_size_in_bytes / block)
+            largest = max(largest, whole)
+    assert len(seen) >= 10 and largest > 60 * block  # the draws are far larger than their temporaries
+
+
+@pytest.mark.parametrize("spec", ["fsdp=8", "fsdp=2,tensor=4", "expert=4,fsdp=2"])
+def test_a_draw_made_block_by_block_is_jax_random_normal(spec, monkeypatch):
+    """Each device draws its share slab by slab (slabs of 48 elements here), yet every
+    parameter is exactly ``jax.random.normal(its key, its shape)``: the reference is JAX's own
+    sampler, so the values depend on neither the mesh, the slab size nor the device count.
+    (A unit std: XLA may fold ``std * sqrt(2)`` into one constant in one program and not in
+    another, 1 ulp apart; the same std in both of zoo's paths is the test above.)"""
+    from jax.sharding import NamedSharding
+
+    from zoo import params
+
+    monkeypatch.setattr(params, "DRAW_BLOCK", 48)
+    params._maker.cache_clear()
+    mesh, P = parallel.make_mesh(spec), PartitionSpec
+    keys = jax.random.split(jax.random.key(7), 6)
+    cases = [((6, 40, 24), P(None, "fsdp", "tensor")), ((6, 8, 40), P(None, "expert", ("fsdp", "tensor"))),
+             ((40, 24), P(("tensor", "fsdp"), None)), ((6, 13, 3), P())]  # fmt: skip
+    for shape, pspec in cases:
+        stacked = len(shape) == 3
+        want = (jax.vmap(lambda k: jax.random.normal(k, shape[1:]))(keys) if stacked
+                else jax.random.normal(keys[0], shape))  # fmt: skip
+        data = np.asarray(jax.random.key_data(keys if stacked else keys[0]))
+        for sharding in (NamedSharding(mesh, pspec), None):
+            maker = params._maker(shape[1:] if stacked else shape, "normal", 1.0, np.dtype(np.float32),
+                                  "threefry2x32", 6 if stacked else None, sharding)  # fmt: skip
+            got = maker(data)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{shape} {pspec} {sharding}")
+            if sharding is not None:
+                assert got.sharding.is_equivalent_to(sharding, len(shape))
+    params._maker.cache_clear()
 
 
 def test_optimizer_state_is_made_sharded_like_the_parameters():

@@ -117,23 +117,119 @@ class Param:
             yield idx, _FIELD.sub(lambda m: str(at[m.group(1)] + int(m.group(2) or 0)), self.hf)
 
 
+# Elements of a parameter drawn per step of its maker's loop (4 MB in float32): a draw's
+# temporaries (threefry's counters and bits, the normal transform) are a few of these, not a
+# few copies of the parameter or of a device's shard.
+DRAW_BLOCK = 2**20
+
+
+def _normal_at(data: Array, index: Array) -> Array:
+    """``jax.random.normal(key, shape)[...]`` at the flat row-major ``index`` (uint32) of each
+    element, for the key with raw ``data``: JAX's partitionable threefry (each element's bits
+    are the hash of its own index), then JAX's uniform-to-normal transform, so any block of a
+    draw can be made alone with the values of the whole."""
+    from jax.extend.random import threefry2x32_p
+
+    b1, b2 = threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(index), index)
+    mantissa = jax.lax.shift_right_logical(b1 ^ b2, jnp.uint32(32 - 23)) | jnp.uint32(0x3F800000)
+    floats = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1)
+    lo = np.nextafter(np.float32(-1), np.float32(0))
+    u = jnp.maximum(lo, floats * (np.float32(1) - lo) + lo)
+    return np.float32(np.sqrt(2)) * jax.lax.erf_inv(u)
+
+
+def _slabs(shape: tuple[int, ...], first: int) -> tuple[int, int]:
+    """How a loop covers an array of ``shape`` in slabs of at most :data:`DRAW_BLOCK` elements:
+    ``(axis, rows)``, each slab one index of every axis before ``axis`` (at least ``first`` of
+    them), ``rows`` of ``axis`` (a divisor of its size) and all of the axes after it."""
+    axis = first
+    while axis < len(shape) - 1 and math.prod(shape[axis:]) > DRAW_BLOCK:
+        axis += 1
+    if axis >= len(shape):
+        return axis, 1
+    inner = math.prod(shape[axis + 1 :])
+    rows = max((r for r in range(1, shape[axis] + 1) if shape[axis] % r == 0 and r * inner <= DRAW_BLOCK), default=1)
+    return axis, rows
+
+
+def _draw(data: Array, shape: tuple[int, ...], stacked: bool, offsets: list[Array | int], local: tuple[int, ...],
+          std: float, dtype: jnp.dtype) -> Array:  # fmt: skip
+    """Elements ``offsets : offsets + local`` of normal(0, std) draws of ``shape``, one per key of
+    ``data`` (``[2]``; ``[L, 2]`` with ``stacked``: the first axis indexes the keys), slab by slab
+    in a loop: values as the whole draw's, temporaries a few slabs'."""
+    first = int(stacked)
+    inner = shape[first:]
+    if math.prod(inner) > 2**32:
+        raise ValueError(f"a parameter of {math.prod(inner)} elements per layer (shape {shape}) is over the "
+                         "2**32 a draw can index")  # fmt: skip
+    strides = [math.prod(inner[d + 1 :]) for d in range(len(inner))]
+    axis, rows = _slabs(local, first)
+    slab = tuple([1] * axis + ([rows] if axis < len(local) else []) + list(local[axis + 1 :]))
+    lead = local[:axis]
+    steps = math.prod(lead) * (local[axis] // rows if axis < len(local) else 1)
+
+    def one(step, out):
+        coords, rest = [], step
+        for n in reversed(local[:axis] + ((local[axis] // rows,) if axis < len(local) else ())):
+            coords.append(rest % n)
+            rest = rest // n
+        coords = coords[::-1]
+        if axis < len(local):
+            coords[axis] = coords[axis] * rows
+        start = [jnp.asarray(c, jnp.int32) for c in coords] + [jnp.int32(0)] * (len(local) - len(coords))
+        index = jnp.zeros(slab, jnp.uint32)
+        for d in range(first, len(local)):
+            at = jnp.asarray(offsets[d] + start[d], jnp.uint32)
+            if slab[d] > 1:
+                at = at + jax.lax.broadcasted_iota(jnp.uint32, slab, d)
+            index = index + at * jnp.uint32(strides[d - first])
+        key = data[offsets[0] + start[0]] if stacked else data
+        values = (std * _normal_at(key, index)).astype(dtype)
+        return jax.lax.dynamic_update_slice(out, values, start)
+
+    out = jnp.zeros(local, dtype)
+    if math.prod(local) == 0:
+        return out
+    return one(0, out) if steps == 1 else jax.lax.fori_loop(0, steps, one, out)
+
+
+def _shard_offsets(sharding: jax.sharding.NamedSharding, local: tuple[int, ...]) -> list[Array | int]:
+    """Inside ``shard_map``: where this device's block of an array laid out by ``sharding`` starts."""
+    offsets: list[Array | int] = []
+    spec = tuple(sharding.spec) + (None,) * (len(local) - len(sharding.spec))
+    for size, names in zip(local, spec, strict=True):
+        names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+        index: Array | int = 0
+        for name in names:
+            index = index * sharding.mesh.shape[name] + jax.lax.axis_index(name)
+        offsets.append(index * size)
+    return offsets
+
+
 @functools.cache
 def _maker(shape: tuple[int, ...], init: str, std: float, dtype: jnp.dtype, impl: str, length: int | None,
            sharding: jax.sharding.Sharding | None) -> Callable:  # fmt: skip
     """One parameter's jitted maker, from its key's raw data (``[length, 2]`` per layer for a
-    stack): a normal(0, std) draw or a constant, laid out by ``sharding``. One compile per
-    distinct shape and layout, shared by every parameter that has them."""
+    stack): normal(0, std) draws (``jax.random.normal``'s values for each key) or a constant,
+    laid out by ``sharding``, each device making only its own block, a slab at a time. One
+    compile per distinct shape and layout, shared by every parameter that has them."""
+    full = shape if length is None else (length, *shape)
+    if init != "normal":
+        fill = jnp.ones if init == "ones" else jnp.zeros
+        return jax.jit(lambda data: fill(full, dtype), out_shardings=sharding)
+    if impl != "threefry2x32":
+        raise ValueError(f"fresh parameters are drawn with threefry2x32 keys, not {impl}")
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.jit(lambda data: _draw(data, full, length is not None, [0] * len(full), full, std, dtype),
+                       out_shardings=sharding)  # fmt: skip
+    local = sharding.shard_shape(full)
 
-    def one(data):
-        return (std * jr.normal(jr.wrap_key_data(data, impl=impl), shape, jnp.float32)).astype(dtype)
+    def block(data):
+        return _draw(data, full, length is not None, _shard_offsets(sharding, local), local, std, dtype)
 
-    def make(data):
-        if init != "normal":
-            fill = jnp.ones if init == "ones" else jnp.zeros
-            return fill(shape if length is None else (length, *shape), dtype)
-        return one(data) if length is None else jax.vmap(one)(data)
-
-    return jax.jit(make, out_shardings=sharding)
+    spec = jax.sharding.PartitionSpec(*sharding.spec)
+    mapped = jax.shard_map(block, mesh=sharding.mesh, in_specs=jax.sharding.PartitionSpec(), out_specs=spec)
+    return jax.jit(mapped, out_shardings=sharding)
 
 
 def _host(data: Array) -> Array | np.ndarray:
