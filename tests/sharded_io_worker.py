@@ -27,6 +27,8 @@ from zoo.params import flatten  # noqa: E402
 def main() -> None:
     checkpoint, spec, out = sys.argv[1], sys.argv[2], sys.argv[4]
     options = {k: json.loads(v) for k, v in (a.split("=", 1) for a in sys.argv[5:])}
+    gather = options.pop("save_by_gathering", False)  # as if the processes shared no filesystem
+    failing = options.pop("fail_writing_on", None)  # this process's writes fail (a full disk)
     parallel.initialize_distributed()
     read: list[str] = []
     region = pretrained._TensorSource.region
@@ -68,8 +70,24 @@ def main() -> None:
             wrong.append(f"optimizer state leaf {leaf.shape}: sharding {leaf.sharding.spec}, not {spec}")
     if not split:
         wrong.append("no optimizer state leaf is split")
-    zoo.save_pretrained(model, out)
-    print("RESULT " + json.dumps({"process": jax.process_index(), "read": read, "wrong": wrong}), flush=True)
+    shared, wrote = pretrained._shared_directory, pretrained._write_own_shards
+    writes = []
+    pretrained._shared_directory = lambda tmp: None if gather and shared(tmp) else shared(tmp)
+
+    def writing(*args):
+        writes.append(1)
+        if failing == jax.process_index():
+            raise OSError(28, "No space left on device")
+        wrote(*args)
+
+    pretrained._write_own_shards = writing
+    error = None
+    try:
+        zoo.save_pretrained(model, out)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    print("RESULT " + json.dumps({"process": jax.process_index(), "read": read, "wrong": wrong,
+                                  "wrote_own_shards": bool(writes), "error": error}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

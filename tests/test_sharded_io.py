@@ -240,16 +240,22 @@ def test_a_missing_or_truncated_shard_file_is_named(tmp_path):
 # every tensor across the processes, expert=4 gives each process half of the experts.
 @pytest.mark.parametrize("fixture, spec, options", [("deepseek_v3-tiny-fp8", "fsdp=4", {}),
                                                     ("deepseek_v3-tiny-16e-mtp", "expert=4", {"mtp": True}),
-                                                    ("qwen3_moe-tiny-mixed-sharded", "expert=4", {})])  # fmt: skip
+                                                    ("qwen3_moe-tiny-mixed-sharded", "expert=4", {}),
+                                                    ("llama3_1-tiny", "fsdp=2,tensor=2", {"save_by_gathering": True})])  # fmt: skip
 def test_two_processes_load_init_and_save_only_their_shards(fixture, spec, options, tmp_path):
     """2 processes x 2 CPU devices, the mesh across both: each process's shards equal the whole
     load's (an expert-parallel mesh: each reads only its experts), a fresh model and the
-    optimizer state are made in place, and the saved files hold the source's tensors exactly."""
+    optimizer state are made in place, and the saved files hold the source's tensors exactly:
+    written by each process for its own shards (the processes share the filesystem), or, as
+    where they share none, by process 0 gathering them."""
     out = tmp_path / "saved"
     results = _two_processes("sharded_io_worker.py", str(FIXTURES / fixture), spec, "2", str(out),
                              *(f"{k}={json.dumps(v)}" for k, v in options.items()))  # fmt: skip
+    gathering = options.pop("save_by_gathering", False)
     for r in results:
         assert r["wrong"] == [], r["wrong"]
+        assert r["wrote_own_shards"] is not gathering
+        assert r["error"] is None
     source, saved = CheckpointFiles(FIXTURES / fixture), CheckpointFiles(out)
     stored = {k for k in source.keys() if not k.endswith("_scale_inv")}
     experts = [{k for k in r["read"] if ".experts." in k} for r in results]
@@ -266,6 +272,17 @@ def test_two_processes_load_init_and_save_only_their_shards(fixture, spec, optio
     again = flatten(zoo.from_pretrained(out, **options))
     for path in whole:
         np.testing.assert_array_equal(np.asarray(again[path]), np.asarray(whole[path]), err_msg=path)
+
+
+def test_a_process_that_fails_its_part_of_a_save_fails_it_everywhere(tmp_path):
+    """Process 1's writes fail (a full disk): both processes raise, process 0's naming process 1,
+    and nothing is left: no checkpoint, no temporary directory (none waits forever either)."""
+    out = tmp_path / "saved"
+    results = _two_processes("sharded_io_worker.py", str(FIXTURES / "llama3_1-tiny"), "fsdp=4", "2", str(out),
+                             "fail_writing_on=1")  # fmt: skip
+    assert all(r["error"] for r in results)
+    assert results[0]["error"] == f"CheckpointError: {out}: process 1 failed before it wrote its shards; nothing was saved"
+    assert list(tmp_path.iterdir()) == []
 
 
 def _two_processes(script: str, *args: str) -> list[dict]:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.errors import CheckpointError, ConfigError
-from zoo.hf.safetensors import DTYPES, FLOATS, CheckpointFiles, umask, write_safetensors
+from zoo.hf.safetensors import DTYPES, FLOATS, CheckpointFiles, safetensors_header, umask, write_safetensors
 from zoo.params import Param, flatten
 from zoo.registry import by_model_type, family_of
 
@@ -399,6 +399,24 @@ class _HostTensors:
         yield p.to_hf(_gather(x[idx]).astype(dtype, copy=False), sizes)
 
 
+    def own_blocks(self, path: str, idx: tuple[int, ...], dtype: np.dtype) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+        """This process's part of stored tensor ``idx`` of ``path`` (our layout, without the stacked
+        axes): ``(first index along each axis, block)`` per shard it holds replica 0 of."""
+        x = self.arrays[path]
+        if not isinstance(x, jax.Array):
+            if jax.process_index() == 0:
+                yield (0,) * (x.ndim - len(idx)), np.asarray(x[idx]).astype(dtype, copy=False)
+            return
+        for shard in x.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            lead = [range(*s.indices(n)) for s, n in zip(shard.index, x.shape)]
+            if not all(i in r for i, r in zip(idx, lead)):
+                continue
+            data = np.asarray(shard.data)[tuple(i - r.start for i, r in zip(idx, lead))]
+            yield tuple(r.start for r in lead[len(idx) :]), data.astype(dtype, copy=False)
+
+
 # The most a sharded save gathers at once across processes, beyond each process's shards.
 GATHER_BYTES = 64 * 2**20
 
@@ -449,9 +467,12 @@ def save_pretrained(
     swapped into place. Saving over an existing checkpoint replaces its model files (config,
     safetensors, index) and keeps everything else in it (tokenizer, README, subfolders).
 
-    A sharded model (on a mesh, over many processes too): call it in every process. The
-    tensors are gathered one at a time and streamed into the files by process 0, so no process
-    holds more than its own shards and one tensor; the files are those of an unsharded save.
+    A sharded model (on a mesh, over many processes too): call it in every process; the files
+    are those of an unsharded save. On one process the tensors are fetched one at a time and
+    streamed into the files. Across processes sharing the directory's filesystem (checked),
+    process 0 lays the files out and every process writes its own shards' bytes into them
+    (nothing is gathered); where they share none, process 0 writes everything, each tensor
+    gathered to it in row blocks of at most :data:`GATHER_BYTES`.
 
     ``generation_config.json`` gets the model config's BOS and EOS ids on top of the settings of
     ``generation_config`` (a dict, e.g. the source checkpoint's sampling settings) or, without
@@ -481,19 +502,62 @@ def save_pretrained(
         files[-1].append(i)
         size += nbytes
     host = _HostTensors(model)
+    file_layouts = [[layout[i][:3] for i in entries] for entries in files]
 
     def tensors(entries: list[int]) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
         for i in entries:
             key, _, dtype, param, idx = layout[i]
             yield key, host.chunks(param, idx, specs[param], config.sizes, dtype)
 
-    if jax.process_index() != 0:  # the others take part in every gather, in the same order
-        for entries in files:
-            for _, chunks in tensors(entries):
-                for _ in chunks:
-                    pass
-        _barrier("zoo.save_pretrained")
-        return
+    first, many = jax.process_index() == 0, jax.process_count() > 1
+    tmp, failure = None, None
+    if first:
+        try:
+            tmp = _begin_save(path, model, generation_config)
+        except BaseException as e:  # the others are told before it is raised
+            failure = e
+    shared = _shared_directory(tmp) if many else None
+    if failure is not None:
+        raise failure
+    if shared is False:
+        raise CheckpointError(f"{path}: process 0 could not start the save (its log says why)")
+    direct, tmp = shared is not None, shared or tmp
+    retired = None
+    try:
+        if direct:  # every process writes its own shards' bytes into files process 0 laid out
+            if first:
+                for k, entries in enumerate(file_layouts):
+                    _lay_out(tmp / f"shard-{k}.tmp", entries)
+            _agree(True, path, "laid out the files")
+            _agree(_try(lambda: _write_own_shards(tmp, files, layout, file_layouts, host, specs, config.sizes)),
+                   path, "wrote its shards")  # fmt: skip
+        elif many and not first:  # the others take part in every gather, in the same order
+            for entries in files:
+                for _, chunks in tensors(entries):
+                    for _ in chunks:
+                        pass
+        else:  # streamed: each tensor written as it is gathered, one in memory at a time
+            for k, entries in enumerate(files):
+                write_safetensors(tmp / f"shard-{k}.tmp", tensors(entries), layout=file_layouts[k])
+        if first:
+            retired = _install(tmp, path, [[layout[i][0] for i in entries] for entries in files],
+                               sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _, _ in layout))  # fmt: skip
+    except BaseException:
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _agree(False, path, "")  # the others, waiting on this process, raise too
+        raise
+    _agree(True, path, "saved")  # every process returns once the checkpoint is in place
+    if retired is not None:
+        try:
+            shutil.rmtree(retired)
+        except OSError as e:  # the new checkpoint is in place; the next save retries the removal
+            log.warning("%s: saved, but could not remove the previous checkpoint at %s (%s)", path, retired, e)
+
+
+def _begin_save(path: Path, model: Any, generation_config: Mapping[str, Any] | None) -> Path:
+    """Process 0: the temporary directory beside ``path`` a save writes into, with the
+    config files in it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _recover(path)
     if generation_config is None:
@@ -509,51 +573,151 @@ def save_pretrained(
         gen.update({k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None})
         if gen:
             _write_text(tmp / "generation_config.json", json.dumps(gen, indent=2) + "\n")
-        # Streamed: each tensor is written as it is gathered, so one is in memory at a time.
-        shard_keys = []
-        for k, entries in enumerate(files):
-            write_safetensors(tmp / f"shard-{k}.tmp", tensors(entries),
-                              layout=[layout[i][:3] for i in entries])  # fmt: skip
-            shard_keys.append([layout[i][0] for i in entries])
-        total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _, _ in layout)
-        n = len(shard_keys)
-        if n == 1:
-            os.replace(tmp / "shard-0.tmp", tmp / "model.safetensors")
-        else:
-            weight_map = {}
-            for i, keys in enumerate(shard_keys):
-                name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                os.replace(tmp / f"shard-{i}.tmp", tmp / name)
-                weight_map.update({k: name for k in keys})
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
-        if path.exists():
-            _carry_over(path, tmp)
-        _fsync_dir(tmp)
-        if not path.exists():
-            os.rename(tmp, path)
-            retired = None
-        elif _exchange(tmp, path):
-            retired = tmp  # now the previous checkpoint
-        else:
-            # No atomic exchange here: two renames, and a load finding only .NAME.old restores it.
-            retired = path.with_name(f".{path.name}.old")
-            os.rename(path, retired)
-            try:
-                os.rename(tmp, path)
-            except BaseException:
-                os.rename(retired, path)
-                raise
-        _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _barrier("zoo.save_pretrained")  # every process returns once the checkpoint is in place
-    if retired is not None:
+    return tmp
+
+
+def _install(tmp: Path, path: Path, shard_keys: list[list[str]], total: int) -> Path | None:
+    """Process 0: name the written files, index them, carry over the old checkpoint's other
+    files and swap ``tmp`` into place; returns the previous checkpoint's directory, to remove."""
+    n = len(shard_keys)
+    if n == 1:
+        os.replace(tmp / "shard-0.tmp", tmp / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, keys in enumerate(shard_keys):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp / f"shard-{i}.tmp", tmp / name)
+            weight_map.update({k: name for k in keys})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+    if path.exists():
+        _carry_over(path, tmp)
+    _fsync_dir(tmp)
+    if not path.exists():
+        os.rename(tmp, path)
+        retired = None
+    elif _exchange(tmp, path):
+        retired = tmp  # now the previous checkpoint
+    else:
+        # No atomic exchange here: two renames, and a load finding only .NAME.old restores it.
+        retired = path.with_name(f".{path.name}.old")
+        os.rename(path, retired)
         try:
-            shutil.rmtree(retired)
-        except OSError as e:  # the new checkpoint is in place; the next save retries the removal
-            log.warning("%s: saved, but could not remove the previous checkpoint at %s (%s)", path, retired, e)
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(retired, path)
+            raise
+    _fsync_dir(path.parent)
+    return retired
+
+
+_SHARED_CHECK = ".zoo-every-process-sees-this"
+
+
+def _shared_directory(tmp: Path | None) -> Path | None | bool:
+    """Every process: process 0's temporary directory (``tmp`` there) if every process sees it
+    (a filesystem they share, checked with a token file), ``None`` if some do not (process 0
+    then writes everything, gathering), ``False`` if process 0 has none (it failed to start)."""
+    from jax.experimental import multihost_utils
+
+    token = os.urandom(16).hex()
+    if tmp is not None:
+        (tmp / _SHARED_CHECK).write_text(token)
+    text = (f"{tmp}\0{token}" if tmp is not None else "").encode()
+    if len(text) > _NAME_BYTES:
+        raise CheckpointError(f"{tmp}: a path over {_NAME_BYTES - 33} bytes is too long to share across processes")
+    sent = np.frombuffer(text.ljust(_NAME_BYTES, b"\0"), np.uint8)
+    name, _, token = bytes(multihost_utils.broadcast_one_to_all(sent)).rstrip(b"\0").decode().partition("\0")
+    if not name:
+        return False
+    try:
+        seen = (Path(name) / _SHARED_CHECK).read_text() == token
+    except OSError:
+        seen = False
+    everyone = _agree(seen, Path(name), "")
+    if jax.process_index() == 0:
+        (Path(name) / _SHARED_CHECK).unlink()
+    return Path(name) if everyone else None
+
+
+_NAME_BYTES = 4096
+
+
+def _agree(ok: bool, path: Path, what: str) -> bool:
+    """Every process: whether all of them are ``ok``; with ``what``, raise naming the first that
+    is not (so that no process waits forever on one that failed)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.array([int(ok)], np.int32))).reshape(-1)
+    if what and not flags.all():
+        raise CheckpointError(f"{path}: process {int(np.argmin(flags))} failed before it {what}; nothing was saved")
+    return bool(flags.all())
+
+
+def _try(fn: Callable[[], None]) -> bool:
+    try:
+        fn()
+    except Exception:
+        log.exception("zoo.save_pretrained: this process's part of the save failed")
+        return False
+    return True
+
+
+def _lay_out(file: Path, layout: list[tuple[str, tuple[int, ...], np.dtype]]) -> None:
+    """Process 0: a safetensors file's header, and its full size (the data written later)."""
+    blob, starts = safetensors_header(file, layout)
+    size = starts[-1] + math.prod(layout[-1][1]) * np.dtype(layout[-1][2]).itemsize if layout else len(blob)
+    with open(file, "wb") as f:
+        f.write(blob)
+        f.truncate(size)
+    os.chmod(file, 0o666 & ~umask())
+
+
+def _write_own_shards(tmp: Path, files: list[list[int]], layout: list, file_layouts: list, host: _HostTensors,
+                      specs: Mapping[str, Param], sizes: Mapping[str, int]) -> None:  # fmt: skip
+    """Every process: the bytes of the shards it holds (replica 0 of each) into the laid-out
+    files, with positioned writes, then synced: no process gathers anything."""
+    for k, entries in enumerate(files):
+        _, starts = safetensors_header(tmp / f"shard-{k}.tmp", file_layouts[k])
+        fd = os.open(tmp / f"shard-{k}.tmp", os.O_WRONLY)
+        try:
+            for i, start in zip(entries, starts, strict=True):
+                _, _, dtype, param, idx = layout[i]
+                for box, block in host.own_blocks(param, idx, dtype):
+                    _write_box(fd, start, block, box, specs[param], sizes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_box(fd: int, start: int, block: np.ndarray, box: tuple[int, ...], p: Param,
+               sizes: Mapping[str, int]) -> None:  # fmt: skip
+    """``block`` (our layout, without the stacked axes), at ``box`` (its first index along each
+    axis), into the stored tensor whose data starts at byte ``start``: one write per run of
+    consecutive stored bytes."""
+    flat = [a for g in p.hf_groups() for a in g]
+    inner = p._inner()
+    order = [inner.index(a) for a in flat]
+    block = block.transpose(order)
+    corner = [box[i] for i in order]
+    dims = [sizes[a] for a in flat]
+    strides = [math.prod(dims[d + 1 :]) * block.itemsize for d in range(len(dims))]
+    whole = len(dims)  # the axes from here on are whole in the block: each run spans them
+    while whole > 0 and block.shape[whole - 1] == dims[whole - 1]:
+        whole -= 1
+    outer = max(whole - 1, 0)  # one run per index of the axes before the partial one
+    base = start + sum(c * s for c, s in zip(corner, strides, strict=True))
+    for at in itertools.product(*(range(n) for n in block.shape[:outer])):
+        run = np.ascontiguousarray(block[at]).reshape(-1).view(np.uint8)
+        offset = base + sum(i * s for i, s in zip(at, strides, strict=False))
+        written = 0
+        while written < run.nbytes:  # pwrite may write less than asked
+            written += os.pwrite(fd, run[written:], offset + written)
 
 
 def hf_config(model: Any) -> dict[str, Any]:
@@ -564,14 +728,6 @@ def hf_config(model: Any) -> dict[str, Any]:
     out.update({k: json.loads(v) for k, v in config.hf_extra if k not in out})
     out["torch_dtype"] = out["dtype"] = str(np.dtype(model.embed.dtype))
     return out
-
-
-def _barrier(name: str) -> None:
-    """All processes of a multi-host run reach ``name`` before any goes on (none with one)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 def read_generation_config(path: str | Path) -> dict[str, Any]:

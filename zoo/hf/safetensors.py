@@ -174,22 +174,11 @@ def write_safetensors(
         items = [(name, np.ascontiguousarray(t)) for name, t in tensors]
         layout = [(name, tuple(t.shape), t.dtype) for name, t in items]
         tensors = items
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    for name, shape, dtype in layout:
-        dtype = np.dtype(dtype)
-        if dtype not in NAMES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store")
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes, as the reference writer does
+    blob, _ = safetensors_header(path, layout, metadata)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would outlive the rename
         with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for (name, shape, dtype), (got, t) in zip(layout, tensors, strict=True):
                 # An array, or an iterator of its consecutive pieces (each C-ordered, in order).
@@ -212,6 +201,27 @@ def write_safetensors(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def safetensors_header(path: str | Path, layout: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+                       metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[int]]:  # fmt: skip
+    """The bytes a safetensors file of ``layout`` (``(name, shape, dtype)`` in order) starts with
+    (length and JSON header), and where each tensor's data starts in the file: the same for
+    the same layout, so every process of a run can compute where its shards go."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset, starts = 0, []
+    for name, shape, dtype in layout:
+        dtype = np.dtype(dtype)
+        if dtype not in NAMES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        starts.append(offset)
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes, as the reference writer does
+    blob = struct.pack("<Q", len(blob)) + blob
+    return blob, [len(blob) + s for s in starts]
 
 
 def umask() -> int:
