@@ -129,6 +129,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --run-dir")
     run.add_argument("--overwrite", action="store_true",
                      help="remove a previous run's metrics, checkpoints and loss.png from --run-dir first")  # fmt: skip
+    r.add_argument("--allow-change", default="", metavar="NAMES",
+                   help="--resume: settings the resumed run may change, comma-separated (e.g. lr,steps); any other "
+                        "difference from the run's run.json is refused, listed (docs/training.md, Resuming)")  # fmt: skip
     r.add_argument("--log-every", type=int, default=25)
     r.add_argument("--eval-every", type=int, default=50)
     r.add_argument("--checkpoint-every", type=int, default=200)
@@ -230,6 +233,19 @@ def build_model(args: argparse.Namespace, mesh, param_dtype, compute_dtype):
     if getattr(config, "num_nextn_predict_layers", 0) == 1:  # DeepSeek-V3 presets: train their MTP module
         config = dataclasses.replace(config, mtp=True)
     return cls(config, key=jr.key(args.seed), mesh=mesh, param_dtype=param_dtype, compute_dtype=compute_dtype)
+
+
+def sources(args: argparse.Namespace) -> dict[str, str | None]:
+    """What the run is made from, as ``run.json`` keeps it (paths resolved, so that the same
+    file named another way is the same source)."""
+
+    def resolved(name: str | None) -> str | None:
+        if name is None:
+            return None
+        return ",".join(str(Path(n).resolve()) if Path(n).exists() else n for n in name.split(","))
+
+    return {"data": resolved(args.data), "checkpoint": resolved(args.checkpoint), "text_field": args.text_field,
+            "data_format": args.data_format}  # fmt: skip
 
 
 def load_training_data(args: argparse.Namespace, vocab_size: int):
@@ -345,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         model, history = ztrain.train(
             model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,
             placement=args.placement, mesh=mesh, param_memory=args.param_memory, opt_memory=args.opt_memory,
-            peak_flops=peak, consume=True, wandb=args.wandb,
+            peak_flops=peak, consume=True, wandb=args.wandb, sources=sources(args),
+            allow_change=[n for n in args.allow_change.split(",") if n],
         )  # fmt: skip
     except ztrain.RunDirError as e:  # a run that started into the dir since the check above
         parser().error(str(e))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 from conftest import FIXTURES
@@ -16,6 +18,7 @@ import zoo
 from zoo import generate as gen
 from zoo import train as ztrain
 from zoo.hf.safetensors import CheckpointFiles, write_safetensors
+from zoo.llama import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = FIXTURES / "llama3_1-tiny"
@@ -85,3 +88,89 @@ def test_values_that_mean_nothing_are_refused_up_front(tmp_path, capsys):
     assert float(schedule(0)) == pytest.approx(1e-3) and float(schedule(10)) == pytest.approx(1e-4)
     warm = ztrain.learning_rate(ztrain.TrainConfig(steps=10, warmup=2, lr=1e-3))
     assert float(warm(0)) == 0.0 and float(warm(2)) == pytest.approx(1e-3)  # a warm-up still starts at 0
+
+
+def _run(corpus, run_dir, **kw):
+    cfg = dict(steps=4, batch_size=2, seq_len=16, warmup=1, lr=3e-3, log_every=1, eval_every=4, eval_batches=1,
+               checkpoint_every=2)  # fmt: skip
+    options = {k: kw.pop(k) for k in ("resume", "overwrite", "sources", "allow_change", "stop_after") if k in kw}
+    model = zoo.Llama(preset("tiny"), key=jr.key(0), param_dtype=kw.pop("param_dtype", jnp.float32))
+    return ztrain.train(model, corpus, ztrain.TrainConfig(**{**cfg, **kw}), run_dir=run_dir, **options)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    from zoo.data import stdlib_corpus
+
+    return stdlib_corpus(max_bytes=2**20)
+
+
+def test_overwrite_refuses_to_remove_what_is_not_the_runs(corpus, tmp_path):
+    """Point 1: --overwrite deleted a Hugging Face model folder and a README kept under checkpoints/."""
+    _run(corpus, tmp_path, steps=2)
+    (tmp_path / "checkpoints" / "my-model").mkdir()
+    (tmp_path / "checkpoints" / "my-model" / "config.json").write_text("{}")
+    (tmp_path / "checkpoints" / "README.md").write_text("notes")
+    message = (f"--overwrite would remove {tmp_path}'s checkpoints, and they hold what is not the run's: "
+               f"{tmp_path / 'checkpoints' / 'README.md'}, {tmp_path / 'checkpoints' / 'my-model'}")  # fmt: skip
+    for refuse in (lambda: ztrain.check_run_dir(tmp_path, overwrite=True), lambda: _run(corpus, tmp_path, overwrite=True)):
+        with pytest.raises(ztrain.RunDirError, match=re.escape(message)):
+            refuse()
+    assert (tmp_path / "checkpoints" / "README.md").read_text() == "notes"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "README.md", "my-model"]
+    shutil.rmtree(tmp_path / "checkpoints" / "my-model")
+    (tmp_path / "checkpoints" / "README.md").unlink()
+    _run(corpus, tmp_path, steps=2, overwrite=True)  # only the run's own entries: replaced
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reads of a damaged checkpoint
+@pytest.mark.parametrize("how", ["missing", "empty", "not JSON"])
+def test_a_checkpoint_that_cannot_be_verified_is_not_trusted(corpus, tmp_path, capsys, how):
+    """Point 3: without its _CHECKPOINT_METADATA (missing, empty, invalid JSON), a checkpoint with
+    a flipped data byte resumed "at step 4" from corrupted weights."""
+    _run(corpus, tmp_path)
+    meta = tmp_path / "checkpoints" / "4" / "_CHECKPOINT_METADATA"
+    assert meta.is_file()
+    if how == "missing":
+        meta.unlink()
+    else:
+        meta.write_text("" if how == "empty" else "{not json")
+    _, rest = _run(corpus, tmp_path, resume=True)
+    err = capsys.readouterr().err
+    assert f"checkpoint step 4 ({tmp_path / 'checkpoints' / '4'}) is damaged: it cannot be verified: " in err
+    assert "falling back to step 2" in err and [r["step"] for r in rest] == [3, 4]
+
+
+def test_a_resume_that_changes_the_runs_settings_is_refused_with_the_differences(corpus, tmp_path, capsys):
+    """Points 4 and 9: --resume accepted other --batch-size, --seq-len, --seed, --lr, --data ... without
+    a word (metrics.jsonl then mixed two runs); a --param-dtype change was called a damaged checkpoint,
+    with advice (--overwrite) that would have destroyed a good one."""
+    sources = {"data": "/data/a.txt", "checkpoint": None}
+    _, full = _run(corpus, tmp_path / "full", sources=sources)
+    run = tmp_path / "run"
+    _run(corpus, run, sources=sources, stop_after=2)
+    cases = [({"lr": 1e-3}, "lr 0.003 -> 0.001"), ({"batch_size": 4}, "batch_size 2 -> 4"),
+             ({"seq_len": 8}, "seq_len 16 -> 8"), ({"seed": 1}, "seed 0 -> 1"),
+             ({"sources": {"data": "/data/b.txt", "checkpoint": None}}, "data '/data/a.txt' -> '/data/b.txt'"),
+             ({"param_dtype": jnp.bfloat16}, "param_dtype 'float32' -> 'bfloat16'")]  # fmt: skip
+    for change, listed in cases:
+        with pytest.raises(ztrain.RunDirError) as e:
+            _run(corpus, run, resume=True, **{"sources": sources, **change})
+        assert f"--resume would change the settings the run in {run} was made with (run.json): {listed}." in str(e.value)
+        assert str(e.value).endswith(f"--allow-change {listed.split()[0]}")
+    with pytest.raises(ztrain.RunDirError, match="--allow-change lr_max: not a setting of this run"):
+        _run(corpus, run, resume=True, sources=sources, allow_change=["lr_max"])
+    # What never changes the numbers resumes freely; the same settings resume exactly.
+    _, rest = _run(corpus, run, resume=True, sources=sources, log_every=2, eval_batches=2)
+    assert [r["loss"] for r in rest if "loss" in r] == [r["loss"] for r in full if r["step"] == 4]
+    # Allowed: a changed dtype restores (verified as saved, then cast) and trains on.
+    other = tmp_path / "other"
+    _run(corpus, other, sources=sources, stop_after=2)
+    capsys.readouterr()
+    model, rest = _run(corpus, other, resume=True, sources=sources, param_dtype=jnp.bfloat16, lr=1e-3,
+                       allow_change=["param-dtype", "lr"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "resuming with changed settings: lr 0.003 -> 0.001, param_dtype 'float32' -> 'bfloat16'" in out
+    assert "resumed from" in out and [r["step"] for r in rest if "loss" in r] == [3, 4]
+    assert model.embed.dtype == jnp.bfloat16
+    assert json.loads((other / "run.json").read_text())["param_dtype"] == "bfloat16"  # the run's settings now

@@ -64,14 +64,15 @@ def save(manager: Any, run_dir: Path | None, step: int, tree: Any, *, on_host: b
 def named_leaves(tree: Any) -> dict[str, Any]:
     """The array leaves of ``tree`` (arrays, shape structs, orbax metadata) by dotted path."""
 
-    def name(key) -> str:
-        for attr in ("name", "key", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {".".join(map(name, path)): x for path, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")}
+    return {".".join(map(_key_name, path)): x for path, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")}
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
 
 
 def _params_first(names: Iterable[str]) -> list[str]:
@@ -150,22 +151,38 @@ def _try_restore(manager: Any, step: int, path: Path, abstract: Any, to_device: 
     if (misfit := _misfit(saved, abstract)) is not None:
         raise CheckpointError(f"checkpoint step {step} ({path}) does not fit the model: {misfit} "
                               "(a checkpoint of another preset or model?)")  # fmt: skip
+    try:  # the bit sums saved with it, in its _CHECKPOINT_METADATA: without them nothing is verified
+        expected = (manager.metadata(step).custom_metadata or {}).get("zoo", {}).get("checksums")
+    except Exception as e:  # noqa: BLE001  (orbax raises plain Exceptions, or logs and gives nothing)
+        return f"it cannot be verified: its _CHECKPOINT_METADATA does not read ({_short(e)})", None
+    if not isinstance(expected, dict) or not expected:
+        return "it cannot be verified: its _CHECKPOINT_METADATA (missing, empty or not JSON) holds no checksums", None
+    # Restored as saved (a resume that changes --param-dtype: verified first, then cast).
+    def as_saved(name: str, x: Any) -> Any:
+        if not hasattr(x, "dtype") or name not in saved or np.dtype(saved[name].dtype) == np.dtype(x.dtype):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, saved[name].dtype, sharding=getattr(x, "sharding", None))
+
+
     try:
-        tree = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        tree = manager.restore(step, args=ocp.args.StandardRestore(_tree_map_named(as_saved, abstract)))
     except Exception as e:  # noqa: BLE001  (as above)
         return f"it does not restore ({_short(e)})", None
     finite, sums = audit(tree, to_device=to_device)
     if (bad := first_non_finite(tree, finite)) is not None:
         return f"its {bad} is not finite", None
-    try:  # the bit sums saved with it (none in a checkpoint without its _CHECKPOINT_METADATA)
-        expected = (manager.metadata(step).custom_metadata or {}).get("zoo", {}).get("checksums", {})
-    except Exception:  # noqa: BLE001  (unreadable: unchecked, as for a checkpoint saved without them)
-        expected = {}
     got = dict(zip(named_leaves(tree), np.asarray(sums).tolist()))
     for name in _params_first(got):
-        if name in expected and int(expected[name]) != got[name]:
+        if name not in expected:
+            return f"it cannot be verified: no checksum was saved for its {_describe(name)}", None
+        if int(expected[name]) != got[name]:
             return f"its {_describe(name)} does not match the checksum saved with it", None
-    return None, tree
+    return None, jax.tree.map(lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), tree, abstract)
+
+
+def _tree_map_named(fn: Any, tree: Any) -> Any:
+    """``fn(name, leaf)`` over ``tree``'s leaves, each named as :func:`named_leaves` names it."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: fn(".".join(map(_key_name, path)), x), tree)
 
 
 def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool, *, move_damaged: bool = True

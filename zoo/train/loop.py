@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from zoo.train.batch import batch_rows, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
-from zoo.train.run_dir import RunDirLock, write_run_files
+from zoo.train.run_dir import RunDirLock, check_resume, write_run_files
 from zoo.train.step import make_eval, make_train_step
 
 
@@ -43,6 +44,8 @@ def train(
     stop_after: int | None = None,
     consume: bool = False,
     wandb: str | None = None,
+    sources: Mapping[str, Any] | None = None,
+    allow_change: Iterable[str] = (),
 ) -> tuple[eqx.Module, list[dict[str, Any]]]:
     """Train ``model`` on ``data``; returns the trained model and the metric records.
 
@@ -53,7 +56,11 @@ def train(
     lasts. ``stop_after``: stop (without a final save) after that many steps of this call —
     for tests that interrupt a run. ``consume``: let the steps reuse the given model's
     buffers (no copy; the caller's ``model`` is unusable afterwards). ``wandb``: also log to
-    this Weights & Biases project (needs ``wandb`` and a run dir).
+    this Weights & Biases project (needs ``wandb`` and a run dir). ``sources``: what the run is
+    made from (the recipe's ``data`` and ``checkpoint``), kept in ``run_dir/run.json`` with the
+    other settings; a resume whose settings differ from those is refused, listing the
+    differences, except for the names in ``allow_change`` (and what never changes the numbers:
+    ``zoo.train.run_dir.FREE_ON_RESUME``).
     """
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
@@ -61,7 +68,7 @@ def train(
     if wandb is not None and run_dir is None:
         raise ConfigError("wandb logging needs a run dir (its files go to RUN_DIR/wandb)")
     run = _Run(model, data, cfg, None if run_dir is None else Path(run_dir), resume, placement, mesh, param_memory,
-               opt_memory, peak_flops, stop_after, consume, wandb)  # fmt: skip
+               opt_memory, peak_flops, stop_after, consume, wandb, dict(sources or {}), tuple(allow_change))  # fmt: skip
     if run.run_dir is None:
         return _train(run)
     with RunDirLock(run.run_dir, resume, overwrite):
@@ -105,6 +112,12 @@ class _Run:
     stop_after: int | None
     consume: bool
     wandb: str | None
+    sources: dict[str, Any]
+    allow_change: tuple[str, ...]
+
+    def settings(self) -> dict[str, Any]:
+        return run_settings(self.model, self.cfg, placement=self.placement, mesh=self.mesh,
+                            param_memory=self.param_memory, opt_memory=self.opt_memory, sources=self.sources)  # fmt: skip
 
 
 def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
@@ -131,7 +144,12 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
     try:
         if manager is not None and run.resume:
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+            # A checkpoint of another model is refused as such first, by the restore.
             start, restored = checkpoints.restore_latest(manager, run_dir, abstract, to_device=False)
+            changed = check_resume(run_dir, run.settings(), run.allow_change)
+            if changed:
+                print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
+                      flush=True)  # fmt: skip
             if restored is not None:
                 params, opt_state = restored["params"], restored["opt_state"]
                 print(f"resumed from {run_dir / 'checkpoints'} at step {start}", flush=True)
@@ -166,8 +184,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
     seq = cfg.seq_len
     flops_per_token = model.config.flops_per_token(seq)
     # Process 0 writes the metrics (every process computes the same ones).
-    settings = run_settings(model, cfg, placement=run.placement, mesh=mesh, param_memory=param_memory,
-                            opt_memory=opt_memory)  # fmt: skip
+    settings = run.settings()
     log = MetricsLog(run_dir if jax.process_index() == 0 else None, cfg.steps, settings=settings, wandb=run.wandb,
                      resume=run.resume, start=start)  # fmt: skip
     if run_dir is not None and jax.process_index() == 0:  # what load_run (eval, generate) rebuilds the model from

@@ -106,8 +106,10 @@ class WandbWriter:
         self.run.finish()
 
 
-def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memory: str, opt_memory: str) -> dict[str, Any]:
-    """The run's settings as plain data: the model's class and config, the ``TrainConfig``,
+def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memory: str, opt_memory: str,
+                 sources: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The run's settings as plain data: the model's class, config and dtypes, the
+    ``TrainConfig``, what the run was made from (``sources``: the recipe's data and checkpoint),
     the mesh, where parameters and optimizer state live, and the placement map as a spec."""
     from zoo.placement import resolve
 
@@ -118,7 +120,10 @@ def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memor
     return {
         "model": type(model).__name__,
         "model_config": dataclasses.asdict(model.config),
+        "param_dtype": str(jnp.dtype(model.embed.dtype)),
+        "compute_dtype": str(jnp.dtype(getattr(model, "compute_dtype", model.embed.dtype))),
         "train": dataclasses.asdict(cfg),
+        "sources": dict(sources or {}),
         "mesh": dict(mesh.shape) if mesh is not None else None,
         "param_memory": param_memory,
         "opt_memory": opt_memory,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,6 +24,18 @@ class RunDirError(ValueError):
 # What a run writes into its run dir (and ``overwrite`` clears), and TensorBoard's event files.
 EVENTS = "events.out.tfevents.*"
 RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb", "run.json")
+
+
+# What zoo and orbax put in checkpoints/ and damaged-checkpoints/: step directories ("200",
+# "200.1" for a second damaged copy) and orbax's unfinished ones ("200.orbax-checkpoint-tmp-...").
+_STEP_ENTRY = re.compile(r"\d+(\.\d+)?(\.orbax-checkpoint-tmp-.*)?")
+_CHECKPOINT_DIRS = ("checkpoints", "damaged-checkpoints")
+
+
+def _foreign_entries(run_dir: Path) -> list[Path]:
+    """What a user put under the run's checkpoint folders: entries that are not step directories."""
+    return [p for name in _CHECKPOINT_DIRS if (run_dir / name).is_dir()
+            for p in sorted((run_dir / name).iterdir()) if not _STEP_ENTRY.fullmatch(p.name)]  # fmt: skip
 
 
 def _flock(f: IO[Any], run_dir: Path) -> None:
@@ -70,6 +83,11 @@ def _refuse_previous_run(run_dir: Path, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise RunDirError("resume and overwrite exclude each other: continue the run or replace it")
     found = _previous_run(run_dir) if run_dir.is_dir() else []
+    if overwrite and (foreign := _foreign_entries(run_dir)):
+        raise RunDirError(
+            f"--overwrite would remove {run_dir}'s checkpoints, and they hold what is not the run's: "
+            f"{', '.join(str(p) for p in foreign)}; move that elsewhere first (nothing was removed)"
+        )
     if found and not (resume or overwrite):
         raise RunDirError(
             f"run dir {run_dir} holds a previous run ({', '.join(found)}): choose another one with --run-dir, "
@@ -119,3 +137,59 @@ def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> N
         tmp = run_dir / f".{name}.tmp"
         tmp.write_text(json.dumps(value, indent=2) + "\n")
         os.replace(tmp, run_dir / name)
+
+
+# What a resume may change without a word: where things live and how often the loop reports,
+# none of which changes the numbers trained. Everything else in run.json is compared.
+FREE_ON_RESUME = ("mesh", "placement", "param_memory", "opt_memory", "log_every", "eval_every", "eval_batches",
+                  "checkpoint_every", "keep_checkpoints", "model_config.attention")  # fmt: skip
+
+
+def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's settings (run.json) as ``{name: value}``, by the names ``--allow-change`` takes:
+    TrainConfig fields and the family's training options by their own names, the model's
+    config fields as ``model_config.NAME``, and the rest (``model``, ``param_dtype``, ``data``,
+    ``checkpoint`` ...) as they are."""
+    out: dict[str, Any] = {}
+    for name, value in settings.items():
+        if name == "train":
+            for field, v in value.items():
+                if field == "model_options" and isinstance(v, Mapping):
+                    out.update(v)
+                else:
+                    out[field] = v
+        elif name in ("model_config", "sources") and isinstance(value, Mapping):
+            out.update({(f"model_config.{k}" if name == "model_config" else k): v for k, v in value.items()})
+        else:
+            out[name] = value
+    return out
+
+
+def check_resume(run_dir: Path, settings: Mapping[str, Any], allow_change: Iterable[str] = ()) -> dict[str, tuple]:
+    """Refuse (``RunDirError``) a resume whose settings differ from those the run was made with
+    (``run_dir/run.json``), listing the differences, unless each is in ``allow_change`` or
+    :data:`FREE_ON_RESUME`. Returns the allowed changes, ``{name: (before, now)}``."""
+    from zoo.train.metrics import jsonable
+
+    file = run_dir / "run.json"
+    if not file.is_file():  # a run from before run.json: nothing to compare with
+        return {}
+    try:
+        before = _comparable(json.loads(file.read_text()))
+    except (OSError, ValueError, AttributeError) as e:
+        raise RunDirError(f"{file}: the run's settings do not read ({e}); --overwrite to start over") from None
+    now = _comparable(jsonable(dict(settings)))
+    allow = {name.replace("-", "_") for name in allow_change}
+    if unknown := sorted(allow - set(now) - set(before)):
+        raise RunDirError(f"--allow-change {','.join(unknown)}: not a setting of this run; its settings are "
+                          f"{', '.join(sorted(set(now) - set(FREE_ON_RESUME)))}")  # fmt: skip
+    changed = {name: (before.get(name), now.get(name)) for name in sorted(set(before) | set(now))
+               if name not in FREE_ON_RESUME and before.get(name) != now.get(name)}  # fmt: skip
+    refused = {name: v for name, v in changed.items() if name not in allow}
+    if refused:
+        listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in refused.items())
+        raise RunDirError(
+            f"--resume would change the settings the run in {run_dir} was made with ({file.name}): {listed}. "
+            f"Resume with the run's own settings, or say which may change: --allow-change {','.join(refused)}"
+        )
+    return changed
