@@ -368,6 +368,14 @@ def main(argv: list[str] | None = None) -> None:
         parser().error(str(e))
     except (zoo.CheckpointError, zoo.ConfigError, ztrain.NonFiniteLoss) as e:  # each message names its culprit
         sys.exit(f"{parser().prog}: error: {e}")
+    except ztrain.Preempted as e:  # saved at the step reached; 128 + the signal (143: SIGTERM), as a shell reports it
+        import signal
+
+        print(f"{parser().prog}: {e}", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.Signals[e.signal].value)
+    except ztrain.Interrupted as e:
+        print(f"{parser().prog}: {e}", file=sys.stderr, flush=True)
+        sys.exit(130)
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     if vals:
         print(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {args.run_dir}/metrics.jsonl, curve: {args.run_dir}/loss.png)")

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,6 +17,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from helpers import free_port
 
 import zoo
 from zoo import generate as gen
@@ -174,3 +179,103 @@ def test_a_resume_that_changes_the_runs_settings_is_refused_with_the_differences
     assert "resumed from" in out and [r["step"] for r in rest if "loss" in r] == [3, 4]
     assert model.embed.dtype == jnp.bfloat16
     assert json.loads((other / "run.json").read_text())["param_dtype"] == "bfloat16"  # the run's settings now
+
+
+def _train_cmd(run_dir, *extra) -> list[str]:
+    return [sys.executable, str(ROOT / "recipes" / "train.py"), "--preset", "tiny", "--steps", "30", "--warmup", "2",
+            "--batch-size", "4", "--seq-len", "32", "--log-every", "1", "--eval-every", "100", "--checkpoint-every",
+            "100", "--peak-tflops", "1", "--run-dir", str(run_dir), *extra]  # fmt: skip
+
+
+def _losses(run_dir) -> dict[int, float]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}  # later lines (a resumed run's) win
+
+
+def _processes(cmd: list[str], n: int) -> tuple[list[list[str]], dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
+    env |= {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    if n == 1:
+        return [cmd], env
+    port = free_port()
+    return [[*cmd, "--mesh", "fsdp=4", "--cpu-devices", "2", "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+             str(n), "--process-id", str(i)] for i in range(n)], env  # fmt: skip
+
+
+def _run_all(cmds, env) -> list[str]:
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_saves_at_the_step_reached_and_resume_is_exact(tmp_path, processes):
+    """Point 16: on SIGTERM the run exited without saving (up to --checkpoint-every steps lost on
+    every preemption). Now it finishes the step, saves it and exits 143; --resume then equals an
+    uninterrupted run bit for bit. Two processes: SIGTERM to process 1 alone, and both agree on
+    the step through JAX's preemption service."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    _run_all(*_processes(_train_cmd(full), processes))
+    cmds, env = _processes(_train_cmd(cut), processes)
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    seen = []
+    for line in procs[0].stdout:  # a few steps in (no checkpoint yet: --checkpoint-every 100), then SIGTERM
+        seen.append(line)
+        if line.startswith("step 3/"):
+            procs[-1].send_signal(signal.SIGTERM)
+            break
+    outs = ["".join(seen) + procs[0].stdout.read()] + [p.communicate(timeout=300)[0] for p in procs[1:]]
+    for p, out in zip(procs, outs):
+        assert p.wait(timeout=300) == 143, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    m = re.search(r"train\.py: SIGTERM: stopped after step (\d+) of 30; saved checkpoint step (\d+) \((.*)\): "
+                  r"--resume continues from it", outs[0])  # fmt: skip
+    assert m and m[1] == m[2] and 3 <= int(m[1]) < 30 and m[3] == str(cut / "checkpoints" / m[1]), outs[0][-2000:]
+    assert sorted(os.listdir(cut / "checkpoints")) == [m[1]]
+    cmds, env = _processes(_train_cmd(cut, "--resume"), processes)
+    outs = _run_all(cmds, env)
+    assert f"resumed from {cut / 'checkpoints'} at step {m[1]}" in outs[0]
+    assert sorted(_losses(cut)) == list(range(1, 31))
+    np.testing.assert_array_equal([_losses(cut)[s] for s in range(1, 31)], [_losses(full)[s] for s in range(1, 31)])
+
+
+def test_ctrl_c_saves_at_the_step_reached_in_one_line(tmp_path):
+    """Point 15: SIGINT printed a 26-line KeyboardInterrupt traceback and nothing about what was
+    kept. A first Ctrl-C now stops as SIGTERM does (saved, exit 130); a second stops at once."""
+    cmds, env = _processes(_train_cmd(tmp_path / "run", "--steps", "400"), 1)
+    proc = subprocess.Popen(cmds[0], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 5/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    out = proc.stdout.read()
+    assert proc.wait(timeout=300) == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert re.fullmatch(r"train\.py: SIGINT: stopped after step (\d+) of 400; saved checkpoint step \1 "
+                        rf"\({re.escape(str(tmp_path / 'run' / 'checkpoints'))}/\1\): --resume continues from it",
+                        out.strip().splitlines()[-1]), out[-2000:]  # fmt: skip
+
+
+def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(corpus, tmp_path, monkeypatch):
+    from zoo.train import loop, preemption
+
+    stops = preemption.StopSignals()
+    stops._handle(signal.SIGINT, None)  # the first: a stop at the next step boundary
+    assert stops.reached(3)
+    with pytest.raises(KeyboardInterrupt):
+        stops._handle(signal.SIGINT, None)
+    place, steps = loop.place_batch, []
+
+    def interrupted_in_step_4(batch, *args, micro=True, **kw):  # a Ctrl-C while step 4 runs
+        if micro and len(steps) == 3:
+            raise KeyboardInterrupt
+        steps.append(1) if micro else None
+        return place(batch, *args, micro=micro, **kw)
+
+    monkeypatch.setattr(loop, "place_batch", interrupted_in_step_4)
+    with pytest.raises(ztrain.Interrupted) as e:
+        _run(corpus, tmp_path, steps=8)
+    assert str(e.value) == (f"interrupted after step 3; the last checkpoint is checkpoint step 2 "
+                            f"({tmp_path / 'checkpoints' / '2'}): --resume continues from it")  # fmt: skip

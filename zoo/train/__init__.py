@@ -8,6 +8,7 @@ the loop around it is the only place with I/O. One module a concern, none import
 - ``step``: ``make_train_step``, ``make_eval``
 - ``checkpoints``: the orbax manager, saves with bit sums, audited restores, ``NonFiniteLoss``
 - ``run_dir``: the run dir's lock and the rules for a previous run
+- ``preemption``: stopping on SIGTERM or Ctrl-C with a checkpoint at the step reached, ``Preempted``
 - ``metrics``: the metrics log (JSON lines, TensorBoard, W&B, terminal), the loss plot, the matmul peak
 - ``loop``: ``train``
 
@@ -26,11 +27,12 @@ from zoo.train.metrics import (
     matmul_peak_flops,
     plot_losses,
 )
+from zoo.train.preemption import Interrupted, Preempted
 from zoo.train.run_dir import RunDirError, check_run_dir
 from zoo.train.step import loss_and_metrics, make_eval, make_train_step
 
 __all__ = [
-    "BATCH_FIELDS", "MetricsLog", "NonFiniteLoss", "RunDirError", "TensorBoardWriter", "TrainConfig", "WandbWriter",
+    "BATCH_FIELDS", "Interrupted", "MetricsLog", "NonFiniteLoss", "Preempted", "RunDirError", "TensorBoardWriter", "TrainConfig", "WandbWriter",
     "as_batch", "batches", "check_run_dir", "device_memory_in_use", "is_run_dir", "learning_rate", "load_model",
     "load_run", "local_rows", "loss_and_metrics", "make_eval", "make_train_step", "matmul_peak_flops", "optimizer",
     "param_specs", "place_batch", "plot_losses", "train",

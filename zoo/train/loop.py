@@ -23,6 +23,7 @@ from zoo.train import checkpoints
 from zoo.train.batch import batch_rows, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
+from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
 from zoo.train.run_dir import RunDirLock, check_resume, write_run_files
 from zoo.train.step import make_eval, make_train_step
@@ -212,7 +213,9 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
         )
         return float(np.mean([float(evaluate(p, b)) for b in batches_]))
 
+    stops = StopSignals()
     try:
+        stops.__enter__()
         if start == 0:  # where training starts from (about ln V for a fresh model)
             log.write({"step": 0, "val_loss": validation_loss(params)})
             last_time = time.perf_counter()
@@ -248,6 +251,10 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
                 rising.check(done, loss)
             if done % cfg.checkpoint_every == 0 and done != cfg.steps:
                 save(done)
+            if stops.reached(done) and done < cfg.steps:
+                if manager is not None and manager.latest_step() != done:
+                    save(done)
+                raise Preempted(preempted_message(manager, run_dir, stops.signal, done, cfg.steps), stops.signal or "SIGTERM")
             if run.stop_after is not None and done - start >= run.stop_after:
                 if manager is not None:
                     manager.wait_until_finished()
@@ -256,7 +263,10 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
             if manager.latest_step() != done:
                 save(done)
             manager.wait_until_finished()
+    except KeyboardInterrupt as e:
+        raise Interrupted(interrupted_message(manager, run_dir, done)) from e
     finally:
+        stops.__exit__()
         log.close()
     if run_dir is not None and log.history and jax.process_index() == 0:
         plot_losses(previous + log.history, run_dir / "loss.png")
