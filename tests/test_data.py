@@ -300,7 +300,8 @@ def test_processes_split_the_tokenizing_and_get_the_one_process_entry(tok, tmp_p
         assert d.meta["cache"] == shared[0].meta["cache"] and d.meta["documents"] == len(rows)
         assert d.meta["formats"] == one.meta["formats"]
         assert _entry_files(d) == _entry_files(one)
-    assert [p.name for p in (tmp_path / "shared").iterdir()] == [Path(shared[0].meta["cache"]).name]  # parts removed
+    # Parts removed: the entry and the remembered hashes of the data files remain.
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [Path(shared[0].meta["cache"]).name, "file-hashes.json"]
     own = _load_in_processes(3, path, tok, [tmp_path / f"own{i}" for i in range(3)])  # caches not shared
     for d in own:
         assert _entry_files(d) == _entry_files(one)
@@ -346,7 +347,7 @@ def test_a_bad_record_stops_every_process(tok, tmp_path):
     for i in range(2):
         with pytest.raises(DataError, match=r"d.jsonl:5"):
             load_data(str(path), 256, tokenizer=tok, cache_dir=tmp_path / "c", share=data.Share(i, 2, lambda name: None))
-    assert not list((tmp_path / "c").iterdir())
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["file-hashes.json"]  # no entry, no part
 
 
 # --- batches -------------------------------------------------------------------------------------

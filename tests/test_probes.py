@@ -279,3 +279,58 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(corpus, tmp_pa
         _run(corpus, tmp_path, steps=8)
     assert str(e.value) == (f"interrupted after step 3; the last checkpoint is checkpoint step 2 "
                             f"({tmp_path / 'checkpoints' / '2'}): --resume continues from it")  # fmt: skip
+
+
+def _cached(path, cache, **kw):
+    from zoo.data import load_data, load_tokenizer
+
+    return load_data(str(path), 256, tokenizer=load_tokenizer(FIXTURES / "tokenizer-tiny"), cache_dir=cache, **kw)
+
+
+def test_the_data_cache_is_keyed_on_contents(tmp_path, capsys):
+    """Point 6: a same-size edit with the modification time put back reused the stale tokens."""
+    path = tmp_path / "a.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    first = _cached(path, tmp_path / "c")
+    st = path.stat()
+    path.write_text("the quick brown cat jumps over the lazy dog\n" * 40)  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    capsys.readouterr()
+    second = _cached(path, tmp_path / "c")
+    assert "tokenized" in capsys.readouterr().err and second.meta["cache"] != first.meta["cache"]
+    assert not np.array_equal(np.asarray(second.docs.tokens), np.asarray(first.docs.tokens))
+    third = _cached(path, tmp_path / "c")  # unchanged since: the remembered hash, the same entry
+    assert third.meta["cache"] == second.meta["cache"] and "tokenized" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["zeroed tokens", "truncated tokens", "meta dtype edited", "meta deleted"])
+def test_a_damaged_cache_entry_is_named_and_tokenized_again(tmp_path, capsys, how):
+    """Points 6 and 14: zeroed bytes in tokens.bin trained silently; a truncated tokens.bin or an
+    edited dtype gave "mmap length is greater than file size" with no path; with meta.json deleted
+    every later run failed with FileNotFoundError (the entry never healed)."""
+    path = tmp_path / "a.txt"
+    path.write_text("".join(f"line {i} of a small corpus to tokenize\n" for i in range(200)))
+    good = _cached(path, tmp_path / "c")
+    entry, want = Path(good.meta["cache"]), np.array(good.docs.tokens)  # a copy: the entry is memory-mapped
+    del good
+    tokens = entry / "tokens.bin"
+    if how == "zeroed tokens":
+        raw = bytearray(tokens.read_bytes())
+        raw[100:140] = bytes(40)
+        tokens.write_bytes(bytes(raw))
+    elif how == "truncated tokens":
+        tokens.write_bytes(tokens.read_bytes()[:-64])
+    elif how == "meta dtype edited":
+        meta = json.loads((entry / "meta.json").read_text())
+        (entry / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32"}))
+    else:
+        (entry / "meta.json").unlink()
+    capsys.readouterr()
+    for _ in range(2):  # healed: the second run reads the new entry
+        again = _cached(path, tmp_path / "c")
+        np.testing.assert_array_equal(np.asarray(again.docs.tokens), want)
+    err = capsys.readouterr().err
+    said = "is incomplete (no meta.json)" if how == "meta deleted" else "is damaged: "
+    assert f"data cache: {entry} {said}" in err and err.count("removed it, tokenizing again") == 1, err
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []

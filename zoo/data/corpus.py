@@ -1,9 +1,12 @@
 """Tokenize a corpus once into a cache directory; later runs memory-map it at once.
 
-The cache key is a hash of the tokenizer's files, every data file's path, size and
-modification time, and the options that change the tokens (format, text field, held-out
-fraction), so editing a data file or changing the tokenizer tokenizes again. A cache entry is
-written under a temporary name and renamed when complete: an interrupted run leaves none.
+The cache key is a hash of the tokenizer's files, every data file's path and contents (its
+SHA-256, remembered in ``file-hashes.json`` against the file's size, times and inode, so an
+unchanged file is not read again), and the options that change the tokens (format, text field,
+held-out fraction): any edit to a data file or the tokenizer tokenizes again. A cache entry is
+written under a temporary name and renamed when complete: an interrupted run leaves none. It
+records each of its files' size and CRC-32, checked whenever it is opened: a damaged entry is
+named, removed and tokenized again.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import shutil
 import sys
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +30,7 @@ from zoo.data.packing import Documents, valid_by_hash
 from zoo.data.sources import Source, messages_of, record_format, records, text_of
 from zoo.data.tokenizer import ByteTokenizer, ChatEncoder, DataError, HFTokenizer
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: entries keyed on contents, with their files' checksums
 BATCH = 512  # records tokenized per call (the tokenizers library runs a batch on every core)
 
 
@@ -35,16 +39,49 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ZOO_CACHE_DIR") or Path.home() / ".cache" / "zoo") / "data"
 
 
-def cache_key(sources: Sequence[Source], tokenizer: HFTokenizer | ByteTokenizer, options: dict[str, Any]) -> str:
+def cache_key(sources: Sequence[Source], tokenizer: HFTokenizer | ByteTokenizer, options: dict[str, Any],
+              root: Path | None = None) -> str:  # fmt: skip
+    """The entry name of these sources tokenized so: a hash of the data files' paths and contents
+    (see :func:`content_hash`; ``root``: the cache directory, which remembers them), the
+    tokenizer's fingerprint and ``options``."""
     files = []
     for src in sources:
         for f in src.files():
-            st = f.stat()
-            files.append([str(f.resolve()), st.st_size, st.st_mtime_ns, src.kind, src.split])
+            files.append([str(f.resolve()), content_hash(f, root), src.kind, src.split])
         if src.kind == "hub":
             files.append(src.identity())
     blob = json.dumps({"version": CACHE_VERSION, "tokenizer": tokenizer.fingerprint, "files": files, **options}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def content_hash(path: Path, root: Path | None = None) -> str:
+    """The SHA-256 of a file's bytes. With ``root``, remembered in ``root/file-hashes.json``
+    against the file's size, modification and change times and inode: the change time moves on
+    every write (``touch`` cannot set it back), so a file whose four are the same is unchanged."""
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    memo_file = root / "file-hashes.json" if root is not None else None
+    memo: dict[str, Any] = {}
+    if memo_file is not None and memo_file.is_file():
+        try:
+            memo = json.loads(memo_file.read_text())
+        except (OSError, ValueError):
+            memo = {}  # damaged: forgotten, every file hashed again
+    key = str(path.resolve())
+    if isinstance(memo.get(key), list) and memo[key][:4] == stamp:
+        return str(memo[key][4])
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    if memo_file is not None:
+        memo[key] = [*stamp, value]
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
+    return value
 
 
 class _Progress:
@@ -221,6 +258,8 @@ def _finish(directory: Path, dtype: np.dtype, lengths, nbytes, valid, masked: bo
     meta = {
         "version": CACHE_VERSION, "dtype": dtype.name, "documents": len(lengths), "tokens": int(offsets[-1]),
         "masked": masked, "formats": formats, "tokenizer": tokenizer, "sources": sources, "seconds": round(seconds, 3),
+        "checksums": {name: [(directory / name).stat().st_size, _crc32(directory / name)]
+                      for name in ENTRY_FILES if (directory / name).is_file()},
     }  # fmt: skip
     (directory / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
@@ -255,6 +294,53 @@ def merge_parts(directory: Path, parts: Sequence[Path]) -> dict[str, Any]:
     _check_documents(lengths, names)
     return _finish(directory, dtype, lengths, nbytes, valid, masked, formats, metas[0]["tokenizer"], names,
                    max(m["seconds"] for m in metas))  # fmt: skip
+
+
+# A cache entry's data files (mask.bin only where a loss mask is), each checksummed in meta.json.
+ENTRY_FILES = ("tokens.bin", "mask.bin", "offsets.npy", "nbytes.npy", "valid.npy")
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def entry_damage(entry: Path) -> str | None:
+    """What is wrong with a cache entry (its meta.json, a file missing, of another size than
+    written, or not matching its checksum), or None: it is as written."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        sums = meta["checksums"]
+        dtype, tokens = np.dtype(meta["dtype"]), int(meta["tokens"])
+        if not isinstance(sums, dict) or "tokens.bin" not in sums:
+            raise ValueError("no checksum of tokens.bin")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its meta.json does not read ({type(e).__name__}: {e})"
+    if dtype.kind != "u" or sums["tokens.bin"][0] != tokens * dtype.itemsize:
+        return f"its meta.json says {tokens} tokens of {dtype}, not the {sums['tokens.bin'][0]} bytes of tokens.bin"
+    for name, (size, crc) in sums.items():
+        path = entry / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not the {size} written"
+        if _crc32(path) != crc:
+            return f"{name} does not match the checksum written with it"
+    return None
+
+
+def _discard(entry: Path, why: str) -> None:
+    """Remove a damaged or incomplete cache entry (renamed first: another process may be at it too)."""
+    aside = entry.parent / f".{entry.name}.damaged-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(entry, aside)
+    except FileNotFoundError:  # another process moved it first
+        return
+    print(f"data cache: {entry} {why}; removed it, tokenizing again", file=sys.stderr, flush=True)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def open_documents(directory: Path) -> tuple[Documents, dict[str, Any]]:
@@ -317,6 +403,8 @@ def _write_entry(entry: Path, write: Callable[[Path], dict[str, Any]]) -> dict[s
     """``write(tmp)`` into a temporary directory renamed to ``entry`` when complete: an
     interrupted run leaves no entry behind."""
     entry.parent.mkdir(parents=True, exist_ok=True)
+    if entry.exists() and not _complete(entry):  # left incomplete (its meta.json deleted): it would block the rename
+        _discard(entry, "is incomplete (no meta.json)")
     tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per writer, threads too
     tmp.mkdir()  # with the umask's permissions (mkdtemp's 0700 would keep a shared cache from others)
     try:
@@ -350,7 +438,9 @@ def load_documents(
     0), it tokenizes everything itself after the others."""
     options = {"text_field": text_field, "format": data_format, "valid_fraction": valid_fraction}
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / cache_key(sources, tokenizer, options)
+    final = root / cache_key(sources, tokenizer, options, root)
+    if _complete(final) and (why := entry_damage(final)) is not None:
+        _discard(final, f"is damaged: {why}")
 
     def tokenize(part: tuple[int, int]) -> Callable[[Path], dict[str, Any]]:
         return lambda tmp: tokenize_to(tmp, sources, tokenizer, text_field=text_field, data_format=data_format,
