@@ -158,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "keep_checkpoints"):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len < 2:
+        p.error(f"--seq-len must be >= 2 (a next-token loss predicts position t+1 from t), got {args.seq_len}")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         p.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
     for name, value in (FINE_TUNING if args.checkpoint else PRETRAINING).items():
@@ -235,6 +237,25 @@ def build_model(args: argparse.Namespace, mesh, param_dtype, compute_dtype):
     return cls(config, key=jr.key(args.seed), mesh=mesh, param_dtype=param_dtype, compute_dtype=compute_dtype)
 
 
+def check_save_hf(args: argparse.Namespace) -> None:
+    """``--save-hf``: a directory the trained model can go to, known before the first step: not a
+    file, not under one, not the checkpoint being fine-tuned (its base weights would be
+    replaced) and not the run dir."""
+    from zoo import CheckpointError
+    from zoo.hf.pretrained import check_save_path
+
+    target = Path(args.save_hf).resolve()
+    try:
+        check_save_path(target)
+    except CheckpointError as e:
+        parser().error(f"--save-hf {args.save_hf}: {e}")
+    if args.checkpoint and target == Path(args.checkpoint).resolve():
+        parser().error(f"--save-hf {args.save_hf} is the --checkpoint being fine-tuned: saving there would replace its "
+                       "base weights; choose another directory")  # fmt: skip
+    if target == Path(args.run_dir).resolve():
+        parser().error(f"--save-hf {args.save_hf} is the --run-dir; choose another directory (e.g. {Path(args.run_dir) / 'hf'})")
+
+
 def sources(args: argparse.Namespace) -> dict[str, str | None]:
     """What the run is made from, as ``run.json`` keeps it (paths resolved, so that the same
     file named another way is the same source)."""
@@ -292,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         ztrain.check_run_dir(args.run_dir, resume=args.resume, overwrite=args.overwrite)
     except ztrain.RunDirError as e:
         parser().error(str(e))
+    if args.save_hf:
+        check_save_hf(args)
     import jax
 
     if args.cpu_devices:
@@ -313,6 +336,10 @@ def main(argv: list[str] | None = None) -> None:
             mesh = parallel.make_mesh(args.mesh)
         except zoo.MeshError as e:
             parser().error(f"--mesh: {e}")
+        try:  # before anything is built: rows and sequences the mesh cannot split
+            ztrain.batch.check_batch_layout(args, mesh)
+        except ConfigError as e:
+            parser().error(f"--mesh {args.mesh}: {e}")
     from zoo.runtime import reset_resident_peak, resident_memory
 
     before = reset_resident_peak()
@@ -337,6 +364,11 @@ def main(argv: list[str] | None = None) -> None:
                        f"{model.config.max_position_embeddings}")  # fmt: skip
     if args.placement == "auto":
         plan_placement(args, model, mesh)
+    elif args.placement is not None:  # a name or map that does not fit the model, named before anything compiles
+        try:
+            zoo.placement.resolve(args.placement, model)
+        except zoo.placement.PlacementError as e:
+            parser().error(f"--placement {args.placement}: {e}")
     data = load_training_data(args, model.config.vocab_size)
     cfg = ztrain.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,

@@ -334,3 +334,63 @@ def test_a_damaged_cache_entry_is_named_and_tokenized_again(tmp_path, capsys, ho
     said = "is incomplete (no meta.json)" if how == "meta deleted" else "is damaged: "
     assert f"data cache: {entry} {said}" in err and err.count("removed it, tokenizing again") == 1, err
     assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", "1"], "--seq-len must be >= 2 (a next-token loss predicts position t+1 from t), got 1"),
+    (["--placement", "save_matmul"], "--placement save_matmul: LlamaPlacement has no preset 'save_matmul' (did you mean "
+                                     "'save_matmuls'?)"),
+    (["--mesh", "data=2", "--cpu-devices", "2", "--batch-size", "3"],
+     "--mesh data=2: batch_size (--batch-size) 3 is not divisible by the mesh's batch axes data=2 = 2"),
+    (["--mesh", "context=2", "--cpu-devices", "2", "--seq-len", "66"],
+     "--mesh context=2: seq_len (--seq-len) 66 is not divisible by 4: the mesh's context=2 cuts each sequence into 4"),
+    (["--save-hf", "{file}"], "--save-hf {file}: {file}: exists and is not a directory"),
+    (["--save-hf", "{file}/out"], "--save-hf {file}/out: {file}/out: cannot be made, {file} is a file"),
+    (["--checkpoint", "{ckpt}", "--save-hf", "{ckpt}"],
+     "--save-hf {ckpt} is the --checkpoint being fine-tuned: saving there would replace its base weights"),
+])  # fmt: skip
+def test_bad_values_are_refused_before_anything_runs(tmp_path, flags, message):
+    """Points 11 and 12: these failed late, as tracebacks (52 lines for --placement save_matmul,
+    jax's IndivisibleError for the batch), or after training (--save-hf onto a file; onto the
+    checkpoint: its base weights replaced, then shutil.SameFileError)."""
+    (tmp_path / "file").write_text("x")
+    ckpt = shutil.copytree(LLAMA, tmp_path / "ckpt")
+    fill = {"file": str(tmp_path / "file"), "ckpt": str(ckpt)}
+    cmd = [*_train_cmd(tmp_path / "run"), *(f.format(**fill) for f in flags)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"train.py: error: {message.format(**fill)}" in out.stderr, out.stderr[-2000:]
+    assert "step 1/" not in out.stdout and not (tmp_path / "run" / "checkpoints").exists()
+    assert CheckpointFiles(ckpt).keys() == CheckpointFiles(LLAMA).keys()  # the base weights untouched
+
+
+@pytest.mark.parametrize("template, said", [
+    ("{% for m in messages %}{{ m['content'] }", "does not parse: line 1: "),
+    ("{{ messages[0]['content'] + 1 }}", "failed: TypeError: "),
+    ("{{ raise_exception('roles must alternate') }}", "failed: roles must alternate"),
+])  # fmt: skip
+def test_a_broken_chat_template_is_named_by_file_and_field(tmp_path, template, said):
+    """Point 13: a broken chat template gave a 40-line jinja2 traceback naming neither."""
+    from zoo.data import ChatEncoder, load_tokenizer
+
+    ckpt = shutil.copytree(FIXTURES / "tokenizer-tiny", tmp_path / "ckpt")
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    with pytest.raises(zoo.data.DataError) as e:
+        ChatEncoder(load_tokenizer(ckpt)).encode([{"role": "user", "content": "hi"}])
+    assert str(e.value).startswith(f"the chat template in {ckpt / 'tokenizer_config.json'}'s chat_template {said}")
+
+
+def test_save_pretrained_to_the_working_directory_or_under_a_file(tmp_path, monkeypatch):
+    """Point 15: save_pretrained(m, ".") failed ("PosixPath('.') has an empty name"); a parent
+    that is a file gave a raw FileExistsError."""
+    model = zoo.from_pretrained(LLAMA)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    zoo.save_pretrained(model, ".")
+    assert CheckpointFiles(tmp_path / "here").keys() == CheckpointFiles(LLAMA).keys()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(zoo.CheckpointError, match=re.escape(f"{tmp_path / 'file' / 'out'}: cannot be made, "
+                                                           f"{tmp_path / 'file'} is a file")):  # fmt: skip
+        zoo.save_pretrained(model, tmp_path / "file" / "out")

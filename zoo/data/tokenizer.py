@@ -98,7 +98,7 @@ class HFTokenizer:
             self.special_tokens["eos_token"] = self.tok.id_to_token(self.eos_id)
         if "bos_token" not in self.special_tokens and self.bos_id is not None:
             self.special_tokens["bos_token"] = self.tok.id_to_token(self.bos_id)
-        self.chat_template = _chat_template(directory, config)
+        self.chat_template, self.chat_template_source = _chat_template(directory, config)
         h = hashlib.sha256()
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             f = directory / name
@@ -137,17 +137,20 @@ class HFTokenizer:
         return f"{self.path} (vocabulary {self.vocab_size}; {bos}; {eos})"
 
 
-def _chat_template(directory: Path, config: dict) -> str | None:
+def _chat_template(directory: Path, config: dict) -> tuple[str | None, str]:
+    """The chat template, and where it is (a file, and its field), as transformers finds it."""
     template = config.get("chat_template")
+    where = f"{directory / 'tokenizer_config.json'}'s chat_template"
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+        where += " (the one named default)"
     if isinstance(template, str):
-        return template
+        return template, where
     if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text()
+        return (directory / "chat_template.jinja").read_text(), str(directory / "chat_template.jinja")
     jt = _read_json(directory / "chat_template.json").get("chat_template")
-    return jt if isinstance(jt, str) else None
+    return (jt, f"{directory / 'chat_template.json'}'s chat_template") if isinstance(jt, str) else (None, "")
 
 
 def load_tokenizer(checkpoint: str | Path | None) -> HFTokenizer | ByteTokenizer:
@@ -225,7 +228,13 @@ class ChatEncoder:
                 "chat_template, chat_template.jinja and chat_template.json)"
             )
         self.tokenizer = tokenizer
-        self.template = _compile_template(tokenizer.chat_template)
+        self.source = tokenizer.chat_template_source
+        import jinja2
+
+        try:
+            self.template = _compile_template(tokenizer.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise DataError(f"the chat template in {self.source} does not parse: line {e.lineno}: {e.message}") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         import jinja2
@@ -234,8 +243,10 @@ class ChatEncoder:
             return self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.tokenizer.special_tokens
             )
-        except jinja2.exceptions.TemplateError as e:
-            raise DataError(f"the chat template failed: {e}") from None
+        except jinja2.exceptions.TemplateError as e:  # raise_exception(...) in the template, an undefined name
+            raise DataError(f"the chat template in {self.source} failed: {e}") from None
+        except Exception as e:  # noqa: BLE001  (a template's own mistakes: adding a string to a number ...)
+            raise DataError(f"the chat template in {self.source} failed: {type(e).__name__}: {e}") from None
 
     def spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
         """Character spans of ``text`` (the whole conversation rendered) that the model learns:

@@ -485,11 +485,10 @@ def save_pretrained(
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"save_pretrained: max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
     config = model.config
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # "." and "..": a directory with a name, to write beside
     if path.is_symlink():
         path = path.resolve()  # replace what the link names, keeping the link
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{path}: exists and is not a directory; a checkpoint is one, so not replacing it")
+    check_save_path(path)
     specs = family.param_specs(config)
     layout = _hf_layout(model, specs, config.sizes, family.hf_duplicates(config))
     files: list[list[int]] = [[]]  # entries per file, filled up to max_shard_bytes
@@ -553,6 +552,21 @@ def save_pretrained(
             shutil.rmtree(retired)
         except OSError as e:  # the new checkpoint is in place; the next save retries the removal
             log.warning("%s: saved, but could not remove the previous checkpoint at %s (%s)", path, retired, e)
+
+
+def check_save_path(path: str | Path) -> None:
+    """Refuse (``CheckpointError``, naming it) a path a checkpoint cannot be saved to: a file, or
+    one under a file. What ``save_pretrained`` checks first; a recipe checks before training."""
+    path = Path(os.path.abspath(path))
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path}: exists and is not a directory; a checkpoint is one, so not replacing it")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(f"{path}: cannot be made, {parent} is a file")
+            break
+    if path == Path(path.anchor):
+        raise CheckpointError(f"{path}: a checkpoint cannot replace the filesystem's root")
 
 
 def _begin_save(path: Path, model: Any, generation_config: Mapping[str, Any] | None) -> Path:

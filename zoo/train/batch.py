@@ -5,6 +5,7 @@ putting only its own rows on its own devices."""
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,6 +42,25 @@ def _batch_sharding(mesh: Any, micro: bool) -> jax.sharding.NamedSharding:
 
     axes = tuple(a for a in parallel.BATCH_AXES if mesh.shape[a] > 1)
     return NamedSharding(mesh, PartitionSpec(*([None] if micro else []), axes or None))
+
+
+def check_batch_layout(cfg: Any, mesh: Any) -> None:
+    """Refuse (``ConfigError``, naming the setting and the flag) a batch that ``mesh`` cannot
+    split: rows over the batch axes, each sequence into equal chunks over ``context``."""
+    if mesh is None:
+        return
+    from zoo import parallel
+
+    axes = [a for a in parallel.BATCH_AXES if mesh.shape[a] > 1]
+    n = math.prod(mesh.shape[a] for a in axes)
+    if cfg.batch_size % n:
+        split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise ConfigError(f"batch_size (--batch-size) {cfg.batch_size} is not divisible by the mesh's batch axes "
+                          f"{split} = {n}: each of their devices takes an equal share of the rows")  # fmt: skip
+    context = mesh.shape.get("context", 1)
+    if context > 1 and cfg.seq_len % (2 * context):
+        raise ConfigError(f"seq_len (--seq-len) {cfg.seq_len} is not divisible by {2 * context}: the mesh's "
+                          f"context={context} cuts each sequence into {2 * context} equal chunks")  # fmt: skip
 
 
 def local_rows(mesh: Any, batch_size: int) -> np.ndarray | None:

@@ -46,6 +46,8 @@ class TrainConfig:
                      "keep_checkpoints"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (a next-token loss predicts position t+1 from t), got {self.seq_len}")
         for name in ("lr", "clip"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -20,7 +20,7 @@ import optax
 
 from zoo.errors import ConfigError
 from zoo.train import checkpoints
-from zoo.train.batch import batch_rows, batches, local_rows, place_batch
+from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
@@ -66,6 +66,7 @@ def train(
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
+    check_batch_layout(cfg, mesh)
     if wandb is not None and run_dir is None:
         raise ConfigError("wandb logging needs a run dir (its files go to RUN_DIR/wandb)")
     run = _Run(model, data, cfg, None if run_dir is None else Path(run_dir), resume, placement, mesh, param_memory,
