@@ -398,6 +398,10 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
     except ztrain.RunDirError as e:  # a run that started into the dir since the check above
         parser().error(str(e))
+    except ztrain.checkpoints.SaveFailed as e:  # a full disk: one line; orbax's unfinished tasks would print pages at exit
+        print(f"{parser().prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except (zoo.CheckpointError, zoo.ConfigError, ztrain.NonFiniteLoss) as e:  # each message names its culprit
         sys.exit(f"{parser().prog}: error: {e}")
     except ztrain.Preempted as e:  # saved at the step reached; 128 + the signal (143: SIGTERM), as a shell reports it

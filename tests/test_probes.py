@@ -394,3 +394,48 @@ def test_save_pretrained_to_the_working_directory_or_under_a_file(tmp_path, monk
     with pytest.raises(zoo.CheckpointError, match=re.escape(f"{tmp_path / 'file' / 'out'}: cannot be made, "
                                                            f"{tmp_path / 'file'} is a file")):  # fmt: skip
         zoo.save_pretrained(model, tmp_path / "file" / "out")
+
+
+def test_a_save_that_cannot_write_is_one_line_naming_the_disk(tmp_path):
+    """Point 10: a full disk during a save printed 590 lines of orbax tracebacks. Files over
+    300 KB cannot be written here (RLIMIT_FSIZE: the OS refuses as on a full disk)."""
+    import resource
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    cmd = _train_cmd(tmp_path / "run", "--steps", "6", "--checkpoint-every", "2")
+    out = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300,
+                         preexec_fn=small_files, check=False)  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    # What remains besides the line: TensorStore's callbacks into orbax's closed event loop,
+    # printed from C (no Python logger to filter them), 6 lines each.
+    closed = re.compile(r"Traceback \(most recent call last\):|  File .*asyncio/base_events.py\", line \d+, in "
+                        r"(call_soon_threadsafe|_check_closed)|    self._check_closed\(\)|    raise RuntimeError\('Event "
+                        r"loop is closed'\)|RuntimeError: Event loop is closed")  # fmt: skip
+    lines = [x for x in out.stderr.splitlines() if not closed.fullmatch(x)]
+    assert lines == [
+        f"train.py: error: saving a checkpoint to {tmp_path / 'run' / 'checkpoints'} failed: File too large (errno 27); "
+        + out.stderr.split("(errno 27); ")[1].split(" free there")[0] + " free there. Nothing half-written remains; "
+        "no checkpoint was kept"
+    ], out.stderr[-3000:]
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
+
+
+def test_a_failed_save_names_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    save = ocp.CheckpointManager.save
+
+    def full_at_step_4(self, step, *args, **kw):
+        if step == 4:
+            raise ValueError("OUT_OF_RANGE: Error writing ...: Failed to write 8 bytes [os_error_code='28']")
+        return save(self, step, *args, **kw)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_at_step_4)
+    with pytest.raises(ztrain.checkpoints.SaveFailed) as e:
+        _run(corpus, tmp_path)
+    assert re.fullmatch(rf"saving a checkpoint to {re.escape(str(tmp_path / 'checkpoints'))} failed: No space left on "
+                        r"device \(errno 28\); [\d.]+ GiB free there. Nothing half-written remains; the last good "
+                        rf"checkpoint is step 2 \({re.escape(str(tmp_path / 'checkpoints' / '2'))}\)", str(e.value))  # fmt: skip

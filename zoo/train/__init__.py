@@ -6,7 +6,8 @@ the loop around it is the only place with I/O. One module a concern, none import
 - ``config``: ``TrainConfig``, the learning-rate schedule, the optimizer
 - ``batch``: what a batch holds, the (seed, step) batches, their rows placed on a mesh
 - ``step``: ``make_train_step``, ``make_eval``
-- ``checkpoints``: the orbax manager, saves with bit sums, audited restores, ``NonFiniteLoss``
+- ``checkpoints``: the orbax manager, saves with bit sums, ``SaveFailed``, ``NonFiniteLoss``
+- ``restore``: verified restores, ``load_run`` / ``load_model``
 - ``run_dir``: the run dir's lock and the rules for a previous run
 - ``preemption``: stopping on SIGTERM or Ctrl-C with a checkpoint at the step reached, ``Preempted``
 - ``metrics``: the metrics log (JSON lines, TensorBoard, W&B, terminal), the loss plot, the matmul peak
@@ -16,7 +17,8 @@ Every name is importable from ``zoo.train`` itself (``from zoo import train; tra
 """
 
 from zoo.train.batch import BATCH_FIELDS, as_batch, batches, local_rows, place_batch
-from zoo.train.checkpoints import NonFiniteLoss, is_run_dir, load_model, load_run
+from zoo.train.checkpoints import NonFiniteLoss
+from zoo.train.restore import is_run_dir, load_model, load_run
 from zoo.train.config import TrainConfig, learning_rate, optimizer, param_specs
 from zoo.train.loop import train
 from zoo.train.metrics import (

@@ -1,14 +1,15 @@
 """Training checkpoints: the orbax manager of a run dir, a save that first checks every array
-is finite and records its bit sums, and a restore that trusts a checkpoint only once its
-metadata reads, its arrays fit the model, restore, are finite and match those sums (damaged
-ones are moved aside, never deleted). ``NonFiniteLoss`` is the guard's stop."""
+is finite and records its bit sums (their restore, verified: ``zoo.train.restore``), a failed
+save in one line (``SaveFailed``), and ``NonFiniteLoss``, the guard's stop."""
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import shutil
-import sys
-from collections.abc import Iterable, Mapping
+import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,31 @@ class NonFiniteLoss(RuntimeError):
     Nothing non-finite is written: the last checkpoint is good and left untouched."""
 
 
+class _OrbaxSaveErrors(logging.Filter):
+    """Drops orbax's log records of a failed background save (each with its traceback, hundreds
+    of lines): the save's failure is raised in the loop as :class:`SaveFailed`, in one line."""
+
+    SAID = ("raised an exception", "Failed to run", "Save Finalize thread", "Task exception was never retrieved")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not any(s in str(record.msg) for s in self.SAID):
+            return True
+        tb = record.exc_info[2] if record.exc_info else None
+        where = record.pathname + "".join(f.f_code.co_filename for f, _ in traceback.walk_tb(tb))
+        return "orbax" not in where and "orbax" not in record.getMessage()
+
+
+_SAVE_ERRORS = _OrbaxSaveErrors()
+
+
 def open_manager(run_dir: Path, keep: int) -> Any:
     """The orbax ``CheckpointManager`` of ``run_dir/checkpoints``: asynchronous saves, atomic
     (written under a temporary name, renamed when complete), the last ``keep`` kept."""
     import orbax.checkpoint as ocp
 
+    for name in ("absl", "asyncio"):
+        if _SAVE_ERRORS not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_SAVE_ERRORS)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
     return ocp.CheckpointManager(
         (run_dir / "checkpoints").absolute(), options=options, item_handlers=ocp.StandardCheckpointHandler()
@@ -58,7 +79,62 @@ def save(manager: Any, run_dir: Path | None, step: int, tree: Any, *, on_host: b
     if (bad := first_non_finite(tree, finite)) is not None:
         raise NonFiniteLoss(stop_message(manager, run_dir, step, f"the {bad} is not finite after the update"))
     checksums = dict(zip(named_leaves(tree), np.asarray(sums).tolist()))
-    manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata={"zoo": {"checksums": checksums}}, force=True)
+    try:  # (waits for the save before it, whose failure surfaces here)
+        manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata={"zoo": {"checksums": checksums}}, force=True)
+    except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise plain Exceptions)
+        raise SaveFailed(save_failure(manager, run_dir, e)) from None
+
+
+def wait(manager: Any, run_dir: Path | None) -> None:
+    """Wait for the save in flight; a failure as :class:`SaveFailed`, in one line."""
+    try:
+        manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001  (as above)
+        raise SaveFailed(save_failure(manager, run_dir, e)) from None
+
+
+class SaveFailed(CheckpointError):
+    """A checkpoint could not be written (a full disk ...); the message names the disk and the
+    last good checkpoint, which is untouched."""
+
+
+def save_failure(manager: Any, run_dir: Path | None, e: BaseException) -> str:
+    """What a failed save says: the error (the OS's, where it is one), the space left on that
+    disk, and the newest complete checkpoint."""
+    import re
+
+    folder = (run_dir / "checkpoints") if run_dir is not None else Path(".")
+    text = _short(e)
+    if m := re.search(r"os_error_code='(\d+)'", str(e)):
+        text = f"{os.strerror(int(m[1]))} (errno {m[1]})"
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
+    except OSError:
+        free = "its free space unknown"
+    try:  # a save still in flight (another than the one that failed) ends first
+        manager.wait_until_finished()
+    except Exception:  # noqa: BLE001  (the failed one, again)
+        pass
+    try:
+        manager.reload()
+        steps = [s for s in manager.all_steps() if (folder / str(s)).is_dir()]
+    except Exception:  # noqa: BLE001
+        steps = []
+    kept = f"the last good checkpoint is step {max(steps)} ({folder / str(max(steps))})" if steps else "no checkpoint was kept"
+    if jax.process_index() == 0:  # the failed save's unfinished directory (orbax renames only complete ones)
+        for tmp in folder.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return f"saving a checkpoint to {folder} failed: {text}; {free}. Nothing half-written remains; {kept}"
+
+
+def close(manager: Any, run_dir: Path | None, *, quietly: bool) -> None:
+    """Close the manager (waiting for a save in flight: an interrupted run keeps it); a failure
+    as :class:`SaveFailed`, or, ``quietly`` (another error is on its way), not at all."""
+    try:
+        manager.close()
+    except Exception as e:  # noqa: BLE001  (as above)
+        if not quietly:
+            raise SaveFailed(save_failure(manager, run_dir, e)) from None
 
 
 def named_leaves(tree: Any) -> dict[str, Any]:
@@ -120,162 +196,3 @@ def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     line = f"{type(e).__name__}: {text}" if text else type(e).__name__
     return line if len(line) <= 240 else line[:237] + "..."
-
-
-def _misfit(saved: Mapping[str, Any], abstract: Any) -> str | None:
-    """How a checkpoint's arrays (orbax metadata) differ from the model's, or None."""
-    want = named_leaves(abstract)
-    for name in _params_first(want):
-        leaf = want[name]
-        if name not in saved:
-            return f"{_describe(name)} {tuple(leaf.shape)} is not in the checkpoint"
-        if tuple(saved[name].shape) != tuple(leaf.shape):
-            return (f"{_describe(name)} has shape {tuple(saved[name].shape)} in the checkpoint, "
-                    f"{tuple(leaf.shape)} in the model")  # fmt: skip
-    extra = _params_first(name for name in saved if name not in want)
-    return f"{_describe(extra[0])} is in the checkpoint, not in the model" if extra else None
-
-
-def _try_restore(manager: Any, step: int, path: Path, abstract: Any, to_device: bool) -> tuple[str | None, Any]:
-    """``(None, tree)``, or ``(what is wrong, None)`` for a damaged checkpoint; raises
-    ``CheckpointError`` for a checkpoint of another model (falling back would not help)."""
-    import orbax.checkpoint as ocp
-
-    try:
-        meta = manager.item_metadata(step)
-    except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise plain Exceptions for damage)
-        return f"its metadata does not read ({_short(e)})", None
-    saved = named_leaves(meta) if meta is not None else {}
-    if not saved:
-        return "its metadata is missing", None
-    if (misfit := _misfit(saved, abstract)) is not None:
-        raise CheckpointError(f"checkpoint step {step} ({path}) does not fit the model: {misfit} "
-                              "(a checkpoint of another preset or model?)")  # fmt: skip
-    try:  # the bit sums saved with it, in its _CHECKPOINT_METADATA: without them nothing is verified
-        expected = (manager.metadata(step).custom_metadata or {}).get("zoo", {}).get("checksums")
-    except Exception as e:  # noqa: BLE001  (orbax raises plain Exceptions, or logs and gives nothing)
-        return f"it cannot be verified: its _CHECKPOINT_METADATA does not read ({_short(e)})", None
-    if not isinstance(expected, dict) or not expected:
-        return "it cannot be verified: its _CHECKPOINT_METADATA (missing, empty or not JSON) holds no checksums", None
-    # Restored as saved (a resume that changes --param-dtype: verified first, then cast).
-    def as_saved(name: str, x: Any) -> Any:
-        if not hasattr(x, "dtype") or name not in saved or np.dtype(saved[name].dtype) == np.dtype(x.dtype):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, saved[name].dtype, sharding=getattr(x, "sharding", None))
-
-
-    try:
-        tree = manager.restore(step, args=ocp.args.StandardRestore(_tree_map_named(as_saved, abstract)))
-    except Exception as e:  # noqa: BLE001  (as above)
-        return f"it does not restore ({_short(e)})", None
-    finite, sums = audit(tree, to_device=to_device)
-    if (bad := first_non_finite(tree, finite)) is not None:
-        return f"its {bad} is not finite", None
-    got = dict(zip(named_leaves(tree), np.asarray(sums).tolist()))
-    for name in _params_first(got):
-        if name not in expected:
-            return f"it cannot be verified: no checksum was saved for its {_describe(name)}", None
-        if int(expected[name]) != got[name]:
-            return f"its {_describe(name)} does not match the checksum saved with it", None
-    return None, jax.tree.map(lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), tree, abstract)
-
-
-def _tree_map_named(fn: Any, tree: Any) -> Any:
-    """``fn(name, leaf)`` over ``tree``'s leaves, each named as :func:`named_leaves` names it."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: fn(".".join(map(_key_name, path)), x), tree)
-
-
-def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool, *, move_damaged: bool = True
-                   ) -> tuple[int, Any]:  # fmt: skip
-    """The newest checkpoint that restores and verifies: ``(step, tree)``; ``(0, None)`` if
-    there is none. Damaged newer ones are moved to ``run_dir/damaged-checkpoints`` (kept,
-    not deleted; ``move_damaged=False``: left in place, for a reader), saying so; with no good
-    one left, ``CheckpointError`` names them all."""
-    ckpt_dir = run_dir / "checkpoints"
-    damaged: list[tuple[int, str]] = []
-    for step in sorted(manager.all_steps(), reverse=True):
-        problem, tree = _try_restore(manager, step, ckpt_dir / str(step), abstract, to_device)
-        if problem is not None:
-            damaged.append((step, problem))
-            continue
-        if not move_damaged:
-            for bad, why in damaged:
-                print(f"checkpoint step {bad} ({ckpt_dir / str(bad)}) is damaged: {why}; using step {step}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            return step, tree
-        for bad, why in damaged:
-            dest = run_dir / "damaged-checkpoints" / str(bad)
-            n = 1
-            while dest.exists():
-                dest, n = run_dir / "damaged-checkpoints" / f"{bad}.{n}", n + 1
-            dest.parent.mkdir(exist_ok=True)
-            shutil.move(ckpt_dir / str(bad), dest)  # a later save of this step would collide with it
-            print(f"checkpoint step {bad} ({ckpt_dir / str(bad)}) is damaged: {why}; moved it to {dest}; "
-                  f"falling back to step {step}", file=sys.stderr, flush=True)  # fmt: skip
-        if damaged:
-            manager.reload()
-        return step, tree
-    if damaged:
-        raise CheckpointError(
-            f"no checkpoint in {ckpt_dir} is usable: "
-            + "; ".join(f"step {s} ({ckpt_dir / str(s)}) is damaged: {why}" for s, why in damaged)
-            + ". Nothing to resume from: start over with --overwrite"
-        )
-    return 0, None
-
-
-def is_run_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a training run directory (``zoo.train.train``'s: its model's
-    ``config.json`` beside ``checkpoints/``)."""
-    path = Path(path)
-    return (path / "checkpoints").is_dir() and (path / "config.json").is_file()
-
-
-def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, int, dict[str, Any]]:
-    """The model of a training run directory at its latest good checkpoint: ``(model, step,
-    settings)``, the settings those the run wrote to ``run.json`` (its ``TrainConfig`` under
-    ``"train"``). Nothing in the directory is changed (a damaged checkpoint is passed over)."""
-    import json
-
-    import equinox as eqx
-    import orbax.checkpoint as ocp
-
-    from zoo.hf.pretrained import _DTYPE_NAMES, read_config
-    from zoo.params import is_param
-    from zoo.train.config import TrainConfig, optimizer
-
-    run_dir = Path(run_dir)
-    if not is_run_dir(run_dir):
-        raise CheckpointError(f"{run_dir}: not a training run directory (no config.json beside checkpoints/)")
-    family, config, raw = read_config(run_dir)
-    dtype = _DTYPE_NAMES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", jnp.float32)
-    compute_dtype = dtype if compute_dtype is None else compute_dtype
-    abstract = jax.eval_shape(lambda: family(config, key=jax.random.key(0), param_dtype=dtype, compute_dtype=compute_dtype))
-    params = eqx.filter(abstract, is_param)
-    opt_state = jax.eval_shape(optimizer(TrainConfig(steps=2, warmup=1), abstract).init, params)
-    options = ocp.CheckpointManagerOptions(read_only=True)
-    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
-                                    item_handlers=ocp.StandardCheckpointHandler())  # fmt: skip
-    try:
-        step, tree = restore_latest(manager, run_dir, {"params": params, "opt_state": opt_state}, to_device=False,
-                                    move_damaged=False)  # fmt: skip
-    finally:
-        manager.close()
-    if tree is None:
-        raise CheckpointError(f"{run_dir / 'checkpoints'}: no checkpoint yet")
-    static = eqx.filter(abstract, is_param, inverse=True)
-    settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
-    return eqx.combine(tree["params"], static), step, settings
-
-
-def load_model(path: str | Path, *, compute_dtype: Any = None) -> tuple[Any, dict[str, Any]]:
-    """A model from a Hugging Face checkpoint directory or a training run directory (its latest
-    good checkpoint, saying which): ``(model, settings)``, ``settings`` the run's (``{}`` for a
-    checkpoint). What ``recipes/eval.py`` and ``recipes/generate.py`` load."""
-    import zoo
-
-    if is_run_dir(path):
-        model, step, settings = load_run(path, compute_dtype=compute_dtype)
-        print(f"{path}: training run, its checkpoint of step {step}", flush=True)
-        return model, settings
-    return zoo.from_pretrained(path, compute_dtype=compute_dtype), {}

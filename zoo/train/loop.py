@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from zoo.errors import ConfigError
-from zoo.train import checkpoints
+from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
@@ -143,11 +143,12 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
     start = 0
     previous: list[dict[str, Any]] = []  # the resumed run's metric records, for the loss curve
     manager = checkpoints.open_manager(run_dir, cfg.keep_checkpoints) if run_dir is not None else None
+    result: tuple[eqx.Module, list[dict[str, Any]]] | None = None
     try:
         if manager is not None and run.resume:
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
             # A checkpoint of another model is refused as such first, by the restore.
-            start, restored = checkpoints.restore_latest(manager, run_dir, abstract, to_device=False)
+            start, restored = restore.restore_latest(manager, run_dir, abstract, to_device=False)
             changed = check_resume(run_dir, run.settings(), run.allow_change)
             if changed:
                 print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
@@ -161,11 +162,16 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
                 previous = truncate_metrics(run_dir / "metrics.jsonl", start)
             if start >= cfg.steps:
                 print(f"run in {run_dir} already finished at step {start}; nothing to do", flush=True)
-                return eqx.combine(params, static), []
-        return _loop(run, manager, start, previous, tx, params, opt_state, static)
-    finally:
+                result = eqx.combine(params, static), []
+        if result is None:
+            result = _loop(run, manager, start, previous, tx, params, opt_state, static)
+    except BaseException:
         if manager is not None:
-            manager.close()  # waits for a save in flight: an interrupted run keeps it
+            checkpoints.close(manager, run_dir, quietly=True)
+        raise
+    if manager is not None:
+        checkpoints.close(manager, run_dir, quietly=False)
+    return result
 
 
 def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], tx: optax.GradientTransformation,
@@ -258,12 +264,12 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
                 raise Preempted(preempted_message(manager, run_dir, stops.signal, done, cfg.steps), stops.signal or "SIGTERM")
             if run.stop_after is not None and done - start >= run.stop_after:
                 if manager is not None:
-                    manager.wait_until_finished()
+                    checkpoints.wait(manager, run_dir)
                 return eqx.combine(params, static), log.history
         if manager is not None:
             if manager.latest_step() != done:
                 save(done)
-            manager.wait_until_finished()
+            checkpoints.wait(manager, run_dir)
     except KeyboardInterrupt as e:
         raise Interrupted(interrupted_message(manager, run_dir, done)) from e
     finally:
