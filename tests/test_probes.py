@@ -399,15 +399,10 @@ def test_save_pretrained_to_the_working_directory_or_under_a_file(tmp_path, monk
 def test_a_save_that_cannot_write_is_one_line_naming_the_disk(tmp_path):
     """Point 10: a full disk during a save printed 590 lines of orbax tracebacks. Files over
     300 KB cannot be written here (RLIMIT_FSIZE: the OS refuses as on a full disk)."""
-    import resource
-
-    def small_files():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
-
     cmd = _train_cmd(tmp_path / "run", "--steps", "6", "--checkpoint-every", "2")
-    out = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300,
-                         preexec_fn=small_files, check=False)  # fmt: skip
+    small_files = ["bash", "-c", "trap '' XFSZ; ulimit -f 293; exec \"$@\"", "-"]  # 293 KiB; writes past it fail
+    out = subprocess.run([*small_files, *cmd], env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                         text=True, timeout=300, check=False)  # fmt: skip
     assert out.returncode == 1, out.stderr[-3000:]
     # What remains besides the line: TensorStore's callbacks into orbax's closed event loop,
     # printed from C (no Python logger to filter them), 6 lines each.
