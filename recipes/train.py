@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -412,7 +413,10 @@ def main(argv: list[str] | None = None) -> None:
     except ztrain.Interrupted as e:
         print(f"{parser().prog}: {e}", file=sys.stderr, flush=True)
         sys.exit(130)
-    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    records = history
+    if args.resume and (Path(args.run_dir) / "metrics.jsonl").is_file():  # the whole run's, not this session's
+        records = [json.loads(x) for x in (Path(args.run_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
     if vals:
         print(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {args.run_dir}/metrics.jsonl, curve: {args.run_dir}/loss.png)")
     if args.save_hf:  # every process takes part (a sharded model is gathered tensor by tensor); process 0 writes

@@ -128,7 +128,7 @@ def test_each_model_and_preset_gets_its_own_run_dir_by_default():
 
 
 def test_a_run_dir_holding_a_run_names_run_dir_first(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 1.0}) + "\n")  # a run that trained
     with pytest.raises(ztrain.RunDirError, match=r"choose another one with --run-dir, continue that run with --resume"):
         ztrain.check_run_dir(tmp_path)
 

@@ -237,6 +237,8 @@ def test_sigterm_saves_at_the_step_reached_and_resume_is_exact(tmp_path, process
     cmds, env = _processes(_train_cmd(cut, "--resume"), processes)
     outs = _run_all(cmds, env)
     assert f"resumed from {cut / 'checkpoints'} at step {m[1]}" in outs[0]
+    vals = [json.loads(x)["val_loss"] for x in (full / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f}" in outs[0]  # the whole run's (point 15), not the session's
     assert sorted(_losses(cut)) == list(range(1, 31))
     np.testing.assert_array_equal([_losses(cut)[s] for s in range(1, 31)], [_losses(full)[s] for s in range(1, 31)])
 
@@ -434,3 +436,18 @@ def test_a_failed_save_names_the_last_good_checkpoint(corpus, tmp_path, monkeypa
     assert re.fullmatch(rf"saving a checkpoint to {re.escape(str(tmp_path / 'checkpoints'))} failed: No space left on "
                         r"device \(errno 28\); [\d.]+ GiB free there. Nothing half-written remains; the last good "
                         rf"checkpoint is step 2 \({re.escape(str(tmp_path / 'checkpoints' / '2'))}\)", str(e.value))  # fmt: skip
+
+
+def test_a_run_that_stopped_before_its_first_step_does_not_block_the_next(corpus, tmp_path, capsys):
+    """Point 15: a run that failed before step 1 left an events file (and its step-0 record), and
+    its corrected rerun was refused as "a previous run"."""
+    (tmp_path / "events.out.tfevents.1796000000.host").write_bytes(b"x")
+    (tmp_path / "run.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_loss": 5.5}) + "\n")
+    ztrain.check_run_dir(tmp_path)
+    _, history = _run(corpus, tmp_path, steps=2)
+    assert [r["step"] for r in history] == [0, 1, 2]
+    assert "run dir: removed what a run that stopped before its first step left: metrics.jsonl, run.json, " in capsys.readouterr().out
+    assert not (tmp_path / "events.out.tfevents.1796000000.host").exists()
+    with pytest.raises(ztrain.RunDirError, match="holds a previous run"):  # this one trained: refused as before
+        ztrain.check_run_dir(tmp_path)

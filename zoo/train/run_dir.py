@@ -62,6 +62,26 @@ def _previous_run(run_dir: Path) -> list[str]:
     return found
 
 
+def _trained(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` trained a step: a checkpoint, a loss curve, or a metric
+    record past step 0. Files of a run that stopped before its first step are not a run."""
+    if any((run_dir / name).is_dir() and any((run_dir / name).iterdir()) for name in _CHECKPOINT_DIRS):
+        return True
+    if (run_dir / "loss.png").is_file():
+        return True
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) >= 1:
+                return True
+        except (ValueError, AttributeError):
+            return True  # not ours to judge: kept, and the run refused
+    return False
+
+
 def check_run_dir(run_dir: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:
     """Refuse (``RunDirError``) a run dir that a running run holds, or that holds an earlier
     run, unless ``resume`` (continue it) or ``overwrite`` (replace it). Reads only: the
@@ -88,7 +108,7 @@ def _refuse_previous_run(run_dir: Path, resume: bool, overwrite: bool) -> None:
             f"--overwrite would remove {run_dir}'s checkpoints, and they hold what is not the run's: "
             f"{', '.join(str(p) for p in foreign)}; move that elsewhere first (nothing was removed)"
         )
-    if found and not (resume or overwrite):
+    if found and not (resume or overwrite) and _trained(run_dir):
         raise RunDirError(
             f"run dir {run_dir} holds a previous run ({', '.join(found)}): choose another one with --run-dir, "
             "continue that run with --resume (the same model and settings), or replace it with --overwrite"
@@ -112,11 +132,15 @@ class RunDirLock:
         _flock(self.file, self.run_dir)
         try:
             _refuse_previous_run(self.run_dir, self.resume, self.overwrite)
-            if self.overwrite and (found := _previous_run(self.run_dir)):
+            found = _previous_run(self.run_dir)
+            untrained = bool(found) and not self.resume and not _trained(self.run_dir)
+            if found and (self.overwrite or untrained):
                 for name in found:
                     for path in self.run_dir.glob(name):
                         shutil.rmtree(path) if path.is_dir() else path.unlink()
-                print(f"overwrite: removed the previous run's {', '.join(found)} from {self.run_dir}", flush=True)
+                what = "the previous run's" if self.overwrite else "what a run that stopped before its first step left:"
+                print(f"{'overwrite' if self.overwrite else 'run dir'}: removed {what} {', '.join(found)} from "
+                      f"{self.run_dir}", flush=True)  # fmt: skip
         except BaseException:
             self.file.close()
             raise
