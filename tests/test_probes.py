@@ -451,3 +451,32 @@ def test_a_run_that_stopped_before_its_first_step_does_not_block_the_next(corpus
     assert not (tmp_path / "events.out.tfevents.1796000000.host").exists()
     with pytest.raises(ztrain.RunDirError, match="holds a previous run"):  # this one trained: refused as before
         ztrain.check_run_dir(tmp_path)
+
+
+def test_a_long_document_is_tokenized_in_pieces_to_the_same_ids(monkeypatch):
+    """Point 15: one 50 MB document with a tokenizer peaked at 10.8 GB of resident memory (the
+    tokenizers library holds some 200 bytes a token). Long texts are now cut where the tokenizer
+    cuts anyway: the ids of the whole, a fraction of the memory."""
+    from zoo.data import load_tokenizer
+    from zoo.data import tokenizer as T
+
+    tok = load_tokenizer(FIXTURES / "tokenizer-tiny")
+    text = ((ROOT / "zoo" / "hf" / "pretrained.py").read_text() * 15)[:600_000]
+    whole = np.asarray(tok.tok.encode(text, add_special_tokens=False).ids, np.int32)
+    monkeypatch.setattr(T, "LONG_TEXT", 2**16)
+    assert len(tok._pieces(text)) >= 8
+    short, long = tok.encode_batch(["a short one", text])
+    np.testing.assert_array_equal(long, whole)
+    assert list(short) == tok.tok.encode("a short one", add_special_tokens=False).ids
+    out = subprocess.run([sys.executable, "-c", f"""
+import resource, sys
+sys.path.insert(0, {str(ROOT)!r})
+from zoo.data import load_tokenizer
+tok = load_tokenizer({str(FIXTURES / "tokenizer-tiny")!r})
+text = (open({str(ROOT / "zoo" / "hf" / "pretrained.py")!r}).read() * 500)[: 20 * 2**20]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ids = tok.encode_batch([text])[0]
+print(len(ids), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    tokens, grew = map(int, out.stdout.split())
+    assert tokens > 10**7 and grew < 80 * tokens, grew / tokens  # bytes a token: ~290 encoded whole, ~45 in pieces
