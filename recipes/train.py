@@ -297,8 +297,23 @@ def _barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def _quiet_closed_loops() -> None:
+    """TensorStore's callbacks into the event loop of an orbax save that failed (a full disk)
+    each report "RuntimeError: Event loop is closed" as an unraisable exception, from C, after
+    the loop is gone: dropped (the failure itself is reported in one line); the rest as before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    _quiet_closed_loops()
     from zoo.runtime import retain_host_memory
 
     retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
