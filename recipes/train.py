@@ -286,6 +286,7 @@ def load_training_data(args: argparse.Namespace, vocab_size: int):
         print(f"tokenizer: {tokenizer.describe()}", flush=True)
         data = zdata.load_data(args.data, vocab_size, tokenizer=tokenizer, text_field=args.text_field,
                                data_format=args.data_format, cache_dir=args.data_cache, share=share)  # fmt: skip
+        data.check(args.seq_len)
     except ConfigError as e:
         parser().error(str(e))
     return data

@@ -503,7 +503,7 @@ def test_train_recipe_tokenizes_with_the_checkpoint_and_refuses_bad_data(tmp_pat
         recipe.load_training_data(args, 256)
     assert "d.jsonl:1: no field 'text' (fields: 'content')" in capsys.readouterr().err
     plain = recipe.parse_args(["--data", str(path)])
-    (tmp_path / "a.txt").write_text("bytes as before " * 20)
+    (tmp_path / "a.txt").write_text("bytes as before " * 400)
     plain.data = str(tmp_path / "a.txt")
     assert isinstance(recipe.load_training_data(plain, 256), TokenData)
     assert "tokenizer: bytes" in capsys.readouterr().out

@@ -339,6 +339,8 @@ def test_a_damaged_cache_entry_is_named_and_tokenized_again(tmp_path, capsys, ho
 
 
 @pytest.mark.parametrize("flags, message", [
+    (["--data", "{empty}"], "{empty}: the train split has 0 tokens, fewer than seq_len + 1 = 33 (--seq-len 32)"),
+    (["--data", "{ten}"], "{ten}: the train split has 9 tokens, fewer than seq_len + 1 = 33 (--seq-len 32)"),
     (["--seq-len", "1"], "--seq-len must be >= 2 (a next-token loss predicts position t+1 from t), got 1"),
     (["--placement", "save_matmul"], "--placement save_matmul: LlamaPlacement has no preset 'save_matmul' (did you mean "
                                      "'save_matmuls'?)"),
@@ -353,11 +355,15 @@ def test_a_damaged_cache_entry_is_named_and_tokenized_again(tmp_path, capsys, ho
 ])  # fmt: skip
 def test_bad_values_are_refused_before_anything_runs(tmp_path, flags, message):
     """Points 11 and 12: these failed late, as tracebacks (52 lines for --placement save_matmul,
+    an empty text file or a 10-token .npy at the first batch,
     jax's IndivisibleError for the batch), or after training (--save-hf onto a file; onto the
     checkpoint: its base weights replaced, then shutil.SameFileError)."""
     (tmp_path / "file").write_text("x")
+    (tmp_path / "empty.txt").write_text("")
+    np.save(tmp_path / "ten.npy", np.arange(10, dtype=np.uint16))
     ckpt = shutil.copytree(LLAMA, tmp_path / "ckpt")
-    fill = {"file": str(tmp_path / "file"), "ckpt": str(ckpt)}
+    fill = {"file": str(tmp_path / "file"), "ckpt": str(ckpt), "empty": str(tmp_path / "empty.txt"),
+            "ten": str(tmp_path / "ten.npy")}  # fmt: skip
     cmd = [*_train_cmd(tmp_path / "run"), *(f.format(**fill) for f in flags)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)

@@ -242,6 +242,11 @@ class PackedData:
     _plans: dict = field(default_factory=dict, compare=False, repr=False)
     _perms: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def check(self, seq_len: int) -> None:
+        """Refuse (``ConfigError``) a split with nothing to pack: before a run starts."""
+        for split in ("train", "valid"):
+            self.plan(seq_len, split)
+
     def plan(self, seq_len: int, split: str = "train") -> Plan:
         """The packing of ``split`` at ``seq_len`` (computed once, then kept)."""
         key = (seq_len, split)

@@ -42,6 +42,15 @@ class TokenData:
         starts = starts if rows is None else starts[rows]
         return np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int32) for s in starts])
 
+    def check(self, seq_len: int) -> None:
+        """Refuse (``ConfigError``) splits too short for one window of ``seq_len`` + 1 tokens:
+        before a run starts, not at its first batch."""
+        for split in ("train", "valid"):
+            n = len(self.train if split == "train" else self.valid)
+            if n <= seq_len:
+                raise ConfigError(f"{self.source}: the {split} split has {n} tokens, fewer than seq_len + 1 = "
+                                  f"{seq_len + 1} (--seq-len {seq_len}): more data or a shorter --seq-len")  # fmt: skip
+
     def num_tokens(self, split: str = "train") -> int:
         """Tokens in ``split`` ("train" or "valid")."""
         return len(self.train if split == "train" else self.valid)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,8 @@ from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
-from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
+from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.run_dir import RunDirLock, check_resume, write_run_files
 from zoo.train.step import make_eval, make_train_step
 
@@ -67,6 +67,8 @@ def train(
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
     check_batch_layout(cfg, mesh)
+    if hasattr(data, "check"):  # splits too short for a batch: refused before anything runs
+        data.check(cfg.seq_len)
     if wandb is not None and run_dir is None:
         raise ConfigError("wandb logging needs a run dir (its files go to RUN_DIR/wandb)")
     run = _Run(model, data, cfg, None if run_dir is None else Path(run_dir), resume, placement, mesh, param_memory,
@@ -204,9 +206,12 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
     def stop(what: str) -> NonFiniteLoss:
         return NonFiniteLoss(checkpoints.stop_message(manager, run_dir, done, what))
 
+    saved = [start]  # the last step saved (or restored)
+
     def save(step: int) -> None:
-        if manager is not None:
+        if manager is not None and saved[-1] != step:
             checkpoints.save(manager, run_dir, step, {"params": params, "opt_state": opt_state}, on_host=on_host)
+            saved.append(step)
 
     mine = local_rows(mesh, cfg.batch_size)  # this process's rows of every batch: all, on one process
     rising = RisingLoss(cfg)
@@ -222,7 +227,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
 
     stops = StopSignals()
     try:
-        stops.__enter__()
+        stops.install()
         if start == 0:  # where training starts from (about ln V for a fresh model)
             log.write({"step": 0, "val_loss": validation_loss(params)})
             last_time = time.perf_counter()
@@ -259,21 +264,19 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
             if done % cfg.checkpoint_every == 0 and done != cfg.steps:
                 save(done)
             if stops.reached(done) and done < cfg.steps:
-                if manager is not None and manager.latest_step() != done:
-                    save(done)
+                save(done)
                 raise Preempted(preempted_message(manager, run_dir, stops.signal, done, cfg.steps), stops.signal or "SIGTERM")
             if run.stop_after is not None and done - start >= run.stop_after:
                 if manager is not None:
                     checkpoints.wait(manager, run_dir)
                 return eqx.combine(params, static), log.history
         if manager is not None:
-            if manager.latest_step() != done:
-                save(done)
+            save(done)
             checkpoints.wait(manager, run_dir)
     except KeyboardInterrupt as e:
         raise Interrupted(interrupted_message(manager, run_dir, done)) from e
     finally:
-        stops.__exit__()
+        stops.restore()
         log.close()
     if run_dir is not None and log.history and jax.process_index() == 0:
         plot_losses(previous + log.history, run_dir / "loss.png")

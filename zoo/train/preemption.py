@@ -40,18 +40,19 @@ class StopSignals:
         self.many = jax.process_count() > 1
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> StopSignals:  # noqa: PYI034 (beartype checks no typing.Self here)
+    def install(self) -> None:
+        """The handlers, in place of the process's own until :meth:`restore`."""
         if threading.current_thread() is not threading.main_thread():  # handlers only install there
-            return self
+            return
         if self.many:  # SIGTERM is the preemption service's; a Ctrl-C in one process stops it alone
-            return self
+            return
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
