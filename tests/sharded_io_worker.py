@@ -29,6 +29,7 @@ def main() -> None:
     options = {k: json.loads(v) for k, v in (a.split("=", 1) for a in sys.argv[5:])}
     gather = options.pop("save_by_gathering", False)  # as if the processes shared no filesystem
     failing = options.pop("fail_writing_on", None)  # this process's writes fail (a full disk)
+    lay_out_fails = options.pop("fail_laying_out", False)  # process 0's first file write fails
     parallel.initialize_distributed()
     read: list[str] = []
     region = pretrained._TensorSource.region
@@ -81,11 +82,17 @@ def main() -> None:
         wrote(*args)
 
     pretrained._write_own_shards = writing
+    if lay_out_fails and jax.process_index() == 0:
+
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+
+        pretrained._lay_out = full_disk
     error = None
     try:
         zoo.save_pretrained(model, out)
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        error = f"{'CheckpointError' if isinstance(e, zoo.CheckpointError) else type(e).__name__}: {e}"
     print("RESULT " + json.dumps({"process": jax.process_index(), "read": read, "wrong": wrong,
                                   "wrote_own_shards": bool(writes), "error": error}), flush=True)  # fmt: skip
 

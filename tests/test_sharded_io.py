@@ -283,6 +283,12 @@ def test_a_process_that_fails_its_part_of_a_save_fails_it_everywhere(tmp_path):
     assert all(r["error"] for r in results)
     assert results[0]["error"] == f"CheckpointError: {out}: process 1 failed before it wrote its shards; nothing was saved"
     assert list(tmp_path.iterdir()) == []
+    # Process 0 fails first: process 1 learns it at the next agreement and neither waits on the other.
+    results = _two_processes("sharded_io_worker.py", str(FIXTURES / "llama3_1-tiny"), "fsdp=4", "2", str(out),
+                             "fail_laying_out=true")  # fmt: skip
+    assert results[0]["error"] == "OSError: [Errno 28] No space left on device"
+    assert results[1]["error"] == f"CheckpointError: {out}: process 0 failed before it laid out the files; nothing was saved"
+    assert list(tmp_path.iterdir()) == []
 
 
 def _two_processes(script: str, *args: str) -> list[dict]:

@@ -143,7 +143,7 @@ def _slabs(shape: tuple[int, ...], first: int) -> tuple[int, int]:
     ``(axis, rows)``, each slab one index of every axis before ``axis`` (at least ``first`` of
     them), ``rows`` of ``axis`` (a divisor of its size) and all of the axes after it."""
     axis = first
-    while axis < len(shape) - 1 and math.prod(shape[axis:]) > DRAW_BLOCK:
+    while axis < len(shape) - 1 and math.prod(shape[axis + 1 :]) > DRAW_BLOCK:
         axis += 1
     if axis >= len(shape):
         return axis, 1
@@ -217,8 +217,13 @@ def _maker(shape: tuple[int, ...], init: str, std: float, dtype: jnp.dtype, impl
     if init != "normal":
         fill = jnp.ones if init == "ones" else jnp.zeros
         return jax.jit(lambda data: fill(full, dtype), out_shardings=sharding)
-    if impl != "threefry2x32":
-        raise ValueError(f"fresh parameters are drawn with threefry2x32 keys, not {impl}")
+    if impl != "threefry2x32":  # another generator: drawn whole, as jax.random.normal draws it
+
+        def whole(data):
+            draw = lambda d: (std * jr.normal(jr.wrap_key_data(d, impl=impl), shape, jnp.float32)).astype(dtype)  # noqa: E731
+            return draw(data) if length is None else jax.vmap(draw)(data)
+
+        return jax.jit(whole, out_shardings=sharding)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return jax.jit(lambda data: _draw(data, full, length is not None, [0] * len(full), full, std, dtype),
                        out_shardings=sharding)  # fmt: skip

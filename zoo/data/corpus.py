@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,46 +42,64 @@ def default_cache_dir() -> Path:
 def cache_key(sources: Sequence[Source], tokenizer: HFTokenizer | ByteTokenizer, options: dict[str, Any],
               root: Path | None = None) -> str:  # fmt: skip
     """The entry name of these sources tokenized so: a hash of the data files' paths and contents
-    (see :func:`content_hash`; ``root``: the cache directory, which remembers them), the
+    (see :class:`ContentHashes`; ``root``: the cache directory, which remembers them), the
     tokenizer's fingerprint and ``options``."""
+    hashes = ContentHashes(root)
     files = []
     for src in sources:
         for f in src.files():
-            files.append([str(f.resolve()), content_hash(f, root), src.kind, src.split])
+            files.append([str(f.resolve()), hashes.of(f), src.kind, src.split])
         if src.kind == "hub":
             files.append(src.identity())
+    hashes.save()
     blob = json.dumps({"version": CACHE_VERSION, "tokenizer": tokenizer.fingerprint, "files": files, **options}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def content_hash(path: Path, root: Path | None = None) -> str:
-    """The SHA-256 of a file's bytes. With ``root``, remembered in ``root/file-hashes.json``
-    against the file's size, modification and change times and inode: the change time moves on
-    every write (``touch`` cannot set it back), so a file whose four are the same is unchanged."""
-    st = path.stat()
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-    memo_file = root / "file-hashes.json" if root is not None else None
-    memo: dict[str, Any] = {}
-    if memo_file is not None and memo_file.is_file():
-        try:
-            memo = json.loads(memo_file.read_text())
-        except (OSError, ValueError):
-            memo = {}  # damaged: forgotten, every file hashed again
-    key = str(path.resolve())
-    if isinstance(memo.get(key), list) and memo[key][:4] == stamp:
-        return str(memo[key][4])
-    digest = hashlib.sha256()
+def _chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(2**24):
+            yield chunk
+
+
+class ContentHashes:
+    """Files' SHA-256, remembered in ``root/file-hashes.json`` against each file's size,
+    modification and change times and inode: the change time moves on every write (``touch``
+    cannot set it back), so a file whose four are the same is unchanged and not read again.
+    ``root`` None, or a cache directory that cannot be written: nothing remembered."""
+
+    def __init__(self, root: Path | None):
+        self.file = root / "file-hashes.json" if root is not None else None
+        self.memo: dict[str, Any] = {}
+        self.changed = False
+        if self.file is not None and self.file.is_file():
+            try:
+                self.memo = json.loads(self.file.read_text())
+            except (OSError, ValueError):
+                self.memo = {}  # damaged: forgotten, every file hashed again
+
+    def of(self, path: Path) -> str:
+        st = path.stat()
+        stamp, key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino], str(path.resolve())
+        known = self.memo.get(key)
+        if isinstance(known, list) and known[:4] == stamp:
+            return str(known[4])
+        digest = hashlib.sha256()
+        for chunk in _chunks(path):
             digest.update(chunk)
-    value = digest.hexdigest()
-    if memo_file is not None:
-        memo[key] = [*stamp, value]
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_file)
-    return value
+        self.memo[key], self.changed = [*stamp, digest.hexdigest()], True
+        return digest.hexdigest()
+
+    def save(self) -> None:
+        if self.file is None or not self.changed:
+            return
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_name(f".{self.file.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            tmp.write_text(json.dumps(self.memo))
+            os.replace(tmp, self.file)
+        except OSError:  # a read-only cache: hashed again next time
+            pass
 
 
 class _Progress:
@@ -302,9 +320,8 @@ ENTRY_FILES = ("tokens.bin", "mask.bin", "offsets.npy", "nbytes.npy", "valid.npy
 
 def _crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(2**24):
-            crc = zlib.crc32(chunk, crc)
+    for chunk in _chunks(path):
+        crc = zlib.crc32(chunk, crc)
     return crc
 
 
@@ -313,22 +330,25 @@ def entry_damage(entry: Path) -> str | None:
     written, or not matching its checksum), or None: it is as written."""
     try:
         meta = json.loads((entry / "meta.json").read_text())
-        sums = meta["checksums"]
+        sums = {name: (int(size), int(crc)) for name, (size, crc) in meta["checksums"].items()}
         dtype, tokens = np.dtype(meta["dtype"]), int(meta["tokens"])
-        if not isinstance(sums, dict) or "tokens.bin" not in sums:
+        if "tokens.bin" not in sums:
             raise ValueError("no checksum of tokens.bin")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its meta.json does not read ({type(e).__name__}: {e})"
-    if dtype.kind != "u" or sums["tokens.bin"][0] != tokens * dtype.itemsize:
+    if dtype.kind != "u":
+        return f"its meta.json says the tokens are {dtype}, not an unsigned integer type"
+    if sums["tokens.bin"][0] != tokens * dtype.itemsize:
         return f"its meta.json says {tokens} tokens of {dtype}, not the {sums['tokens.bin'][0]} bytes of tokens.bin"
     for name, (size, crc) in sums.items():
         path = entry / name
-        if not path.is_file():
+        try:
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, not the {size} written"
+            if _crc32(path) != crc:
+                return f"{name} does not match the checksum written with it"
+        except FileNotFoundError:  # (or another process has just moved the damaged entry aside)
             return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, not the {size} written"
-        if _crc32(path) != crc:
-            return f"{name} does not match the checksum written with it"
     return None
 
 

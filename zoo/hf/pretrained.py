@@ -413,8 +413,14 @@ class _HostTensors:
             lead = [range(*s.indices(n)) for s, n in zip(shard.index, x.shape)]
             if not all(i in r for i, r in zip(idx, lead)):
                 continue
-            data = np.asarray(shard.data)[tuple(i - r.start for i, r in zip(idx, lead))]
-            yield tuple(r.start for r in lead[len(idx) :]), data.astype(dtype, copy=False)
+            # A new array of the one stored tensor, read to the host (np.asarray of the shard itself
+            # would keep a host copy of it with the model, off CPU: all of a process's shards).
+            at = tuple(i - r.start for i, r in zip(idx, lead))
+            if x.sharding.memory_kind == "pinned_host":  # already host memory (and slicing there would compute)
+                part = np.asarray(shard.data)[at]
+            else:
+                part = np.asarray(shard.data[at] if idx else jnp.array(shard.data, copy=True))
+            yield tuple(r.start for r in lead[len(idx) :]), part.astype(dtype, copy=False)
 
 
 # The most a sharded save gathers at once across processes, beyond each process's shards.
@@ -541,10 +547,11 @@ def save_pretrained(
         if first:
             retired = _install(tmp, path, [[layout[i][0] for i in entries] for entries in files],
                                sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _, _ in layout))  # fmt: skip
-    except BaseException:
+    except BaseException as e:
         if first:
             shutil.rmtree(tmp, ignore_errors=True)
-        _agree(False, path, "")  # the others, waiting on this process, raise too
+        if not isinstance(e, _AnotherProcessFailed):  # this one failed: the others, waiting on it, raise too
+            _agree(False, path, "")
         raise
     _agree(True, path, "saved")  # every process returns once the checkpoint is in place
     if retired is not None:
@@ -637,14 +644,20 @@ def _shared_directory(tmp: Path | None) -> Path | None | bool:
     then writes everything, gathering), ``False`` if process 0 has none (it failed to start)."""
     from jax.experimental import multihost_utils
 
-    token = os.urandom(16).hex()
-    if tmp is not None:
-        (tmp / _SHARED_CHECK).write_text(token)
+    token, failure = os.urandom(16).hex(), None
     text = (f"{tmp}\0{token}" if tmp is not None else "").encode()
-    if len(text) > _NAME_BYTES:
-        raise CheckpointError(f"{tmp}: a path over {_NAME_BYTES - 33} bytes is too long to share across processes")
-    sent = np.frombuffer(text.ljust(_NAME_BYTES, b"\0"), np.uint8)
+    if tmp is not None:
+        try:  # (process 0 tells the others before raising: none waits on it)
+            if len(text) > _NAME_BYTES:
+                raise CheckpointError(f"{tmp}: a path over {_NAME_BYTES - 33} bytes is too long to share across processes")
+            (tmp / _SHARED_CHECK).write_text(token)
+        except (OSError, CheckpointError) as e:
+            failure, text = e, b""
+    sent = np.frombuffer(text.ljust(_NAME_BYTES, b"\0"), np.uint8)  # empty: "no save"
     name, _, token = bytes(multihost_utils.broadcast_one_to_all(sent)).rstrip(b"\0").decode().partition("\0")
+    if failure is not None:  # (process 0 only: the others were sent no name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise failure
     if not name:
         return False
     try:
@@ -669,8 +682,13 @@ def _agree(ok: bool, path: Path, what: str) -> bool:
 
     flags = np.asarray(multihost_utils.process_allgather(np.array([int(ok)], np.int32))).reshape(-1)
     if what and not flags.all():
-        raise CheckpointError(f"{path}: process {int(np.argmin(flags))} failed before it {what}; nothing was saved")
+        raise _AnotherProcessFailed(f"{path}: process {int(np.argmin(flags))} failed before it {what}; nothing was saved")
     return bool(flags.all())
+
+
+class _AnotherProcessFailed(CheckpointError):
+    """Raised by every process at the agreement where one of them reported a failure (so none
+    meets the others at a further one)."""
 
 
 def _try(fn: Callable[[], None]) -> bool:
@@ -686,10 +704,9 @@ def _lay_out(file: Path, layout: list[tuple[str, tuple[int, ...], np.dtype]]) ->
     """Process 0: a safetensors file's header, and its full size (the data written later)."""
     blob, starts = safetensors_header(file, layout)
     size = starts[-1] + math.prod(layout[-1][1]) * np.dtype(layout[-1][2]).itemsize if layout else len(blob)
-    with open(file, "wb") as f:
+    with open(file, "wb") as f:  # (created with 0o666 & ~umask, as the others' files are)
         f.write(blob)
         f.truncate(size)
-    os.chmod(file, 0o666 & ~umask())
 
 
 def _write_own_shards(tmp: Path, files: list[list[int]], layout: list, file_layouts: list, host: _HostTensors,

@@ -78,7 +78,9 @@ def _last_kept(manager: Any, run_dir: Path | None) -> str:
     """The newest checkpoint, in words (after any save in flight)."""
     if manager is None:
         return "nothing was saved (no run dir)"
-    manager.wait_until_finished()
+    from zoo.train import checkpoints
+
+    checkpoints.wait(manager, run_dir)  # a save that fails: SaveFailed, in one line
     last = manager.latest_step()
     return "there is no checkpoint" if last is None else f"checkpoint step {last} ({run_dir / 'checkpoints' / str(last)})"
 

@@ -27,8 +27,8 @@ RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", 
 
 
 # What zoo and orbax put in checkpoints/ and damaged-checkpoints/: step directories ("200",
-# "200.1" for a second damaged copy) and orbax's unfinished ones ("200.orbax-checkpoint-tmp-...").
-_STEP_ENTRY = re.compile(r"\d+(\.\d+)?(\.orbax-checkpoint-tmp-.*)?")
+# "200.1" for a second damaged copy) and orbax's unfinished ones ("200.orbax-checkpoint-tmp").
+_STEP_ENTRY = re.compile(r"\d+(\.\d+)?(\.orbax-checkpoint-tmp.*)?")
 _CHECKPOINT_DIRS = ("checkpoints", "damaged-checkpoints")
 
 
@@ -77,7 +77,7 @@ def _trained(run_dir: Path) -> bool:
         try:
             if json.loads(line).get("step", 0) >= 1:
                 return True
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, TypeError):
             return True  # not ours to judge: kept, and the run refused
     return False
 
@@ -207,8 +207,9 @@ def check_resume(run_dir: Path, settings: Mapping[str, Any], allow_change: Itera
     if unknown := sorted(allow - set(now) - set(before)):
         raise RunDirError(f"--allow-change {','.join(unknown)}: not a setting of this run; its settings are "
                           f"{', '.join(sorted(set(now) - set(FREE_ON_RESUME)))}")  # fmt: skip
-    changed = {name: (before.get(name), now.get(name)) for name in sorted(set(before) | set(now))
-               if name not in FREE_ON_RESUME and before.get(name) != now.get(name)}  # fmt: skip
+    # Names in one of the two only are settings a zoo of another version did not record: not compared.
+    changed = {name: (before[name], now[name]) for name in sorted(set(before) & set(now))
+               if name not in FREE_ON_RESUME and before[name] != now[name]}  # fmt: skip
     refused = {name: v for name, v in changed.items() if name not in allow}
     if refused:
         listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in refused.items())
