@@ -480,3 +480,17 @@ print(len(ids), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 
 """], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
     tokens, grew = map(int, out.stdout.split())
     assert tokens > 10**7 and grew < 80 * tokens, grew / tokens  # bytes a token: ~290 encoded whole, ~45 in pieces
+
+
+def test_overwrite_and_resume_accept_what_zoo_itself_left(corpus, tmp_path):
+    """Review finds: a save killed midway leaves orbax's "4.orbax-checkpoint-tmp", which --overwrite
+    called foreign; a run.json of an older zoo (without the dtypes and sources) refused every resume."""
+    _run(corpus, tmp_path, steps=2)
+    (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp").mkdir()
+    ztrain.check_run_dir(tmp_path, overwrite=True)
+    _, history = _run(corpus, tmp_path, steps=4, stop_after=2, overwrite=True)
+    settings = json.loads((tmp_path / "run.json").read_text())
+    older = {k: v for k, v in settings.items() if k not in ("param_dtype", "compute_dtype", "sources")}
+    (tmp_path / "run.json").write_text(json.dumps(older))
+    _, rest = _run(corpus, tmp_path, steps=4, resume=True)
+    assert [r["step"] for r in rest if "loss" in r] == [3, 4]
