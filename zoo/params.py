@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from jaxtyping import Array, Key, PRNGKeyArray
+from jaxtyping import Array, Float32, Key, PRNGKeyArray, UInt32
 
 Init = Literal["normal", "ones", "zeros"]
 _FIELD = re.compile(r"\{(\w+)(?:\+(\d+))?\}")
@@ -123,7 +123,7 @@ class Param:
 DRAW_BLOCK = 2**20
 
 
-def _normal_at(data: Array, index: Array) -> Array:
+def _normal_at(data: UInt32[Array, "2"], index: UInt32[Array, "*S"]) -> Float32[Array, "*S"]:
     """``jax.random.normal(key, shape)[...]`` at the flat row-major ``index`` (uint32) of each
     element, for the key with raw ``data``: JAX's partitionable threefry (each element's bits
     are the hash of its own index), then JAX's uniform-to-normal transform, so any block of a

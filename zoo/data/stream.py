@@ -34,9 +34,7 @@ class TokenData:
         """``batch_size`` windows of ``seq_len`` tokens at offsets drawn from (seed, step) alone,
         so a resumed run sees exactly the batches an uninterrupted one would. ``rows``: only
         these rows of it (a process's share), read alone."""
-        tokens = self.train if split == "train" else self.valid
-        if len(tokens) <= seq_len:
-            raise ConfigError(f"{self.source}: {split} split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}")
+        tokens = self._split(split, seq_len)
         rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
         starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
         starts = starts if rows is None else starts[rows]
@@ -46,10 +44,15 @@ class TokenData:
         """Refuse (``ConfigError``) splits too short for one window of ``seq_len`` + 1 tokens:
         before a run starts, not at its first batch."""
         for split in ("train", "valid"):
-            n = len(self.train if split == "train" else self.valid)
-            if n <= seq_len:
-                raise ConfigError(f"{self.source}: the {split} split has {n} tokens, fewer than seq_len + 1 = "
-                                  f"{seq_len + 1} (--seq-len {seq_len}): more data or a shorter --seq-len")  # fmt: skip
+            self._split(split, seq_len)
+
+    def _split(self, split: str, seq_len: int) -> np.ndarray:
+        """A split's tokens, refused (``ConfigError``) if too short for a window of ``seq_len`` + 1."""
+        tokens = self.train if split == "train" else self.valid
+        if len(tokens) <= seq_len:
+            raise ConfigError(f"{self.source}: the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
+                              f"{seq_len + 1} (--seq-len {seq_len}): more data or a shorter --seq-len")  # fmt: skip
+        return tokens
 
     def num_tokens(self, split: str = "train") -> int:
         """Tokens in ``split`` ("train" or "valid")."""

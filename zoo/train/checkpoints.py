@@ -59,9 +59,7 @@ def open_manager(run_dir: Path, keep: int) -> Any:
 
 def stop_message(manager: Any, run_dir: Path | None, step: int, what: str) -> str:
     """Why a run stops at ``step``, and which checkpoint it leaves good (after any save in flight)."""
-    if manager is not None:
-        manager.wait_until_finished()
-    last = manager.latest_step() if manager is not None else None
+    last = newest(manager, run_dir) if manager is not None else None
     if last is not None:
         kept = f"the last good checkpoint (step {last}, {run_dir / 'checkpoints' / str(last)}) is untouched"
     else:
@@ -91,6 +89,12 @@ def wait(manager: Any, run_dir: Path | None) -> None:
         manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001  (as above)
         raise SaveFailed(save_failure(manager, run_dir, e)) from None
+
+
+def newest(manager: Any, run_dir: Path | None) -> int | None:
+    """The newest complete checkpoint's step (None: none), after any save in flight."""
+    wait(manager, run_dir)
+    return manager.latest_step()
 
 
 class SaveFailed(CheckpointError):

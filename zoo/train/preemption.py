@@ -74,27 +74,27 @@ class StopSignals:
         return self.signal is not None
 
 
-def _last_kept(manager: Any, run_dir: Path | None) -> str:
-    """The newest checkpoint, in words (after any save in flight)."""
+def _kept(manager: Any, run_dir: Path | None) -> tuple[int | None, str]:
+    """The newest checkpoint's step, and it in words (after any save in flight)."""
     if manager is None:
-        return "nothing was saved (no run dir)"
-    from zoo.train import checkpoints
+        return None, "nothing was saved (no run dir)"
+    from zoo.train.checkpoints import newest
 
-    checkpoints.wait(manager, run_dir)  # a save that fails: SaveFailed, in one line
-    last = manager.latest_step()
-    return "there is no checkpoint" if last is None else f"checkpoint step {last} ({run_dir / 'checkpoints' / str(last)})"
+    last = newest(manager, run_dir)  # a save that fails: SaveFailed, in one line
+    return last, "there is no checkpoint" if last is None else f"checkpoint step {last} ({run_dir / 'checkpoints' / str(last)})"
 
 
 def preempted_message(manager: Any, run_dir: Path | None, signal: str | None, step: int, steps: int) -> str:
     """What a run stopped by a signal after ``step`` (of ``steps``) saved."""
-    if manager is None:
-        return f"{signal}: stopped after step {step} of {steps}; nothing was saved (no run dir)"
-    return f"{signal}: stopped after step {step} of {steps}; saved {_last_kept(manager, run_dir)}: --resume continues from it"
+    last, kept = _kept(manager, run_dir)
+    if last is None:
+        return f"{signal}: stopped after step {step} of {steps}; {kept}"
+    return f"{signal}: stopped after step {step} of {steps}; saved {kept}: --resume continues from it"
 
 
 def interrupted_message(manager: Any, run_dir: Path | None, step: int) -> str:
     """What a run stopped at once (a second Ctrl-C) after ``step`` kept."""
-    kept = _last_kept(manager, run_dir)
-    if manager is None or manager.latest_step() is None:
+    last, kept = _kept(manager, run_dir)
+    if last is None:
         return f"interrupted after step {step}: {kept}"
     return f"interrupted after step {step}; the last checkpoint is {kept}: --resume continues from it"
