@@ -31,11 +31,21 @@ class AxisRule:
     field: the config field behind the letter, named in errors (``"num_heads"``).
     stored_apart_only: split only where the letter indexes separately stored tensors
         (``{E}`` in the checkpoint key): experts are split, the router's expert scores are not.
+    pad: a size the mesh axis does not divide is padded with zeros to its next multiple, which
+        must leave the model's function unchanged: the vocabulary (padded logits are never
+        predicted) and an MLP's hidden units (a zero unit adds nothing and gets no gradient).
+        Never a dimension that a norm or a softmax runs over, nor heads or experts.
     """
 
     mesh_axis: str
     field: str
     stored_apart_only: bool = False
+    pad: bool = False
+
+
+# The dimension letter of the vocabulary in every family's legend: the embedding and the output
+# head are laid out by it, and inside the parallel step split over it (zoo.vocab_parallel).
+VOCAB = "V"
 
 
 class ModelConfig(abc.ABC):

@@ -43,11 +43,23 @@ def axis_size(mesh: AnyMesh, axis: str) -> int:
     return int(mesh.shape.get(axis, 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class VocabSplit:
+    """How the step splits the vocabulary: the embedding's and head's rows over ``axis`` (of
+    ``devices`` devices; each holds a contiguous block, padded rows last), ``vocab_size`` of
+    them real (:mod:`zoo.vocab_parallel`)."""
+
+    axis: str
+    devices: int
+    vocab_size: int
+
+
 @dataclasses.dataclass
 class _Step:
     mesh: AnyMesh
     plans: dict[Any, Any]  # layer treedef -> per-leaf dims to all-gather over "fsdp"
     gathered: set[Any]
+    vocab: VocabSplit | None = None
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
@@ -230,15 +242,22 @@ def global_sum(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
     return jax.lax.psum(x, axes) if axes else x
 
 
+def vocab_split() -> VocabSplit | None:
+    """How the current step splits the vocabulary (``None``: kept whole, or outside the step)."""
+    step = _STEP.get()
+    return None if step is None else step.vocab
+
+
 def current_step() -> _Step | None:
     """The step being traced (mesh and FSDP plans), or ``None`` outside it."""
     return _STEP.get()
 
 
 @contextlib.contextmanager
-def step_context(mesh: AnyMesh, plans: dict[Any, Any]) -> Iterator[_Step]:
-    """Trace the model inside the parallel step: the hooks see ``mesh`` and the FSDP ``plans``."""
-    ctx = _Step(mesh, plans, set())
+def step_context(mesh: AnyMesh, plans: dict[Any, Any], vocab: VocabSplit | None = None) -> Iterator[_Step]:
+    """Trace the model inside the parallel step: the hooks see ``mesh``, the FSDP ``plans`` and
+    how the vocabulary is split."""
+    ctx = _Step(mesh, plans, set(), vocab)
     token = _STEP.set(ctx)
     try:
         yield ctx
@@ -259,5 +278,6 @@ def psum_varying(x, axes: Sequence[str]):
 __all__ = [
     "CONTEXT", "GATHERED", "axis_size", "context_gather", "context_order", "context_positions", "context_size", "context_sum",
     "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
-    "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like", "varying_over",
+    "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like", "varying_over", "VocabSplit",
+    "vocab_split",
 ]  # fmt: skip

@@ -166,6 +166,7 @@ def chunked_cross_entropy(
     mask: Bool[Array, "B S"] | None = None,
     *,
     chunk_tokens: int | None = None,
+    vocab_size: int | None = None,
 ) -> Float[Array, ""]:
     """``cross_entropy(unembed(x, head), labels, mask)`` without the ``[B, S, V]`` logits.
 
@@ -174,13 +175,25 @@ def chunked_cross_entropy(
     and ``head``'s gradients are kept, so memory is linear in the tokens and the FLOPs are
     those of the plain loss. Logits are float32 whatever ``x``'s dtype. Inside the parallel
     step the mean is over the counted predictions of every device.
+
+    ``vocab_size``: the real rows of ``head`` (padding rows after them are never predicted).
+    Inside the parallel step with the vocabulary split, ``head`` is this device's block and the
+    head is streamed (:func:`zoo.vocab_parallel.weighted_nll_sum`): it is never gathered whole.
     """
+    from zoo import vocab_parallel
+    from zoo.hooks import vocab_split
+
     b, s, d = x.shape
     w = head.astype(x.dtype)
     # Typed as varying like the labels (a mask may be built from positions alone): inside the
     # parallel step the count must vary over the batch axes, so that global_sum adds up every
     # device's count.
     weights = varying_like(jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32), labels)
+    if (split := vocab_split()) is not None:
+        total = vocab_parallel.weighted_nll_sum(x.reshape(b * s, d), w, labels.reshape(-1), weights.reshape(-1), split)
+        return global_sum(total) / jnp.maximum(global_sum(jnp.sum(weights)), 1.0)
+    if vocab_size is not None and vocab_size < w.shape[0]:
+        w = w[:vocab_size]
     chunk = _chunk_tokens(b * s, w.shape[0], chunk_tokens)
     total = _weighted_nll_sum(x.reshape(b * s, d), w, labels.reshape(-1), weights.reshape(-1), chunk)
     return global_sum(total) / jnp.maximum(global_sum(jnp.sum(weights)), 1.0)
@@ -201,4 +214,4 @@ def lm_loss(
     document's own loss."""
     labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
     features = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)[0]
-    return chunked_cross_entropy(features, model.unembedding(), labels, mask)
+    return chunked_cross_entropy(features, model.unembedding(), labels, mask, vocab_size=model.config.vocab_size)

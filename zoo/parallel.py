@@ -30,10 +30,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from zoo.errors import MeshError
+from zoo.causal_lm import VOCAB
 from zoo.hooks import (
     CONTEXT,
     GATHERED,
     AnyMesh,
+    VocabSplit,
     context_order,
     gather_fsdp,
     gather_layer,
@@ -208,11 +210,13 @@ def partition_specs(model: PyTree, mesh: AnyMesh) -> PyTree[PartitionSpec]:
 
 
 def shard(model_or_tree: PyTree, mesh: Mesh, *, memory_kind: str | None = None) -> PyTree:
-    """``device_put`` every array with its :func:`partition_specs` sharding.
+    """``device_put`` every array with its :func:`partition_specs` sharding, padded first where
+    the mesh does not divide a padded letter (:func:`pad`).
 
     ``memory_kind`` (``"device"``, ``"pinned_host"``) is passed through, so parameters or
     optimizer state can be both sharded and kept in host memory between steps.
     """
+    model_or_tree = pad(model_or_tree, mesh)
     specs = partition_specs(model_or_tree, mesh)
 
     def put(x, spec):
@@ -260,14 +264,96 @@ def replicate_unplaced(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree.map(put, tree)
 
 
-def validate_mesh(mesh: AnyMesh, config: Any) -> None:
-    """Every dimension a mesh axis splits must divide evenly, and every axis must split something.
+def _splits(config: Any, mesh: AnyMesh) -> dict[tuple[str, str], str]:
+    """``(letter, mesh axis) -> first parameter split so``, for every split of ``config``'s layout."""
+    rules = _rules(config)
+    split: dict[tuple[str, str], str] = {}
+    for path, p in family_of(config).param_specs(config).items():
+        for letter, axis in zip(p.names, param_axes(p, mesh, rules=rules)):
+            if axis is not None:
+                split.setdefault((letter, axis), path)
+    return split
 
-    Raises :class:`MeshError` naming the config field, its value and the axis. ``config`` may
+
+def layout_sizes(config: Any, mesh: AnyMesh | None) -> dict[str, int]:
+    """The size of every dimension letter as laid out on ``mesh``: ``config.sizes``, except that
+    a letter whose rule pads (:class:`zoo.causal_lm.AxisRule` ``pad``) and that a mesh axis does
+    not divide is rounded up to the axis's next multiple. Arrays made, loaded or placed on the
+    mesh have these sizes; the entries beyond ``config.sizes`` are zeros that stay zeros."""
+    config = getattr(config, "config", config)
+    sizes = dict(config.sizes)
+    if mesh is None:
+        return sizes
+    rules = _rules(config)
+    for letter, axis in _splits(config, mesh):
+        n = _size(mesh, axis)
+        if rules[letter].pad and sizes[letter] % n:
+            sizes[letter] = -(-sizes[letter] // n) * n
+    return sizes
+
+
+def is_padded(config: Any, mesh: AnyMesh | None) -> bool:
+    """Whether :func:`layout_sizes` pads any dimension of ``config`` on ``mesh``."""
+    config = getattr(config, "config", config)
+    return layout_sizes(config, mesh) != dict(config.sizes)
+
+
+def _resize(x: Any, shape: tuple[int, ...]) -> Any:
+    """``x`` cut or zero-padded at the end of each axis to ``shape`` (a shape struct: its shape)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=getattr(x, "sharding", None))
+    x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, shape))]
+    return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, shape)]) if x.shape != shape else x
+
+
+def _resized(model_or_tree: PyTree, sizes_of: Callable[[Any], Mapping[str, int]]) -> PyTree:
+    from zoo.params import map_params
+
+    def sub(m):
+        if not is_model(m):
+            return m
+        specs, sizes = _model_specs(m), sizes_of(m)
+        return map_params(lambda path, x: _resize(x, specs[path].shape(sizes)), m)
+
+    return jax.tree.map(sub, model_or_tree, is_leaf=is_model)
+
+
+def pad(model_or_tree: PyTree, mesh: AnyMesh | None) -> PyTree:
+    """Every model in the tree with its arrays at :func:`layout_sizes` (zeros appended where a
+    mesh axis does not divide a padded letter); a model already so is returned as it is."""
+    def sizes(m):
+        if mesh is not None:
+            validate_mesh(mesh, m.config)
+        return layout_sizes(m.config, mesh)
+
+    return _resized(model_or_tree, sizes)
+
+
+def unpad(model_or_tree: PyTree) -> PyTree:
+    """Every model in the tree with its arrays at its config's own sizes (padding cut off): what
+    one device, ``save_pretrained`` and ``transformers`` see."""
+    return _resized(model_or_tree, lambda m: m.config.sizes)
+
+
+def _would_work(size: int, axis: str, mesh: AnyMesh) -> str:
+    devices = math.prod(int(n) for n in mesh.shape.values())
+    divisors = [d for d in range(1, min(size, devices) + 1) if size % d == 0]
+    return f"{axis}={' or '.join(map(str, divisors))} would work"
+
+
+def validate_mesh(mesh: AnyMesh, config: Any) -> None:
+    """Every dimension a mesh axis splits must divide evenly or be padded, and every axis must
+    split something.
+
+    A letter whose rule pads (the vocabulary, MLP hidden units) is laid out padded
+    (:func:`layout_sizes`); any other split that does not divide raises :class:`MeshError`
+    naming the config field, its value, the axis and the sizes that would work. ``config`` may
     also be a model. Checked up front because an uneven split fails deep inside XLA.
     """
     config = getattr(config, "config", config)
-    model_cls, rules = family_of(config), _rules(config)
+    rules = _rules(config)
     sizes = config.sizes
     name = type(config).__name__
     for axis in AXES:
@@ -275,19 +361,16 @@ def validate_mesh(mesh: AnyMesh, config: Any) -> None:
             raise MeshError(
                 f"mesh has no axis {axis!r}; build it with zoo.parallel.make_mesh (axes: {', '.join(AXES)})"
             )
-    split: dict[tuple[str, str], str] = {}  # (letter, axis) -> first parameter split so
-    for path, p in model_cls.param_specs(config).items():
-        for letter, axis in zip(p.names, param_axes(p, mesh, rules=rules)):
-            if axis is not None:
-                split.setdefault((letter, axis), path)
+    split = _splits(config, mesh)
     order = list(rules)
     for (letter, axis), path in sorted(split.items(), key=lambda kv: order.index(kv[0][0])):
         n = _size(mesh, axis)
-        if sizes[letter] % n:
+        if sizes[letter] % n and not rules[letter].pad:
             field = rules[letter].field
             raise MeshError(
                 f"{name}.{field} = {sizes[letter]} is not divisible by mesh axis {axis!r} of size {n} "
-                f"(it splits dimension {letter} of {path})"
+                f"(it splits dimension {letter} of {path}; {_would_work(sizes[letter], axis, mesh)}; "
+                f"{letter} is not padded: that would change the model's function)"
             )
     used = {axis for _, axis in split}
     for axis in ("tensor", "expert"):
@@ -316,9 +399,13 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
         root = path.split(".")[0]
         stacks[root] = stacks.get(root, True) and _is_layer_stack(p)
 
+    vocab = _vocab_axis(model, mesh)
+
     def dims(path: str, drop: int) -> tuple[int, ...]:
-        axes = param_axes(specs[path], mesh, rules=rules)
-        return tuple(i - drop for i, a in enumerate(axes) if a == "fsdp")
+        p = specs[path]
+        axes = param_axes(p, mesh, rules=rules)
+        # The embedding and head split on the vocabulary stay split: zoo.vocab_parallel streams them.
+        return tuple(i - drop for i, a in enumerate(axes) if a == "fsdp" and not (vocab and p.names[i] == VOCAB))
 
     plans = {}
     for root, is_stack in stacks.items():
@@ -328,6 +415,18 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
             plans[jax.tree.structure(sub)] = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
     rest = map_params(lambda path, x: () if stacks[path.split(".")[0]] else dims(path, 0), model)
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
+
+
+def _vocab_axis(model, mesh: AnyMesh) -> str | None:
+    """The mesh axis that splits the vocabulary inside the step, where the embedding and head are
+    streamed instead of gathered whole (:mod:`zoo.vocab_parallel`): ``"fsdp"`` when it splits the
+    ``V`` of every parameter that has one, else ``None`` (a vocabulary kept whole)."""
+    specs, rules = _model_specs(model), _rules(model)
+    found = set()
+    for p in specs.values():
+        if VOCAB in p.names:
+            found.add(param_axes(p, mesh, rules=rules)[p.names.index(VOCAB)])
+    return "fsdp" if found == {"fsdp"} else None
 
 
 def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: AnyMesh, axes: tuple[str, ...]) -> None:
@@ -390,6 +489,7 @@ def value_and_grad(
     @eqx.filter_jit
     def step(model, *batch, **kwargs):
         validate_mesh(mesh, model.config)
+        _check_padded(model, mesh)
         axes = tuple(a for a in batch_axes if _size(mesh, a) > 1)
         # Array keyword arguments (positions=, segment_ids=) are split like the batch.
         arrays = {k: v for k, v in kwargs.items() if any(isinstance(x, jax.Array) for x in jax.tree.leaves(v))}
@@ -407,9 +507,11 @@ def value_and_grad(
             batch, arrays = jax.tree.map(lambda x: jnp.take(x, order, axis=1), (batch, arrays))
 
         vary = tuple(dict.fromkeys(a for a in (*axes, CONTEXT) if _size(mesh, a) > 1))
+        vocab = _vocab_axis(model, mesh)
+        split = None if vocab is None else VocabSplit(vocab, _size(mesh, vocab), model.config.vocab_size)
 
         def body(params, local_arrays, *local_batch):
-            with step_context(mesh, plans) as ctx:
+            with step_context(mesh, plans, split) as ctx:
 
                 def objective(p):
                     leaves, treedef = jax.tree.flatten(p)
@@ -443,6 +545,21 @@ def value_and_grad(
         return fn(model, arrays, *batch)
 
     return step
+
+
+def _check_padded(model, mesh: AnyMesh) -> None:
+    """The model's arrays must have the mesh's layout sizes (:func:`pad`, which :func:`shard`
+    applies): an unpadded embedding cannot be split, and the error names the array."""
+    from zoo.params import flatten
+
+    specs, sizes = _model_specs(model), layout_sizes(model.config, mesh)
+    for path, x in flatten(model).items():
+        want = specs[path].shape(sizes)
+        if tuple(x.shape) != want:
+            raise MeshError(
+                f"{type(model).__name__}.{path} has shape {tuple(x.shape)}, but on this mesh it is laid out as {want} "
+                "(padded where the mesh does not divide it): place the model with zoo.parallel.shard(model, mesh)"
+            )
 
 
 def _reduce_aux(a, axes: tuple[str, ...]):
@@ -503,7 +620,7 @@ def initialize_distributed(
 
 __all__ = [
     "AXES", "BATCH_AXES", "GATHERED", "MeshError", "gather_layer", "in_step", "init_optimizer", "initialize_distributed",
-    "make_mesh", "param_axes", "param_bytes", "param_shardings", "parse_mesh", "partition_specs", "remat_policy",
-    "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of", "tensor_psum", "validate_mesh",
-    "value_and_grad", "varying_like",
+    "is_padded", "layout_sizes", "make_mesh", "pad", "param_axes", "param_bytes", "param_shardings", "parse_mesh",
+    "partition_specs", "remat_policy", "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of",
+    "tensor_psum", "unpad", "validate_mesh", "value_and_grad", "varying_like",
 ]  # fmt: skip

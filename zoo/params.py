@@ -153,12 +153,14 @@ def _slabs(shape: tuple[int, ...], first: int) -> tuple[int, int]:
 
 
 def _draw(data: Array, shape: tuple[int, ...], stacked: bool, offsets: list[Array | int], local: tuple[int, ...],
-          std: float, dtype: jnp.dtype) -> Array:  # fmt: skip
+          std: float, dtype: jnp.dtype, padded: tuple[int, ...] | None = None) -> Array:  # fmt: skip
     """Elements ``offsets : offsets + local`` of normal(0, std) draws of ``shape``, one per key of
     ``data`` (``[2]``; ``[L, 2]`` with ``stacked``: the first axis indexes the keys), slab by slab
-    in a loop: values as the whole draw's, temporaries a few slabs'."""
+    in a loop: values as the whole draw's, temporaries a few slabs'. ``padded``: the shape laid
+    out, ``shape`` with zeros appended (elements outside ``shape`` are 0)."""
     first = int(stacked)
     inner = shape[first:]
+    padded = shape if padded is None else padded
     if math.prod(inner) > 2**32:
         raise ValueError(f"a parameter of {math.prod(inner)} elements per layer (shape {shape}) is over the "
                          "2**32 a draw can index")  # fmt: skip
@@ -178,13 +180,16 @@ def _draw(data: Array, shape: tuple[int, ...], stacked: bool, offsets: list[Arra
             coords[axis] = coords[axis] * rows
         start = [jnp.asarray(c, jnp.int32) for c in coords] + [jnp.int32(0)] * (len(local) - len(coords))
         index = jnp.zeros(slab, jnp.uint32)
+        inside = jnp.ones(slab, jnp.bool_)
         for d in range(first, len(local)):
             at = jnp.asarray(offsets[d] + start[d], jnp.uint32)
             if slab[d] > 1:
                 at = at + jax.lax.broadcasted_iota(jnp.uint32, slab, d)
             index = index + at * jnp.uint32(strides[d - first])
+            if padded[d] != shape[d]:
+                inside = inside & (at < shape[d])
         key = data[offsets[0] + start[0]] if stacked else data
-        values = (std * _normal_at(key, index)).astype(dtype)
+        values = jnp.where(inside, std * _normal_at(key, index), 0).astype(dtype)
         return jax.lax.dynamic_update_slice(out, values, start)
 
     out = jnp.zeros(local, dtype)
@@ -206,31 +211,37 @@ def _shard_offsets(sharding: jax.sharding.NamedSharding, local: tuple[int, ...])
     return offsets
 
 
+def _zero_pad(x: Array, shape: tuple[int, ...]) -> Array:
+    return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, shape)]) if x.shape != shape else x
+
+
 @functools.cache
 def _maker(shape: tuple[int, ...], init: str, std: float, dtype: jnp.dtype, impl: str, length: int | None,
-           sharding: jax.sharding.Sharding | None) -> Callable:  # fmt: skip
+           sharding: jax.sharding.Sharding | None, padded: tuple[int, ...] | None = None) -> Callable:  # fmt: skip
     """One parameter's jitted maker, from its key's raw data (``[length, 2]`` per layer for a
     stack): normal(0, std) draws (``jax.random.normal``'s values for each key) or a constant,
     laid out by ``sharding``, each device making only its own block, a slab at a time. One
-    compile per distinct shape and layout, shared by every parameter that has them."""
+    compile per distinct shape and layout, shared by every parameter that has them.
+    ``padded``: the parameter's shape as laid out, zeros after ``shape``'s values."""
     full = shape if length is None else (length, *shape)
+    out = full if padded is None else (padded if length is None else (length, *padded))
     if init != "normal":
         fill = jnp.ones if init == "ones" else jnp.zeros
-        return jax.jit(lambda data: fill(full, dtype), out_shardings=sharding)
+        return jax.jit(lambda data: _zero_pad(fill(full, dtype), out), out_shardings=sharding)
     if impl != "threefry2x32":  # another generator: drawn whole, as jax.random.normal draws it
 
         def whole(data):
             draw = lambda d: (std * jr.normal(jr.wrap_key_data(d, impl=impl), shape, jnp.float32)).astype(dtype)  # noqa: E731
-            return draw(data) if length is None else jax.vmap(draw)(data)
+            return _zero_pad(draw(data) if length is None else jax.vmap(draw)(data), out)
 
         return jax.jit(whole, out_shardings=sharding)
     if not isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.jit(lambda data: _draw(data, full, length is not None, [0] * len(full), full, std, dtype),
+        return jax.jit(lambda data: _draw(data, full, length is not None, [0] * len(full), out, std, dtype, out),
                        out_shardings=sharding)  # fmt: skip
-    local = sharding.shard_shape(full)
+    local = sharding.shard_shape(out)
 
     def block(data):
-        return _draw(data, full, length is not None, _shard_offsets(sharding, local), local, std, dtype)
+        return _draw(data, full, length is not None, _shard_offsets(sharding, local), local, std, dtype, out)
 
     spec = jax.sharding.PartitionSpec(*sharding.spec)
     mapped = jax.shard_map(block, mesh=sharding.mesh, in_specs=jax.sharding.PartitionSpec(), out_specs=spec)
@@ -256,6 +267,7 @@ def init_params(
     shardings: Mapping[str, jax.sharding.Sharding] | None = None,
     prefix: str = "",
     length: int | None = None,
+    padded: Mapping[str, int] | None = None,
 ) -> dict[str, Array]:
     """Fresh arrays for every parameter: normal(0, std), ones or zeros.
 
@@ -265,6 +277,8 @@ def init_params(
     unsharded), and at most one parameter's temporaries exist at a time (one program for the
     whole model held them all at once). ``length``: ``key`` holds one key per layer of a
     stack of that many (each layer splits its own keys, as a vmap over layers would).
+    ``padded``: the letters' sizes as laid out on a mesh (:func:`zoo.parallel.layout_sizes`):
+    each array has them, its values those of ``sizes`` and zeros after.
     """
     normal = [path for path, p in sorted(specs.items()) if p.init == "normal"]
     n = max(len(normal), 1)
@@ -275,7 +289,8 @@ def init_params(
     out = {}
     for path, p in sorted(specs.items()):
         sharding = None if shardings is None else shardings[prefix + path]
-        make = _maker(p.shape(sizes), p.init, float(std), jnp.dtype(dtype), impl, length, sharding)
+        laid = None if padded is None or p.shape(padded) == p.shape(sizes) else p.shape(padded)
+        make = _maker(p.shape(sizes), p.init, float(std), jnp.dtype(dtype), impl, length, sharding, laid)
         i = index.get(path, 0)
         out[path] = make(_host(data[i] if length is None else data[:, i]))
     return out
@@ -283,15 +298,16 @@ def init_params(
 
 def init_arrays(init: Callable[..., Mapping[str, Array]], key: PRNGKeyArray, config: object,
                 mesh: object = None) -> dict[str, Array]:  # fmt: skip
-    """A family's fresh parameters, ``init(key, shardings)``; with a ``mesh``, every array made
-    in place with the sharding :func:`zoo.parallel.param_shardings` gives it: each device
-    computes only its shard, with the values of the unsharded init."""
+    """A family's fresh parameters, ``init(key, shardings, padded)``; with a ``mesh``, every
+    array made in place with the sharding :func:`zoo.parallel.param_shardings` gives it and the
+    sizes :func:`zoo.parallel.layout_sizes` gives its letters: each device computes only its
+    shard, with the values of the unsharded init (and zeros in padding)."""
     if mesh is None:
-        return dict(init(key, None))
+        return dict(init(key, None, None))
     from zoo import parallel
 
     parallel.validate_mesh(mesh, config)
-    return dict(init(key, parallel.param_shardings(config, mesh)))
+    return dict(init(key, parallel.param_shardings(config, mesh), parallel.layout_sizes(config, mesh)))
 
 
 def init_with_stacks(
@@ -303,19 +319,21 @@ def init_with_stacks(
     std: float,
     dtype,
     shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+    padded: Mapping[str, int] | None = None,
 ) -> dict[str, Array]:
     """Fresh arrays for a model whose layers come in stacks (``{path prefix: stacked letter}``,
     e.g. ``{"dense_layers": "Ld", "moe_layers": "Lm"}``): each stack from per-layer keys, the
-    rest by :func:`init_params` (``shardings``: by full path). A stack of size 0 is left out."""
+    rest by :func:`init_params` (``shardings``: by full path; ``padded``: sizes as laid out).
+    A stack of size 0 is left out."""
     keys = dict(zip(["rest", *stacks], jr.split(key, len(stacks) + 1)))
     rest = {p: s for p, s in specs.items() if p.split(".")[0] not in stacks}
-    arrays = init_params(rest, sizes, key=keys["rest"], std=std, dtype=dtype, shardings=shardings)
+    arrays = init_params(rest, sizes, key=keys["rest"], std=std, dtype=dtype, shardings=shardings, padded=padded)
     for prefix, axis in stacks.items():
         if not sizes[axis]:
             continue
         layer_specs = strip_prefix(specs, prefix, axis)
         stacked = init_params(layer_specs, sizes, key=jr.split(keys[prefix], sizes[axis]), std=std, dtype=dtype,
-                              shardings=shardings, prefix=prefix + ".", length=sizes[axis])  # fmt: skip
+                              shardings=shardings, prefix=prefix + ".", length=sizes[axis], padded=padded)  # fmt: skip
         arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
     return arrays
 

@@ -20,14 +20,14 @@ DEEPSEEK_V3_ROPE = Rope(
 # Dimension letter -> mesh axis (and the config field behind it, for errors).
 DEEPSEEK_V3_AXES: dict[str, AxisRule] = {
     "H": AxisRule("tensor", "num_heads"),
-    "F": AxisRule("tensor", "intermediate_size"),
-    "M": AxisRule("tensor", "moe_intermediate_size"),
-    "X": AxisRule("tensor", "moe_intermediate_size * n_shared_experts"),
+    "F": AxisRule("tensor", "intermediate_size", pad=True),
+    "M": AxisRule("tensor", "moe_intermediate_size", pad=True),
+    "X": AxisRule("tensor", "moe_intermediate_size * n_shared_experts", pad=True),
     "E": AxisRule("expert", "n_routed_experts", stored_apart_only=True),
     "D": AxisRule("fsdp", "hidden_size"),
     "Q": AxisRule("fsdp", "q_lora_rank"),
     "C": AxisRule("fsdp", "kv_lora_rank"),
-    "V": AxisRule("fsdp", "vocab_size"),
+    "V": AxisRule("fsdp", "vocab_size", pad=True),
 }
 
 

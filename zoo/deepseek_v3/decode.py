@@ -153,7 +153,7 @@ def mla_decode(
 
 def _head(model: DeepseekV3, x: Float[Array, "B S D"]) -> Float[Array, "B S V"]:
     x = rms_norm(x, model.final_norm, model.config.rms_norm_eps)
-    return unembed(x, model.unembedding())
+    return unembed(x, model.unembedding(), vocab_size=model.config.vocab_size)
 
 
 def _cast(model: DeepseekV3, layer, moe: bool):
@@ -201,7 +201,7 @@ def prefill(
         h = _ffn(model, layer, h + jnp.einsum("bshu,hud->bsd", ctx, a.wo), moe)
         return h, ((k, v) if mla == "expanded" else (latent, k_rope))
 
-    x, stored = prefill_stacks(embed(model.embed, input_ids, model.compute_dtype), _stacks(model), body)
+    x, stored = prefill_stacks(embed(model.embed, input_ids, model.compute_dtype, vocab_size=model.config.vocab_size), _stacks(model), body)
     if isinstance(cache, KVCache):
         cache = cache.filled(*stored, lengths)
     else:
@@ -227,6 +227,6 @@ def decode_step(
         out, cache = mla_decode(config, layer.attn, a, cos, sin, cache, i, positions)
         return _ffn(model, layer, h + out, moe), cache
 
-    x, cache = decode_stacks(embed(model.embed, tokens[:, None], model.compute_dtype), cache, _stacks(model), body)
+    x, cache = decode_stacks(embed(model.embed, tokens[:, None], model.compute_dtype, vocab_size=model.config.vocab_size), cache, _stacks(model), body)
     cache = eqx.tree_at(lambda c: c.lengths, cache, cache.lengths + 1)
     return _head(model, x)[:, 0], cache

@@ -59,11 +59,12 @@ def deepseek_v3_loss(
     labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
     out = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)
     head = model.unembedding()
-    lm = chunked_cross_entropy(out.logits, head, labels, mask)
+    vocab = model.config.vocab_size
+    lm = chunked_cross_entropy(out.logits, head, labels, mask, vocab_size=vocab)
     mtp = jnp.zeros((), jnp.float32)
     if out.mtp_logits is not None:
         labels2, mask2 = shifted_targets(input_ids, segment_ids, loss_mask, shift=2)
-        mtp = chunked_cross_entropy(out.mtp_logits, head, labels2, mask2)
+        mtp = chunked_cross_entropy(out.mtp_logits, head, labels2, mask2, vocab_size=vocab)
     alpha = model.config.aux_loss_alpha if balance_alpha is None else balance_alpha
     total = lm + mtp_weight * mtp + alpha * out.balance_loss
     return total, DeepseekV3Metrics(lm, mtp, out.balance_loss, out.expert_load)

@@ -306,7 +306,7 @@ class DeepseekV3(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("DeepseekV3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k, sh: self._init(specs, k, param_dtype, sh), key, config, mesh)
+            arrays = init_arrays(lambda k, sh, pad: self._init(specs, k, param_dtype, sh, pad), key, config, mesh)
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.num_dense_layers else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.num_moe_layers else None
@@ -320,11 +320,11 @@ class DeepseekV3(CausalLM):
             self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl
         )
 
-    def _init(self, specs, key, dtype, shardings=None) -> dict[str, Array]:
-        """Fresh weights; each layer stack from per-layer keys (``shardings``: made in place)."""
+    def _init(self, specs, key, dtype, shardings=None, padded=None) -> dict[str, Array]:
+        """Fresh weights; each layer stack from per-layer keys (``shardings``, ``padded``: made in place)."""
         stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
         return init_with_stacks(specs, self.config.sizes, stacks, key=key, std=self.config.initializer_range, dtype=dtype,
-                                shardings=shardings)  # fmt: skip
+                                shardings=shardings, padded=padded)  # fmt: skip
 
     def forward(
         self,
@@ -345,7 +345,7 @@ class DeepseekV3(CausalLM):
         config, dtype = self.config, self.compute_dtype
         cos, sin = rope_cos_sin(config.rope, config.qk_rope_head_dim, positions_for(input_ids, positions))
         policy = layer_policy(placement, self)
-        x = embed(self.embed, input_ids, dtype)
+        x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
         outputs = [x]
 
         if self.dense_layers is not None:
@@ -375,7 +375,7 @@ class DeepseekV3(CausalLM):
         last = x
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
         w = self.unembedding() if head else None
-        logits = unembed(x, w) if head else x
+        logits = unembed(x, w, vocab_size=config.vocab_size) if head else x
         mtp_logits = None
         if self.mtp is not None:
             mtp_logits = self._mtp(last, input_ids, w, cos, sin, segment_ids, dtype, policy)
@@ -399,7 +399,7 @@ class DeepseekV3(CausalLM):
         next_ids = shifted_targets(input_ids)[0]
         next_ids = jnp.where(context_positions(input_ids.shape[1]) + 1 < context_size() * input_ids.shape[1],
                              next_ids, input_ids)  # fmt: skip
-        e = rms_norm(embed(self.embed, next_ids, dtype), m.enorm, eps)
+        e = rms_norm(embed(self.embed, next_ids, dtype, vocab_size=self.config.vocab_size), m.enorm, eps)
         h = rms_norm(last, m.hnorm, eps)
         x = jnp.einsum("bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
 
@@ -410,7 +410,7 @@ class DeepseekV3(CausalLM):
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
         x = block(x, self._cast_moe(m.block, dtype))
         x = rms_norm(x, m.final_norm, eps)
-        return x if head is None else unembed(x, head)
+        return x if head is None else unembed(x, head, vocab_size=self.config.vocab_size)
 
     def unembedding(self) -> Float[Array, "V D"]:
         """The output head's matrix (the embedding where tied)."""

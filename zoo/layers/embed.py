@@ -33,12 +33,30 @@ def check_token_ids(ids, vocab_size: int, what: str = "input_ids") -> None:
         raise ValueError(f"{what}[{', '.join(map(str, where))}] = {bad} is outside the vocabulary 0..{vocab_size - 1}")
 
 
-def embed(table: Float[Array, "V D"], ids: Int[Array, "B S"], dtype) -> Float[Array, "B S D"]:
-    """Rows of the embedding table, cast to the compute dtype."""
-    check_token_ids(ids, table.shape[0])
+def embed(table: Float[Array, "V D"], ids: Int[Array, "B S"], dtype, *, vocab_size: int | None = None
+          ) -> Float[Array, "B S D"]:  # fmt: skip
+    """Rows of the embedding table, cast to the compute dtype. ``vocab_size``: the real rows (a
+    table laid out on a mesh may have padding rows after them). Inside the parallel step with the
+    vocabulary split, ``table`` is this device's block and the lookup is streamed
+    (:func:`zoo.vocab_parallel.embed`)."""
+    from zoo import vocab_parallel
+    from zoo.hooks import vocab_split
+
+    check_token_ids(ids, table.shape[0] if vocab_size is None else vocab_size)
+    if (split := vocab_split()) is not None:
+        return vocab_parallel.embed(table, ids, dtype, split)
     return jnp.take(table, ids, axis=0).astype(dtype)
 
 
-def unembed(x: Float[Array, "B S D"], head: Float[Array, "V D"]) -> Float[Array, "B S V"]:
-    """Logits in float32 whatever the compute dtype (accumulated in float32)."""
+def unembed(x: Float[Array, "B S D"], head: Float[Array, "V D"], *, vocab_size: int | None = None
+            ) -> Float[Array, "B S V1"]:  # fmt: skip
+    """Logits in float32 whatever the compute dtype (accumulated in float32), for the first
+    ``vocab_size`` rows of ``head`` (the real vocabulary; padding rows are never logits)."""
+    from zoo import vocab_parallel
+    from zoo.hooks import vocab_split
+
+    if (split := vocab_split()) is not None:  # the whole head: every logit at once was asked for
+        head = vocab_parallel.gather(head, split)
+    if vocab_size is not None and vocab_size < head.shape[0]:
+        head = head[:vocab_size]
     return jnp.einsum("bsd,vd->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)

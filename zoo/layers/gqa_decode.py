@@ -48,7 +48,7 @@ def init_gqa_cache(model: Any, batch: int, max_len: int, **options: Any) -> KVCa
 
 
 def _head(model: Any, x: Float[Array, "B S D"]) -> Float[Array, "B S V"]:
-    return unembed(rms_norm(x, model.final_norm, model.config.rms_norm_eps), model.unembedding())
+    return unembed(rms_norm(x, model.final_norm, model.config.rms_norm_eps), model.unembedding(), vocab_size=model.config.vocab_size)
 
 
 def gqa_prefill(
@@ -78,7 +78,7 @@ def gqa_prefill(
         ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5)
         return finish(layer, h, ctx, kind), (k, v)
 
-    x, (k, v) = prefill_stacks(embed(model.embed, input_ids, model.compute_dtype), runs, body)
+    x, (k, v) = prefill_stacks(embed(model.embed, input_ids, model.compute_dtype, vocab_size=model.config.vocab_size), runs, body)
     cache = cache.filled(k, v, lengths)
     if all_logits:
         return _head(model, x), cache
@@ -109,6 +109,6 @@ def gqa_decode_step(
         ctx = cached_attention(q, cache.k[i], cache.v[i], positions, scale=config.head_dim**-0.5)
         return finish(layer, h, ctx, kind), cache
 
-    x, cache = decode_stacks(embed(model.embed, tokens[:, None], model.compute_dtype), cache, runs, body)
+    x, cache = decode_stacks(embed(model.embed, tokens[:, None], model.compute_dtype, vocab_size=model.config.vocab_size), cache, runs, body)
     cache = KVCache(cache.k, cache.v, cache.lengths + 1)
     return _head(model, x)[:, 0], cache

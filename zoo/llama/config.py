@@ -19,9 +19,9 @@ LLAMA32_ROPE = dataclasses.replace(LLAMA3_ROPE, factor=32.0)
 LLAMA_AXES: dict[str, AxisRule] = {
     "H": AxisRule("tensor", "num_heads"),
     "G": AxisRule("tensor", "num_kv_heads"),
-    "F": AxisRule("tensor", "intermediate_size"),
+    "F": AxisRule("tensor", "intermediate_size", pad=True),
     "D": AxisRule("fsdp", "hidden_size"),
-    "V": AxisRule("fsdp", "vocab_size"),
+    "V": AxisRule("fsdp", "vocab_size", pad=True),
 }
 
 

@@ -117,11 +117,11 @@ def llama_post_attention(
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 
-def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None
-                ) -> dict[str, Array]:  # fmt: skip
-    """Fresh weights; the layer stack from per-layer keys (``shardings``: made in place)."""
+def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None,
+                padded=None) -> dict[str, Array]:  # fmt: skip
+    """Fresh weights; the layer stack from per-layer keys (``shardings``, ``padded``: made in place)."""
     return init_with_stacks(specs, config.sizes, {"layers": "L"}, key=key, std=config.initializer_range, dtype=dtype,
-                            shardings=shardings)  # fmt: skip
+                            shardings=shardings, padded=padded)  # fmt: skip
 
 
 class Llama(CausalLM):
@@ -160,7 +160,7 @@ class Llama(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("Llama needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k, sh: _init_llama(config, specs, k, param_dtype, sh), key, config, mesh)
+            arrays = init_arrays(lambda k, sh, pad: _init_llama(config, specs, k, param_dtype, sh, pad), key, config, mesh)
         self.layers = build(LlamaLayer, arrays, "layers.")
         self.embed = arrays["embed"]
         self.final_norm = arrays["final_norm"]
@@ -182,7 +182,7 @@ class Llama(CausalLM):
 
         config, dtype = self.config, self.compute_dtype
         cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
-        x = embed(self.embed, input_ids, dtype)
+        x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
 
         def body(h, layer):
             layer = gather_layer(jax.tree.map(lambda w: w.astype(dtype), layer))
@@ -192,7 +192,7 @@ class Llama(CausalLM):
         x0 = x
         x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self))
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
-        logits = unembed(x, self.unembedding()) if head else x
+        logits = unembed(x, self.unembedding(), vocab_size=config.vocab_size) if head else x
         hidden = None
         if return_hidden:
             hidden = jnp.concatenate([x0[None], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)

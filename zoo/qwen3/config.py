@@ -22,11 +22,11 @@ QWEN3_ROPE = Rope(theta=1000000.0)
 QWEN3_AXES: dict[str, AxisRule] = {
     "H": AxisRule("tensor", "num_heads"),
     "G": AxisRule("tensor", "num_kv_heads"),
-    "F": AxisRule("tensor", "intermediate_size"),
-    "M": AxisRule("tensor", "moe_intermediate_size"),
+    "F": AxisRule("tensor", "intermediate_size", pad=True),
+    "M": AxisRule("tensor", "moe_intermediate_size", pad=True),
     "E": AxisRule("expert", "num_experts", stored_apart_only=True),
     "D": AxisRule("fsdp", "hidden_size"),
-    "V": AxisRule("fsdp", "vocab_size"),
+    "V": AxisRule("fsdp", "vocab_size", pad=True),
 }
 
 ModelType = Literal["qwen3", "qwen3_moe"]

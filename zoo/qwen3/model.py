@@ -243,7 +243,7 @@ class Qwen3(CausalLM):
         if arrays is None:
             if key is None:
                 raise TypeError("Qwen3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k, sh: _init(config, specs, k, param_dtype, sh), key, config, mesh)
+            arrays = init_arrays(lambda k, sh, pad: _init(config, specs, k, param_dtype, sh, pad), key, config, mesh)
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.dense_layer_ids else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.moe_layer_ids else None
@@ -279,7 +279,7 @@ class Qwen3(CausalLM):
         config, dtype = self.config, self.compute_dtype
         cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
         policy = layer_policy(placement, self)
-        x = embed(self.embed, input_ids, dtype)
+        x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
         outputs, loads, prob_sum = [x[None]], [], varying_like(jnp.zeros((config.num_experts,), jnp.float32), x)
         for dense, moe, pattern in block_stacks(self):
 
@@ -304,7 +304,7 @@ class Qwen3(CausalLM):
             if return_hidden:
                 outputs.append(ys.reshape(-1, *ys.shape[2:]))
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
-        logits = unembed(x, self.unembedding()) if head else x
+        logits = unembed(x, self.unembedding(), vocab_size=config.vocab_size) if head else x
         hidden = None
         if return_hidden:
             per_layer = jnp.concatenate(outputs[1:], axis=0)
@@ -321,7 +321,7 @@ class Qwen3(CausalLM):
         o = options_or_default(self, options)
         labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
         out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)
-        lm = chunked_cross_entropy(out.logits, self.unembedding(), labels, mask)
+        lm = chunked_cross_entropy(out.logits, self.unembedding(), labels, mask, vocab_size=self.config.vocab_size)
         if out.router is None:
             return lm, {"lm_loss": lm}
         coef = self.config.router_aux_loss_coef if o.aux_loss_coef is None else o.aux_loss_coef
@@ -352,9 +352,9 @@ class Qwen3(CausalLM):
         check_layer_kinds(config, keys)
 
 
-def _init(config: Qwen3Config, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None
+def _init(config: Qwen3Config, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None, padded=None
           ) -> dict[str, Array]:  # fmt: skip
-    """Fresh weights; each layer stack from per-layer keys (``shardings``: made in place)."""
+    """Fresh weights; each layer stack from per-layer keys (``shardings``, ``padded``: made in place)."""
     stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
     return init_with_stacks(specs, config.sizes, stacks, key=key, std=config.initializer_range, dtype=dtype,
-                            shardings=shardings)  # fmt: skip
+                            shardings=shardings, padded=padded)  # fmt: skip

@@ -1,0 +1,228 @@
+"""The vocabulary split over a mesh axis inside the parallel step: the embedding lookup and the
+output head's loss streamed a block of rows at a time, so the whole ``[V, D]`` matrix and its
+gradient never exist on one device.
+
+Each of the ``F`` devices of the axis holds a contiguous block of ``Vl`` rows (device f: rows
+``f·Vl ..``; padding rows last, :func:`zoo.parallel.layout_sizes`). The axis splits the batch
+too, so each device needs rows of every block for its own tokens, and Megatron's masked local
+lookup with a sum over the axis would not do (it assumes the devices share their tokens). A
+loop instead gathers, at step j, rows ``j·c .. j·c+c`` of every device's block (an all-gather of
+``c`` rows: ``F·c`` rows in all) and uses them for all of this device's tokens: the lookup takes
+the tokens whose ids fall among them; the loss adds their logits into an online log-sum-exp and
+picks the targets' logits. The backward pass gathers the same rows again and reduce-scatters
+their gradient back into the blocks. A pass moves the matrix's bytes once, as gathering it
+whole did, but holds ``F·c`` rows and a ``[tokens, F·c]`` block of float32 logits at a time
+(``c`` chosen for :data:`zoo.loss.CHUNK_BYTES`). Padding rows never take part: no id points at
+them and their logits are masked out, so they get zero gradient.
+
+Dimension letters: N tokens (this device's) · D model width · Vl rows per device · C columns
+of a step (``F·c``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from zoo.hooks import VocabSplit, sum_to_varying_of, varying_like
+
+
+def _rows_per_step(vl: int, split: VocabSplit, row_bytes: int, tokens: int, budget: int) -> tuple[int, int]:
+    """``(c, tc)``: rows per device per step and tokens per chunk, such that the ``F·c`` gathered
+    rows and the ``tc x F·c`` float32 logits each stay within ``budget`` bytes where they can."""
+    f = split.devices
+    by_rows = budget // max(1, f * row_bytes)
+    if tokens * 4 * f <= budget:
+        return max(1, min(vl, budget // (tokens * 4 * f), by_rows)), tokens
+    return 1, max(1, min(tokens, budget // (4 * f)))
+
+
+def _step_rows(j: Array, c: int, vl: int) -> tuple[Array, Bool[Array, " c"]]:
+    """Where step ``j``'s ``c`` rows start in a device's block, and which of them are its own:
+    the last step starts early so as not to run past the block, and skips rows already done."""
+    start = jnp.minimum(j * c, vl - c)
+    return start, start + jnp.arange(c) >= j * c
+
+
+def _gather_rows(block: Float[Array, "c D"], split: VocabSplit) -> Float[Array, "C D"]:
+    return jax.lax.all_gather(block, split.axis, axis=0, tiled=True)
+
+
+def _zeros(shape, dtype, *likes) -> Array:
+    out = jnp.zeros(shape, dtype)
+    for like in likes:
+        out = varying_like(out, like)
+    return out
+
+
+# -- the embedding lookup ---------------------------------------------------------------------
+
+
+def embed(table: Float[Array, "Vl D"], ids: Int[Array, "B S"], dtype, split: VocabSplit) -> Float[Array, "B S D"]:
+    """``table_whole[ids]`` cast to ``dtype``, from this device's block ``table`` of a table split
+    over ``split.axis``: each step gathers ``c`` rows of every block and takes the ids among them."""
+    from zoo.loss import CHUNK_BYTES
+
+    c = _rows_per_step(table.shape[0], split, table.shape[1] * jnp.dtype(dtype).itemsize, 1, CHUNK_BYTES)[0]
+    return _embed(table, ids, jnp.dtype(dtype), split, c)
+
+
+def _where(ids: Int[Array, "*T"], j: Array, c: int, vl: int) -> tuple[Array, Bool[Array, "*T"], Int[Array, "*T"]]:
+    """Step ``j``'s start, which ``ids`` it serves, and their rows among its gathered rows."""
+    start, _ = _step_rows(j, c, vl)
+    owner, row = ids // vl, ids % vl
+    hit = (row >= j * c) & (row < start + c)
+    return start, hit, owner * c + jnp.clip(row - start, 0, c - 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _embed(table, ids, dtype, split, c):
+    vl, d = table.shape
+
+    def one(j, out):
+        start, hit, pos = _where(ids, j, c, vl)
+        rows = _gather_rows(jax.lax.dynamic_slice_in_dim(table, start, c).astype(dtype), split)
+        return out + jnp.where(hit[..., None], jnp.take(rows, pos, axis=0), jnp.zeros((), dtype))
+
+    out = _zeros((*ids.shape, d), dtype, ids, table)
+    return jax.lax.fori_loop(0, math.ceil(vl / c), one, out)
+
+
+def _embed_fwd(table, ids, dtype, split, c):
+    return _embed(table, ids, dtype, split, c), (table, ids)
+
+
+def _embed_bwd(dtype, split, c, residuals, g):
+    table, ids = residuals
+    vl, d = table.shape
+    flat_g = g.reshape(-1, d).astype(jnp.float32)
+
+    def one(j, grad):
+        start, hit, pos = _where(ids.reshape(-1), j, c, vl)
+        _, fresh = _step_rows(j, c, vl)
+        contrib = jnp.where(hit[:, None], flat_g, jnp.float32(0))
+        rows = _zeros((split.devices * c, d), jnp.float32, contrib).at[pos].add(contrib)
+        block = jax.lax.psum_scatter(rows, split.axis, scatter_dimension=0, tiled=True)
+        current = jax.lax.dynamic_slice_in_dim(grad, start, c)
+        return jax.lax.dynamic_update_slice_in_dim(grad, current + jnp.where(fresh[:, None], block, 0), start, 0)
+
+    grad = jax.lax.fori_loop(0, math.ceil(vl / c), one, _zeros(table.shape, jnp.float32, table, g))
+    return sum_to_varying_of(grad, table).astype(table.dtype), None
+
+
+_embed.defvjp(_embed_fwd, _embed_bwd)
+
+
+def gather(table: Float[Array, "Vl D"], split: VocabSplit) -> Float[Array, "V D"]:
+    """The whole matrix from its blocks (a model call inside the step, outside the loss: its
+    logits need every row at once)."""
+    return _gather_rows(table, split)
+
+
+# -- the loss head --------------------------------------------------------------------------------
+
+
+def weighted_nll_sum(x: Float[Array, "N D"], w: Float[Array, "Vl D"], labels: Int[Array, " N"],
+                     weights: Float[Array, " N"], split: VocabSplit) -> Float[Array, ""]:  # fmt: skip
+    """``sum(weights · (logsumexp(x @ w_whole.T) - (x @ w_whole.T)[label]))`` over the real
+    vocabulary, from this device's block ``w`` of a head split over ``split.axis``."""
+    from zoo.loss import CHUNK_BYTES
+
+    c, tc = _rows_per_step(w.shape[0], split, w.shape[1] * w.dtype.itemsize, x.shape[0], CHUNK_BYTES)
+    return _nll_sum(x, w, labels, weights, split, c, tc)
+
+
+def _columns(j: Array, c: int, vl: int, split: VocabSplit) -> tuple[Array, Int[Array, " C"], Bool[Array, " C"]]:
+    """Step ``j``'s start, the vocabulary id of each gathered row, and which rows count (this
+    step's own, and real: padding rows never do)."""
+    start, fresh = _step_rows(j, c, vl)
+    owner = np.repeat(np.arange(split.devices), c)
+    ids = owner * vl + start + jnp.tile(jnp.arange(c), split.devices)
+    return start, ids, jnp.tile(fresh, split.devices) & (ids < split.vocab_size)
+
+
+def _chunks(n: int, tc: int, *arrays: Array) -> list[Array]:
+    pad = -n % tc
+    return [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, tc, *a.shape[1:]) for a in arrays]
+
+
+def _logits(xc, w, j, c, vl, split):
+    start, ids, valid = _columns(j, c, vl, split)
+    rows = _gather_rows(jax.lax.dynamic_slice_in_dim(w, start, c), split)
+    logits = jnp.einsum("td,cd->tc", xc, rows, preferred_element_type=jnp.float32)
+    return start, rows, ids, valid, jnp.where(valid[None, :], logits, -jnp.inf)
+
+
+def _lse_and_target(x, w, labels, split, c, tc):
+    n, vl = x.shape[0], w.shape[0]
+    xs, ls = _chunks(n, tc, x, labels)
+
+    def chunk(_, inputs):
+        xc, lc = inputs
+
+        def one(j, carry):
+            m, s, t = carry
+            _, _, ids, valid, logits = _logits(xc, w, j, c, vl, split)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+            safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+            s = s * jnp.exp(m - safe) + jnp.sum(jnp.exp(logits - safe[:, None]), axis=1)
+            t = t + jnp.sum(jnp.where(valid[None, :] & (ids[None, :] == lc[:, None]), logits, 0), axis=1)
+            return m_new, s, t
+
+        zeros = _zeros((xc.shape[0],), jnp.float32, xc, w)
+        m, s, t = jax.lax.fori_loop(0, math.ceil(vl / c), one, (zeros - jnp.inf, zeros, zeros))
+        return None, (m + jnp.log(s), t)
+
+    _, (lse, target) = jax.lax.scan(chunk, None, (xs, ls))
+    return lse.reshape(-1)[:n], target.reshape(-1)[:n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _nll_sum(x, w, labels, weights, split, c, tc):
+    lse, target = _lse_and_target(x, w, labels, split, c, tc)
+    return jnp.sum((lse - target) * weights)
+
+
+def _nll_sum_fwd(x, w, labels, weights, split, c, tc):
+    lse, target = _lse_and_target(x, w, labels, split, c, tc)
+    nll = lse - target
+    return jnp.sum(nll * weights), (x, w, labels, weights, lse, nll)
+
+
+def _nll_sum_bwd(split, c, tc, residuals, g):
+    x, w, labels, weights, lse, nll = residuals
+    (n, d), vl = x.shape, w.shape[0]
+    xs, ls, lses, scales = _chunks(n, tc, x, labels, lse, weights * g)
+
+    def chunk(dw, inputs):
+        xc, lc, lsec, sc = inputs
+
+        def one(j, carry):
+            dxc, dw = carry
+            start, rows, ids, valid, logits = _logits(xc, w, j, c, vl, split)
+            _, fresh = _step_rows(j, c, vl)
+            # d nll / d logits = softmax - onehot(label), weighted per token (0 on masked rows).
+            target = valid[None, :] & (ids[None, :] == lc[:, None])
+            dlogits = ((jnp.exp(logits - lsec[:, None]) - target) * sc[:, None]).astype(x.dtype)
+            dxc = dxc + jnp.einsum("tc,cd->td", dlogits, rows, preferred_element_type=jnp.float32)
+            drows = jnp.einsum("tc,td->cd", dlogits, xc, preferred_element_type=jnp.float32)
+            block = jax.lax.psum_scatter(drows, split.axis, scatter_dimension=0, tiled=True)
+            current = jax.lax.dynamic_slice_in_dim(dw, start, c)
+            return dxc, jax.lax.dynamic_update_slice_in_dim(dw, current + jnp.where(fresh[:, None], block, 0), start, 0)
+
+        dxc = _zeros((xc.shape[0], d), jnp.float32, xc, w, sc)
+        dxc, dw = jax.lax.fori_loop(0, math.ceil(vl / c), one, (dxc, dw))
+        return dw, dxc
+
+    dw0 = _zeros(w.shape, jnp.float32, w, x, scales)
+    dw, dx = jax.lax.scan(chunk, dw0, (xs, ls, lses, scales))
+    dx = sum_to_varying_of(dx.reshape(-1, d)[:n], x).astype(x.dtype)
+    return dx, sum_to_varying_of(dw, w).astype(w.dtype), None, sum_to_varying_of(g * nll, weights)
+
+
+_nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
