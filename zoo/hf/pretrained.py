@@ -140,11 +140,12 @@ def _stored_indices(p: Param, sizes: Mapping[str, int], inner: tuple[slice, ...]
 
 
 def _load_sharded(source: _TensorSource, p: Param, sizes: Mapping[str, int], dtype: np.dtype,
-                  sharding: jax.sharding.NamedSharding) -> jax.Array:  # fmt: skip
+                  sharding: jax.sharding.NamedSharding, padded: Mapping[str, int] | None = None) -> jax.Array:  # fmt: skip
     """One parameter as a global array laid out by ``sharding``, each of this process's devices
     given its shard read from the stored tensors' byte ranges it covers: one shard on the host
-    at a time (devices with the same shard share one read)."""
-    shape = p.shape(sizes)
+    at a time (devices with the same shard share one read). ``padded``: the letters' sizes as
+    laid out (:func:`zoo.parallel.layout_sizes`): a shard's rows past the stored ones are zeros."""
+    true, shape = p.shape(sizes), p.shape(padded or sizes)
     keys = dict(p.hf_keys(sizes))
     n = len(p.stacked)
     by_index: dict[tuple[tuple[int, int], ...], list[Any]] = {}
@@ -153,16 +154,22 @@ def _load_sharded(source: _TensorSource, p: Param, sizes: Mapping[str, int], dty
         by_index.setdefault(bounds, []).append(device)
     arrays = []
     for bounds, devices in by_index.items():
-        region = [slice(a, b) for a, b in bounds]
-        sliced = {**sizes, **{letter: b - a for letter, (a, b) in zip(p._inner(), bounds[n:])}}
-        indices = _stored_indices(p, sizes, tuple(region[n:]))
-        if n == 0:  # one stored tensor (embedding, head, norms): its slice is the shard, no second copy
+        stored_bounds = [(min(a, t), min(b, t)) for (a, b), t in zip(bounds, true)]  # padding cut off
+        region = [slice(a, b) for a, b in stored_bounds]
+        sliced = {**sizes, **{letter: b - a for letter, (a, b) in zip(p._inner(), stored_bounds[n:])}}
+        if any(a == b for a, b in stored_bounds):  # all padding
+            host = np.zeros([b - a for a, b in bounds], dtype)
+        elif n == 0:  # one stored tensor (embedding, head, norms): its slice is the shard, no second copy
+            indices = _stored_indices(p, sizes, tuple(region[n:]))
             host = np.ascontiguousarray(p.from_hf(source.region(keys[()], indices), sliced), dtype=dtype)
         else:
-            host = np.empty([b - a for a, b in bounds], dtype)
-            for local in itertools.product(*(range(b - a) for a, b in bounds[:n])):
-                stored = tuple(a + i for (a, _), i in zip(bounds[:n], local))
+            indices = _stored_indices(p, sizes, tuple(region[n:]))
+            host = np.empty([b - a for a, b in stored_bounds], dtype)
+            for local in itertools.product(*(range(b - a) for a, b in stored_bounds[:n])):
+                stored = tuple(a + i for (a, _), i in zip(stored_bounds[:n], local))
                 host[local] = p.from_hf(source.region(keys[stored], indices), sliced)
+        if host.shape != tuple(b - a for a, b in bounds):
+            host = np.pad(host, [(0, (b - a) - h) for (a, b), h in zip(bounds, host.shape)])
         for device in devices:
             arrays.append(jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)))
         del host
@@ -262,13 +269,14 @@ def load_arrays(
     dtype,
     skipped: set[str] = frozenset(),
     shardings: Mapping[str, jax.sharding.NamedSharding] | None = None,
+    padded: Mapping[str, int] | None = None,
 ) -> dict[str, jax.Array]:
     """Read every parameter, stacking per-layer / per-expert tensors into one array each.
 
     Each parameter is assembled in one host buffer and moved to the device before the next
     is read, so the host never holds more than one parameter beyond the memory-mapped files.
     With ``shardings`` (path -> ``NamedSharding``), each process reads only its devices' shards
-    (:func:`_load_sharded`).
+    (:func:`_load_sharded`), into the letters' ``padded`` sizes where given.
     """
     files = source.files
     expected = {key for p in specs.values() if p.hf for _, key in p.hf_keys(sizes)}
@@ -300,7 +308,7 @@ def load_arrays(
                     f"floating point ({np_dtype}); a float weight cannot be {stored}"
                 )
         if shardings is not None:
-            out[path] = _load_sharded(source, p, sizes, np_dtype, shardings[path])
+            out[path] = _load_sharded(source, p, sizes, np_dtype, shardings[path], padded)
             continue
         buf = np.empty(p.shape(sizes), np_dtype)
         for idx, key in p.hf_keys(sizes):
@@ -348,15 +356,16 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attenti
     if skipped:
         log.info("%s: skipping %d tensors not used by this model (%s ...)", path, len(skipped), sorted(skipped)[0])
     copies = set(family.hf_duplicates(config)) & files.keys()
-    shardings = None
+    shardings = padded = None
     if mesh is not None:
         from zoo import parallel
 
         parallel.validate_mesh(mesh, config)
         shardings = parallel.param_shardings(config, mesh, memory_kind=memory_kind)
+        padded = parallel.layout_sizes(config, mesh)
     elif memory_kind is not None:
         raise TypeError("from_pretrained: memory_kind= goes with mesh= (without one, use zoo.placement.tree_placement)")
-    arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies, shardings)
+    arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies, shardings, padded)
     return family(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
 
 
@@ -369,7 +378,15 @@ class _HostTensors:
 
     def __init__(self, model: Any):
         self.arrays = flatten(model)
+        specs, sizes = family_of(model).param_specs(model.config), model.config.sizes
+        # Each parameter's own shape: arrays laid out on a mesh may carry padding after it.
+        self.shapes = {path: specs[path].shape(sizes) for path in self.arrays}
         self._path, self._value = None, None  # the one parameter held for its stored tensors
+
+    def _unpadded(self, path: str, idx: tuple[int, ...], value: np.ndarray) -> np.ndarray:
+        """``value`` (stored tensor ``idx`` of ``path``, our layout) without the layout's padding."""
+        true = self.shapes[path][len(idx) :]
+        return value[tuple(slice(0, n) for n in true)] if value.shape != true else value
 
     def _held(self, path: str, fetch: Callable[[], Any]) -> Any:
         if self._path != path:
@@ -383,20 +400,21 @@ class _HostTensors:
         x = self.arrays[path]
         if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
             value = self._held(path, lambda: np.asarray(jax.device_get(x)))
-            yield p.to_hf(value[idx].astype(dtype, copy=False), sizes)
+            yield p.to_hf(self._unpadded(path, idx, value[idx]).astype(dtype, copy=False), sizes)
             return
         if x.sharding.memory_kind == "pinned_host":  # slicing computes: this parameter's shards to device
             x = self._held(path, lambda: jax.device_put(x, x.sharding.with_memory_kind("device")))
-        shape = x.shape[len(idx) :]
+        shape = self.shapes[path][len(idx) :]
         if not x.is_fully_addressable and p.hf_layout_is_ours() and len(shape) > 1:
             # Across processes, in row blocks: every process receives each gathered block.
-            rows = max(1, GATHER_BYTES // (math.prod(shape[1:]) * x.dtype.itemsize))
+            rows = max(1, GATHER_BYTES // (math.prod(x.shape[len(idx) + 1 :]) * x.dtype.itemsize))
             part = x[idx] if idx else x
             for start in range(0, shape[0], rows):
                 n = min(rows, shape[0] - start)
-                yield _gather(_rows(part, jnp.int32(start), n)).astype(dtype, copy=False)
+                block = _gather(_rows(part, jnp.int32(start), n))
+                yield block[(slice(None), *(slice(0, k) for k in shape[1:]))].astype(dtype, copy=False)
             return
-        yield p.to_hf(_gather(x[idx]).astype(dtype, copy=False), sizes)
+        yield p.to_hf(self._unpadded(path, idx, _gather(x[idx])).astype(dtype, copy=False), sizes)
 
 
     def own_blocks(self, path: str, idx: tuple[int, ...], dtype: np.dtype) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
@@ -405,7 +423,7 @@ class _HostTensors:
         x = self.arrays[path]
         if not isinstance(x, jax.Array):
             if jax.process_index() == 0:
-                yield (0,) * (x.ndim - len(idx)), np.asarray(x[idx]).astype(dtype, copy=False)
+                yield (0,) * (x.ndim - len(idx)), self._unpadded(path, idx, np.asarray(x[idx])).astype(dtype, copy=False)
             return
         for shard in x.addressable_shards:
             if shard.replica_id != 0:
@@ -416,11 +434,16 @@ class _HostTensors:
             # A new array of the one stored tensor, read to the host (np.asarray of the shard itself
             # would keep a host copy of it with the model, off CPU: all of a process's shards).
             at = tuple(i - r.start for i, r in zip(idx, lead))
+            corner = tuple(r.start for r in lead[len(idx) :])
+            true = self.shapes[path][len(idx) :]
+            if any(c >= n for c, n in zip(corner, true)):  # padding only
+                continue
             if x.sharding.memory_kind == "pinned_host":  # already host memory (and slicing there would compute)
                 part = np.asarray(shard.data)[at]
             else:
                 part = np.asarray(shard.data[at] if idx else jnp.array(shard.data, copy=True))
-            yield tuple(r.start for r in lead[len(idx) :]), part.astype(dtype, copy=False)
+            part = part[tuple(slice(0, n - c) for c, n in zip(corner, true))]  # padding cut off
+            yield corner, part.astype(dtype, copy=False)
 
 
 # The most a sharded save gathers at once across processes, beyond each process's shards.
