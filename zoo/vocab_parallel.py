@@ -32,14 +32,13 @@ from jaxtyping import Array, Bool, Float, Int
 from zoo.hooks import VocabSplit, sum_to_varying_of, varying_like
 
 
-def _rows_per_step(vl: int, split: VocabSplit, row_bytes: int, tokens: int, budget: int) -> tuple[int, int]:
+def _rows_per_step(vl: int, split: VocabSplit, d: int, itemsize: int, tokens: int, budget: int) -> tuple[int, int]:
     """``(c, tc)``: rows per device per step and tokens per chunk, such that the ``F·c`` gathered
-    rows and the ``tc x F·c`` float32 logits each stay within ``budget`` bytes where they can."""
+    rows, a chunk's float32 feature gradient ``tc x D`` and its float32 logits ``tc x F·c`` each
+    stay within ``budget`` bytes where they can."""
     f = split.devices
-    by_rows = budget // max(1, f * row_bytes)
-    if tokens * 4 * f <= budget:
-        return max(1, min(vl, budget // (tokens * 4 * f), by_rows)), tokens
-    return 1, max(1, min(tokens, budget // (4 * f)))
+    tc = max(1, min(tokens, budget // (4 * d)))
+    return max(1, min(vl, budget // (f * d * itemsize), budget // (tc * 4 * f))), tc
 
 
 def _step_rows(j: Array, c: int, vl: int) -> tuple[Array, Bool[Array, " c"]]:
@@ -68,7 +67,7 @@ def embed(table: Float[Array, "Vl D"], ids: Int[Array, "B S"], dtype, split: Voc
     over ``split.axis``: each step gathers ``c`` rows of every block and takes the ids among them."""
     from zoo.loss import CHUNK_BYTES
 
-    c = _rows_per_step(table.shape[0], split, table.shape[1] * jnp.dtype(dtype).itemsize, 1, CHUNK_BYTES)[0]
+    c = _rows_per_step(table.shape[0], split, table.shape[1], jnp.dtype(dtype).itemsize, 1, CHUNK_BYTES)[0]
     return _embed(table, ids, jnp.dtype(dtype), split, c)
 
 
@@ -133,7 +132,7 @@ def weighted_nll_sum(x: Float[Array, "N D"], w: Float[Array, "Vl D"], labels: In
     vocabulary, from this device's block ``w`` of a head split over ``split.axis``."""
     from zoo.loss import CHUNK_BYTES
 
-    c, tc = _rows_per_step(w.shape[0], split, w.shape[1] * w.dtype.itemsize, x.shape[0], CHUNK_BYTES)
+    c, tc = _rows_per_step(w.shape[0], split, w.shape[1], w.dtype.itemsize, x.shape[0], CHUNK_BYTES)
     return _nll_sum(x, w, labels, weights, split, c, tc)
 
 
@@ -146,9 +145,11 @@ def _columns(j: Array, c: int, vl: int, split: VocabSplit) -> tuple[Array, Int[A
     return start, ids, jnp.tile(fresh, split.devices) & (ids < split.vocab_size)
 
 
-def _chunks(n: int, tc: int, *arrays: Array) -> list[Array]:
-    pad = -n % tc
-    return [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, tc, *a.shape[1:]) for a in arrays]
+def _token_chunk(k: Array, tc: int, n: int) -> tuple[Array, Bool[Array, " tc"]]:
+    """Where token chunk ``k`` starts and which of its tokens are its own (as :func:`_step_rows`:
+    the last chunk starts early rather than padding the features, and skips tokens done)."""
+    start = jnp.minimum(k * tc, n - tc)
+    return start, start + jnp.arange(tc) >= k * tc
 
 
 def _logits(xc, w, j, c, vl, split):
@@ -159,11 +160,11 @@ def _logits(xc, w, j, c, vl, split):
 
 
 def _lse_and_target(x, w, labels, split, c, tc):
-    n, vl = x.shape[0], w.shape[0]
-    xs, ls = _chunks(n, tc, x, labels)
+    (n, _), vl = x.shape, w.shape[0]
 
-    def chunk(_, inputs):
-        xc, lc = inputs
+    def chunk(k, out):
+        start, _ = _token_chunk(k, tc, n)
+        xc, lc = jax.lax.dynamic_slice_in_dim(x, start, tc), jax.lax.dynamic_slice_in_dim(labels, start, tc)
 
         def one(j, carry):
             m, s, t = carry
@@ -174,12 +175,13 @@ def _lse_and_target(x, w, labels, split, c, tc):
             t = t + jnp.sum(jnp.where(valid[None, :] & (ids[None, :] == lc[:, None]), logits, 0), axis=1)
             return m_new, s, t
 
-        zeros = _zeros((xc.shape[0],), jnp.float32, xc, w)
+        zeros = _zeros((tc,), jnp.float32, xc, w)
         m, s, t = jax.lax.fori_loop(0, math.ceil(vl / c), one, (zeros - jnp.inf, zeros, zeros))
-        return None, (m + jnp.log(s), t)
+        # A token in two chunks (the last starts early) gets the same figures twice: one write.
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, v, start, 0) for o, v in zip(out, (m + jnp.log(s), t)))
 
-    _, (lse, target) = jax.lax.scan(chunk, None, (xs, ls))
-    return lse.reshape(-1)[:n], target.reshape(-1)[:n]
+    zeros = _zeros((n,), jnp.float32, x, w)
+    return jax.lax.fori_loop(0, math.ceil(n / tc), chunk, (zeros, zeros))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -197,10 +199,13 @@ def _nll_sum_fwd(x, w, labels, weights, split, c, tc):
 def _nll_sum_bwd(split, c, tc, residuals, g):
     x, w, labels, weights, lse, nll = residuals
     (n, d), vl = x.shape, w.shape[0]
-    xs, ls, lses, scales = _chunks(n, tc, x, labels, lse, weights * g)
+    scales = weights * g
 
-    def chunk(dw, inputs):
-        xc, lc, lsec, sc = inputs
+    def chunk(k, carry):
+        dx, dw = carry
+        start, own = _token_chunk(k, tc, n)
+        xc, lc, lsec, sc = (jax.lax.dynamic_slice_in_dim(a, start, tc) for a in (x, labels, lse, scales))
+        sc = jnp.where(own, sc, 0)  # a token done in the chunk before adds nothing to the head's gradient
 
         def one(j, carry):
             dxc, dw = carry
@@ -208,21 +213,21 @@ def _nll_sum_bwd(split, c, tc, residuals, g):
             _, fresh = _step_rows(j, c, vl)
             # d nll / d logits = softmax - onehot(label), weighted per token (0 on masked rows).
             target = valid[None, :] & (ids[None, :] == lc[:, None])
-            dlogits = ((jnp.exp(logits - lsec[:, None]) - target) * sc[:, None]).astype(x.dtype)
+            dlogits = ((jnp.exp(logits - lsec[:, None]) - target.astype(jnp.float32)) * sc[:, None]).astype(x.dtype)
             dxc = dxc + jnp.einsum("tc,cd->td", dlogits, rows, preferred_element_type=jnp.float32)
             drows = jnp.einsum("tc,td->cd", dlogits, xc, preferred_element_type=jnp.float32)
             block = jax.lax.psum_scatter(drows, split.axis, scatter_dimension=0, tiled=True)
             current = jax.lax.dynamic_slice_in_dim(dw, start, c)
             return dxc, jax.lax.dynamic_update_slice_in_dim(dw, current + jnp.where(fresh[:, None], block, 0), start, 0)
 
-        dxc = _zeros((xc.shape[0], d), jnp.float32, xc, w, sc)
-        dxc, dw = jax.lax.fori_loop(0, math.ceil(vl / c), one, (dxc, dw))
-        return dw, dxc
+        dxc, dw = jax.lax.fori_loop(0, math.ceil(vl / c), one, (_zeros((tc, d), jnp.float32, xc, w, sc), dw))
+        current = jax.lax.dynamic_slice_in_dim(dx, start, tc)
+        dxc = jnp.where(own[:, None], dxc.astype(x.dtype), current)
+        return jax.lax.dynamic_update_slice_in_dim(dx, dxc, start, 0), dw
 
-    dw0 = _zeros(w.shape, jnp.float32, w, x, scales)
-    dw, dx = jax.lax.scan(chunk, dw0, (xs, ls, lses, scales))
-    dx = sum_to_varying_of(dx.reshape(-1, d)[:n], x).astype(x.dtype)
-    return dx, sum_to_varying_of(dw, w).astype(w.dtype), None, sum_to_varying_of(g * nll, weights)
+    dx0 = _zeros((n, d), x.dtype, x, w, scales)
+    dx, dw = jax.lax.fori_loop(0, math.ceil(n / tc), chunk, (dx0, _zeros(w.shape, jnp.float32, w, x, scales)))
+    return sum_to_varying_of(dx, x), sum_to_varying_of(dw, w).astype(w.dtype), None, sum_to_varying_of(g * nll, weights)
 
 
 _nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)

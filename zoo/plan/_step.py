@@ -101,6 +101,8 @@ class Step:
         self.config = self.model.config
         self.mesh = abstract_mesh(self.sizes)
         parallel.validate_mesh(self.mesh, self.config)
+        # As laid out on the mesh: dimensions it does not divide padded (zoo.parallel.layout_sizes).
+        self.model = parallel.pad(self.model, self.mesh)
         self.axes = tuple(a for a in parallel.BATCH_AXES if self.sizes[a] > 1)
         shards = math.prod(self.sizes[a] for a in self.axes)
         if self.batch_size < 1 or self.batch_size % shards:

@@ -113,21 +113,40 @@ def _describe(step: Step) -> dict[str, Any]:
 
 
 def _loss_peak(step: Step, unified: bool) -> int:
-    """The chunked loss head's own peak, traced on the per-device features (zoo/loss.py)."""
+    """The chunked loss head's own peak, traced on the per-device features (zoo/loss.py): with
+    the vocabulary split over the mesh, inside ``shard_map`` as the step runs it (the head
+    streamed a block of rows at a time, zoo/vocab_parallel.py)."""
+    from jax.sharding import PartitionSpec as P
+
+    from zoo import hooks, parallel
     from zoo.loss import chunked_cross_entropy
 
     model = step.model
-    dtype = model.compute_dtype
+    dtype, vocab = model.compute_dtype, model.config.vocab_size
     d = model.config.sizes["D"]
     b, s = step.local_batch, step.seq_len - 1
+    axis = parallel._vocab_axis(model, step.mesh)
 
-    def f(m, x, labels):
-        def loss(x, w):
-            return chunked_cross_entropy(x, w.astype(dtype), labels)
+    def loss(x, w, labels):
+        return chunked_cross_entropy(x, w.astype(dtype), labels, vocab_size=vocab)
 
-        return jax.value_and_grad(loss, argnums=(0, 1))(x, m.unembedding())
+    if axis is None:
+        def f(m, x, labels):
+            return jax.value_and_grad(loss, argnums=(0, 1))(x, m.unembedding(), labels)
 
-    jaxpr = jax.make_jaxpr(f)(step.params, SDS((b, s, d), dtype), SDS((b, s), jnp.int32))
+        jaxpr = jax.make_jaxpr(f)(step.params, SDS((b, s, d), dtype), SDS((b, s), jnp.int32))
+    else:
+        split = hooks.VocabSplit(axis, step.sizes[axis], vocab)
+        n = step.batch_size // step.local_batch
+
+        def local(x, w, labels):
+            with hooks.step_context(step.mesh, {}, split):
+                return jax.value_and_grad(loss, argnums=(0, 1))(x, w, labels)
+
+        batch = P(step.axes)
+        f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, P(axis), batch), out_specs=(P(), (batch, P(axis))))
+        w = step.params.unembedding()
+        jaxpr = jax.make_jaxpr(f)(SDS((b * n, s, d), dtype), SDS(w.shape, w.dtype), SDS((b * n, s), jnp.int32))
     peak, _ = _liveness.program_peak(jaxpr, unified=unified)
     return peak.device
 

@@ -27,8 +27,11 @@ def _misfit(saved: Mapping[str, Any], abstract: Any) -> str | None:
         if name not in saved:
             return f"{_describe(name)} {tuple(leaf.shape)} is not in the checkpoint"
         if tuple(saved[name].shape) != tuple(leaf.shape):
+            # A mesh that pads the vocabulary or an MLP differently lays the same model out in
+            # other shapes (zoo.parallel.layout_sizes): said, so the remedy is plain.
             return (f"{_describe(name)} has shape {tuple(saved[name].shape)} in the checkpoint, "
-                    f"{tuple(leaf.shape)} in the model")  # fmt: skip
+                    f"{tuple(leaf.shape)} in the model (saved on a mesh that pads it differently? resume on a mesh "
+                    "whose axes pad it as the saving run's did, or continue from its --save-hf export)")  # fmt: skip
     extra = _params_first(name for name in saved if name not in want)
     return f"{_describe(extra[0])} is in the checkpoint, not in the model" if extra else None
 
