@@ -17,7 +17,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import zoo
@@ -138,9 +137,12 @@ def primitives(jaxpr):
     return out
 
 
-def test_the_head_is_never_gathered_whole():
+def test_the_head_is_never_gathered_whole(monkeypatch):
     """The step's all-gathers over fsdp never produce the vocabulary's rows all at once: the
-    embedding and head are streamed in blocks (the old step gathered [V, D] at its start)."""
+    embedding and head are streamed in blocks (the old step gathered [V, D] at its start). The
+    blocks are sized for zoo.loss.CHUNK_BYTES (128 MiB: all of a tiny model's 257 rows), so
+    here for a budget of a few rows."""
+    monkeypatch.setattr(zoo.loss, "CHUNK_BYTES", 4096)
     m = model("llama")
     mesh = parallel.make_mesh("fsdp=8")
     step = parallel.value_and_grad(zoo.lm_loss, mesh)
@@ -151,10 +153,12 @@ def test_the_head_is_never_gathered_whole():
 
 
 def test_padding_stays_zero_under_the_optimizer():
+    from zoo import train as ztrain
+
     m = model("llama_tied")
     mesh = parallel.make_mesh("tensor=4,fsdp=2")
     params = parallel.shard(m, mesh)
-    tx = optax.adamw(1e-2, weight_decay=0.1)
+    tx = ztrain.optimizer(ztrain.TrainConfig(steps=4, warmup=1, lr=1e-2, weight_decay=0.1), m)
     opt = parallel.init_optimizer(tx, params, mesh)
     step = parallel.value_and_grad(zoo.lm_loss, mesh)
     for i in range(2):
@@ -163,9 +167,8 @@ def test_padding_stays_zero_under_the_optimizer():
         params = optax.apply_updates(params, updates)
     sizes = m.config.sizes
     for path, x in flatten(params).items():
-        x = np.asarray(x)
         own = tuple(slice(0, n) for n in zoo.Llama.param_specs(m.config)[path].shape(sizes))
-        rest = x.copy()
+        rest = np.array(x)
         rest[own] = 0
         assert not rest.any(), path
     assert flatten(params)["layers.mlp.w_up"].shape[-1] == 152  # 150 padded for tensor=4
@@ -184,7 +187,7 @@ def test_made_loaded_and_saved_with_the_true_shapes(name, tmp_path: pathlib.Path
     loaded = zoo.from_pretrained(tmp_path / "whole", mesh=mesh, **opts)
     for m in (made, loaded):
         for path, w in flatten(whole).items():
-            x, w = np.asarray(flatten(m)[path]), np.asarray(w)
+            x, w = np.array(flatten(m)[path]), np.asarray(w)
             own = tuple(slice(0, n) for n in w.shape)
             np.testing.assert_array_equal(x[own], w, err_msg=path)
             x[own] = 0
@@ -209,10 +212,10 @@ def test_greedy_generation_never_emits_a_padding_id():
     sharded = parallel.shard(m, mesh)
     head = sharded.head.at[m.config.vocab_size :].set(100.0)
     sharded = eqx.tree_at(lambda t: t.head, sharded, head)
-    out = generate(sharded, ids_for(m, 2, 4), max_new_tokens=6)
-    tokens = np.asarray(out)
+    tokens = np.asarray(generate(sharded, ids_for(m, 2, 4), max_new_tokens=6, eos_token_id=()).tokens)
     assert tokens.max() < m.config.vocab_size
-    np.testing.assert_array_equal(tokens, np.asarray(generate(m, ids_for(m, 2, 4), max_new_tokens=6)))
+    unsharded = generate(m, ids_for(m, 2, 4), max_new_tokens=6, eos_token_id=()).tokens
+    np.testing.assert_array_equal(tokens, np.asarray(unsharded))
 
 
 def test_meshes_that_cannot_work_are_refused_naming_what_would():
@@ -252,3 +255,26 @@ def test_the_planner_prices_published_meshes_that_do_not_divide_the_vocabulary()
                         compute_dtype="bfloat16", placement="remat+layer_input=pinned_host")  # fmt: skip
     assert big.loss < 2**30
     assert time.perf_counter() - start < 120
+
+
+def test_a_padded_run_trains_resumes_and_loads_unpadded(tmp_path):
+    """zoo.train on fsdp=8 with a 257-token vocabulary: the losses follow one device's, a resume
+    continues bit for bit, and the run directory's model (what eval and generate load) has the
+    true shapes."""
+    from zoo import train as ztrain
+    from zoo.data import stdlib_corpus
+
+    corpus = stdlib_corpus(max_bytes=2**20)
+    cfg = ztrain.TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=4,
+                             eval_batches=1, checkpoint_every=2)  # fmt: skip
+    m = model("llama")
+    mesh = parallel.make_mesh("fsdp=8")
+    _, one = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "one")
+    _, full = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "full", mesh=mesh)
+    ztrain.train(m, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, stop_after=2)
+    _, rest = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, resume=True)
+    losses = lambda history: [r["loss"] for r in history if "loss" in r]  # noqa: E731
+    np.testing.assert_allclose(losses(full), losses(one), rtol=1e-5)
+    np.testing.assert_array_equal(losses(full)[2:], losses(rest))
+    loaded, step, _ = ztrain.load_run(tmp_path / "cut")
+    assert step == 4 and loaded.embed.shape == (257, 64) and loaded.head.shape == (257, 64)

@@ -145,7 +145,7 @@ def _loss_peak(step: Step, unified: bool) -> int:
 
         batch = P(step.axes)
         f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, P(axis), batch), out_specs=(P(), (batch, P(axis))))
-        w = step.params.unembedding()
+        w = jax.eval_shape(lambda m: m.unembedding(), step.params)
         jaxpr = jax.make_jaxpr(f)(SDS((b * n, s, d), dtype), SDS(w.shape, w.dtype), SDS((b * n, s), jnp.int32))
     peak, _ = _liveness.program_peak(jaxpr, unified=unified)
     return peak.device

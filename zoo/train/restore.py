@@ -151,6 +151,14 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     dtype = _DTYPE_NAMES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", jnp.float32)
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     abstract = jax.eval_shape(lambda: family(config, key=jax.random.key(0), param_dtype=dtype, compute_dtype=compute_dtype))
+    settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    if settings.get("mesh"):  # the arrays as the run laid them out: padded where its mesh did not divide them
+        from jax.sharding import AbstractMesh
+
+        from zoo import parallel
+
+        sizes = tuple(int(settings["mesh"].get(a, 1)) for a in parallel.AXES)
+        abstract = parallel.pad(abstract, AbstractMesh(sizes, parallel.AXES))
     params = eqx.filter(abstract, is_param)
     opt_state = jax.eval_shape(optimizer(TrainConfig(steps=2, warmup=1), abstract).init, params)
     options = ocp.CheckpointManagerOptions(read_only=True)
@@ -163,9 +171,10 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
         manager.close()
     if tree is None:
         raise CheckpointError(f"{run_dir / 'checkpoints'}: no checkpoint yet")
+    from zoo import parallel
+
     static = eqx.filter(abstract, is_param, inverse=True)
-    settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
-    return eqx.combine(tree["params"], static), step, settings
+    return parallel.unpad(eqx.combine(tree["params"], static)), step, settings
 
 
 def load_model(path: str | Path, *, compute_dtype: Any = None) -> tuple[Any, dict[str, Any]]:
