@@ -122,6 +122,13 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
     x.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
     x.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
+    x.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compile option of the train step, on top of the backend's set (repeatable; e.g. "
+                        "xla_gpu_enable_pipelined_all_reduce=false); one the installed jaxlib lacks is dropped with a "
+                        "warning (docs/training.md, XLA options)")  # fmt: skip
+    x.add_argument("--no-xla-defaults", action="store_true",
+                   help="compile the step without the backend's XLA option set (zoo.runtime.XLA_OPTIONS), only "
+                        "--xla-option's")  # fmt: skip
     r = p.add_argument_group("run")
     r.add_argument("--run-dir", default=None,
                    help="metrics.jsonl, loss.png and checkpoints/ go here (default runs/MODEL-PRESET, or "
@@ -138,6 +145,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", type=int, default=200)
     r.add_argument("--keep-checkpoints", type=int, default=3, help="how many recent checkpoints to keep (>= 1)")
     r.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured matmul peak)")
+    r.add_argument("--profile", default=None, metavar="START:STOP",
+                   help="trace steps START..STOP-1 (the first step is 1) into RUN_DIR/profile; read it with "
+                        "python recipes/profile.py RUN_DIR (docs/placement.md, Reading the profile)")  # fmt: skip
     r.add_argument("--save-hf", default=None, help="also write the trained model as a Hugging Face checkpoint here")
     r.add_argument("--wandb", metavar="PROJECT", default=None,
                    help="also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline logs without an "
@@ -168,6 +178,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.run_dir is None:  # one per model: a run of another model never lands in this one's directory
         args.run_dir = default_run_dir(args)
+    from zoo.errors import ConfigError
+    from zoo.runtime import parse_xla_option
+    from zoo.train.profile import check_window
+
+    try:
+        args.xla_options = dict(parse_xla_option(o) for o in args.xla_option)
+    except ValueError as e:
+        p.error(f"--xla-option: {e}")
+    try:
+        args.profile = check_window(args.profile, args.steps, args.run_dir)
+    except ConfigError as e:
+        p.error(f"--{e}")
     if args.warmup is None:  # a short run gets a short warm-up, so --steps alone is always valid
         args.warmup = min(20, args.steps // 10)
     elif args.warmup < 0:
@@ -411,7 +433,8 @@ def main(argv: list[str] | None = None) -> None:
             model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,
             placement=args.placement, mesh=mesh, param_memory=args.param_memory, opt_memory=args.opt_memory,
             peak_flops=peak, consume=True, wandb=args.wandb, sources=sources(args),
-            allow_change=[n for n in args.allow_change.split(",") if n],
+            allow_change=[n for n in args.allow_change.split(",") if n], xla_options=args.xla_options,
+            xla_defaults=not args.no_xla_defaults, profile=args.profile,
         )  # fmt: skip
     except ztrain.RunDirError as e:  # a run that started into the dir since the check above
         parser().error(str(e))
