@@ -257,7 +257,7 @@ def physical_memory() -> int | None:
         return None
 
 
-def size_host_pool(need: float, *, what: str = "the run") -> int:
+def size_host_pool(need: int | float, *, what: str = "the run") -> int:  # noqa: PYI041  (beartype: no int as float)
     """Set :data:`HOST_POOL_ENV` so XLA's pinned host pool holds ``need`` bytes (this process's devices
     together) with a tenth and 1 GiB to spare; returns the pool's cap in GiB. Call before the backend
     starts. A :class:`~zoo.errors.ConfigError` when ``need`` exceeds the machine's memory, when the

@@ -54,12 +54,13 @@ def check_offloads(traced: Any, lowered: Any, compiled: Any, placement: Any, mod
     for name, s in names_in(traced.jaxpr):
         shapes.setdefault(name, s)
     absent = [n for n in offloaded if n not in shapes]
-    if absent:
-        raise ConfigError(
-            f"the placement map offloads {', '.join(absent)}, which this step never computes (its attention path or "
-            f"configuration names no such tensor), so nothing would move to host memory; the step names: "
-            f"{', '.join(sorted(shapes)) or 'none'}"
-        )
+    if absent and jax.process_index() == 0:  # a map shared by a family's variants (Qwen3's dense and MoE layers)
+        print(f"note: the placement map offloads {', '.join(absent)}, which this model's step never computes "
+              "(another variant's tensors, or ones its attention path keeps inside its kernel): nothing to move",
+              flush=True)  # fmt: skip
+    offloaded = tuple(n for n in offloaded if n in shapes)
+    if not offloaded:
+        return ()
     unified = platform == "cpu"
     text = traced.lower(lowering_platforms=("cuda",)).as_text() if unified else lowered.as_text()
     to_host = collections.Counter({t: n for (where, t), n in _host_moves(text).items() if where == "pinned_host"})
