@@ -158,3 +158,11 @@ def test_recipe_sizes_the_pool_from_the_placements(fresh_backend, capsys):
     with pytest.raises(SystemExit):
         recipe.size_host_pool(args)
     assert "more than the machine's 0.0 GiB" in capsys.readouterr().err
+
+
+@pytest.mark.host_memory
+def test_measure_host_link_times_both_directions():
+    from zoo.plan.hardware import measure_host_link
+
+    to_host, to_device = measure_host_link(nbytes=4 * 2**20, repeats=2)
+    assert all(np.isfinite(r) and r > 1e6 for r in (to_host, to_device)), (to_host, to_device)  # > 1 MB/s: it ran
