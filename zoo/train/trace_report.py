@@ -64,6 +64,13 @@ def hlo_sources(hlo: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for line in hlo.splitlines() if (m := pattern.match(line))}
 
 
+def short_source(source: str, width: int = 90) -> str:
+    """An op's source path without the step's and the loops' wrappers, its end kept."""
+    text = re.sub(r"^jit\(\w+\)/", "", source)
+    text = re.sub(r"(?:/|^)(?:while/body/|closed_call/|checkpoint/|remat/)+", "/", text).lstrip("/")
+    return text if len(text) <= width else "..." + text[-(width - 3):]
+
+
 def region(source: str) -> str:
     """Where an op's source lies: the decoder layers or the rest, forward or backward, or the update."""
     where = "decoder layers" if LAYER_SCOPE in source else "outside the layers"
@@ -257,5 +264,5 @@ def format_report(report: Report, *, top: int = 15) -> str:
     lines += [f"  {name:32s} {_ms(t)} ms  {100 * t / total:5.1f}%" for name, t in report.regions.items()]
     lines += ["", f"top {top} ops by self time:", f"  {'op':36s} {'ms':>9s} {'count':>6s}  source"]
     for op, source, t, n in report.ops[:top]:
-        lines.append(f"  {op[:36]:36s} {_ms(t)} {n:6d}  {source[-90:]}")
+        lines.append(f"  {op[:36]:36s} {_ms(t)} {n:6d}  {short_source(source)}")
     return "\n".join(lines)
