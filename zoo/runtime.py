@@ -276,7 +276,8 @@ def size_host_pool(need: int | float, *, what: str = "the run") -> int:  # noqa:
     current = int(given) if given and given.strip().isdigit() else HOST_POOL_DEFAULT_GIB
     if current * _GIB >= need:
         return current
-    if given or xla_bridge.backends_are_initialized():
+    started = getattr(xla_bridge, "backends_are_initialized", lambda: bool(getattr(xla_bridge, "_backends", None)))
+    if given or started():
         why = f"{HOST_POOL_ENV}={given}" if given else f"the backend already started with {HOST_POOL_ENV}'s default"
         raise ConfigError(f"{what} needs {need / _GIB:.1f} GiB of pinned host memory, but {why} caps XLA's pool at "
                           f"{current} GiB: set {HOST_POOL_ENV}={gib} before JAX starts")  # fmt: skip
