@@ -122,6 +122,13 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
     x.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
     x.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
+    x.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compile option of the train step, on top of the backend's set (repeatable; e.g. "
+                        "xla_gpu_enable_pipelined_all_reduce=false); one the installed jaxlib lacks is dropped with a "
+                        "warning (docs/training.md, XLA options)")  # fmt: skip
+    x.add_argument("--no-xla-defaults", action="store_true",
+                   help="compile the step without the backend's XLA option set (zoo.runtime.XLA_OPTIONS), only "
+                        "--xla-option's")  # fmt: skip
     r = p.add_argument_group("run")
     r.add_argument("--run-dir", default=None,
                    help="metrics.jsonl, loss.png and checkpoints/ go here (default runs/MODEL-PRESET, or "
@@ -138,6 +145,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", type=int, default=200)
     r.add_argument("--keep-checkpoints", type=int, default=3, help="how many recent checkpoints to keep (>= 1)")
     r.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured matmul peak)")
+    r.add_argument("--profile", default=None, metavar="START:STOP",
+                   help="trace steps START..STOP-1 (the first step is 1) into RUN_DIR/profile; read it with "
+                        "python recipes/profile.py RUN_DIR (docs/placement.md, Reading the profile)")  # fmt: skip
     r.add_argument("--save-hf", default=None, help="also write the trained model as a Hugging Face checkpoint here")
     r.add_argument("--wandb", metavar="PROJECT", default=None,
                    help="also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline logs without an "
@@ -168,6 +178,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.run_dir is None:  # one per model: a run of another model never lands in this one's directory
         args.run_dir = default_run_dir(args)
+    from zoo.errors import ConfigError
+    from zoo.runtime import parse_xla_option
+    from zoo.train.profile import check_window
+
+    try:
+        args.xla_options = dict(parse_xla_option(o) for o in args.xla_option)
+    except ValueError as e:
+        p.error(f"--xla-option: {e}")
+    try:
+        args.profile = check_window(args.profile, args.steps, args.run_dir)
+    except ConfigError as e:
+        p.error(f"--{e}")
     if args.warmup is None:  # a short run gets a short warm-up, so --steps alone is always valid
         args.warmup = min(20, args.steps // 10)
     elif args.warmup < 0:
@@ -205,13 +227,85 @@ def plan_placement(args: argparse.Namespace, model, mesh) -> None:
     if budget is None:
         stats = device.memory_stats() or {}
         budget = stats.get("bytes_limit")  # the device's own allocator limit, where it has one
+    if device.platform == "gpu":  # the link this machine really has, where slower than the table's
+        from zoo.plan.hardware import hardware, measure_host_link
+
+        entry = hardware(hw)
+        measured = min(measure_host_link(device))
+        print(f"host link measured: {measured / 1e9:.1f} GB/s per direction (table: {entry.host_link / 1e9:.0f})", flush=True)
+        if measured < entry.host_link:
+            hw = dataclasses.replace(entry, host_link=measured)
     try:
         result = planning.plan(model, seq_len=args.seq_len, batch_size=args.batch_size, mesh=mesh, hardware=hw,
                                device_budget=budget, compute_dtype=model.compute_dtype, verify=False)  # fmt: skip
     except (ConfigError, MeshError) as e:
         parser().error(f"--placement auto: {e}")
     print(result, flush=True)
+    if device.platform != "cpu":
+        check_plan_host_memory(result, 1 if mesh is None else len(mesh.local_devices))
     args.placement, args.param_memory, args.opt_memory = result.placement, result.param_memory, result.opt_memory
+
+
+def size_host_pool(args: argparse.Namespace) -> None:
+    """Size XLA's pinned host pool (GPU; ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GiB by default)
+    for what the run puts in host memory, before the backend starts: the estimate of the step
+    (zoo.plan.estimate) for this process's devices; ``--placement auto`` plans after the backend
+    starts, so its pool is capped at the machine's memory (the pool grows on demand) and the plan
+    is checked against it (:func:`check_plan_host_memory`). A usage error when the machine has too little."""
+    import jax.numpy as jnp
+
+    from zoo import CheckpointError, MeshError, parallel
+    from zoo import plan as planning
+    from zoo import runtime
+    from zoo.errors import ConfigError
+    from zoo.placement import PlacementError
+
+    if args.cpu_devices or os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return  # XLA:CPU has one memory and no pinned pool
+    if args.placement == "auto":
+        total = runtime.physical_memory()
+        if total is not None and runtime.HOST_POOL_ENV not in os.environ:
+            os.environ[runtime.HOST_POOL_ENV] = str(max(runtime.HOST_POOL_DEFAULT_GIB, total // 2**30))
+        return
+    try:
+        if args.checkpoint:
+            from zoo.hf.pretrained import read_config
+
+            family, config, _ = read_config(args.checkpoint)
+            config = dataclasses.replace(config, attention=args.attention)
+        else:
+            family = registry.by_model_type(args.model, "--model")
+            config = dataclasses.replace(family.config_cls.preset(args.preset, args.model), attention=args.attention)
+        placement = family.placement_map.parse(args.placement) if args.placement else None
+        sizes = parallel.parse_mesh(args.mesh) if args.mesh else {}
+    except (CheckpointError, ConfigError, MeshError, PlacementError) as e:
+        parser().error(str(e))  # the same checks run again, with their flags named, where the model is built
+    if "pinned_host" not in (args.param_memory, args.opt_memory) and not (placement and placement.placed("pinned_host")):
+        return
+    devices = math.prod(sizes.values()) // (args.num_processes or 1) if sizes else 1
+    try:
+        need = planning.estimate(config, batch_size=args.batch_size, seq_len=args.seq_len, placement=placement,
+                                 mesh=args.mesh or None, param_memory=args.param_memory, opt_memory=args.opt_memory,
+                                 compute_dtype=jnp.dtype(args.compute_dtype)).host_bytes * max(devices, 1)  # fmt: skip
+        gib = runtime.size_host_pool(need, what="the run's placements")
+    except ConfigError as e:
+        parser().error(str(e))
+    print(f"pinned host memory: {need / 2**30:.1f} GiB estimated for this process; XLA's pool capped at {gib} GiB",
+          flush=True)  # fmt: skip
+
+
+def check_plan_host_memory(plan, devices: int) -> None:
+    """``--placement auto``: the plan's host memory for this process's devices within XLA's pool and the machine."""
+    from zoo import runtime
+    from zoo.errors import ConfigError
+
+    need = plan.estimate.host_bytes * devices
+    if need <= 0:
+        return
+    try:
+        runtime.size_host_pool(need, what="the plan")
+    except ConfigError as e:
+        parser().error(f"--placement auto: {e}")
 
 
 def count(n: int, unit: str) -> str:
@@ -343,7 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     import zoo
     from zoo import parallel
 
-    # Before anything touches a device: jax.distributed must start before the backends do.
+    # Before anything touches a device: jax.distributed must start before the backends do, and
+    # XLA's pinned host pool is sized before the GPU backend starts.
+    size_host_pool(args)
     parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     generation = {}
@@ -411,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
             model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,
             placement=args.placement, mesh=mesh, param_memory=args.param_memory, opt_memory=args.opt_memory,
             peak_flops=peak, consume=True, wandb=args.wandb, sources=sources(args),
-            allow_change=[n for n in args.allow_change.split(",") if n],
+            allow_change=[n for n in args.allow_change.split(",") if n], xla_options=args.xla_options,
+            xla_defaults=not args.no_xla_defaults, profile=args.profile,
         )  # fmt: skip
     except ztrain.RunDirError as e:  # a run that started into the dir since the check above
         parser().error(str(e))

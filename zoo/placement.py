@@ -296,6 +296,12 @@ def named_tensors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tup
     """Every ``checkpoint_name`` in the program ``fn(*args, **kwargs)`` traces to, with the
     named tensor's shape and dtype, once per occurrence, nested jaxprs (scan, remat, cond,
     custom rules, jit) included. Tracing only: nothing is compiled or run."""
+    return names_in(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+
+
+def names_in(jaxpr: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+    """:func:`named_tensors` of a traced program's jaxpr (``jax.jit(f).trace(...).jaxpr``); inside a
+    ``shard_map`` the shapes are each device's."""
     found: list[tuple[str, jax.ShapeDtypeStruct]] = []
 
     def walk(jaxpr: Any) -> None:
@@ -306,7 +312,7 @@ def named_tensors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tup
             for sub in _subjaxprs(eqn):
                 walk(sub)
 
-    walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+    walk(getattr(jaxpr, "jaxpr", jaxpr))
     return found
 
 

@@ -10,6 +10,7 @@ import jax
 from zoo.hooks import remat_policy
 
 Carry = TypeVar("Carry")
+LAYER_SCOPE = "decoder_layer"  # the named scope of every scanned layer's ops (zoo.train.trace_report reads it)
 
 
 def scan_layers(
@@ -23,7 +24,15 @@ def scan_layers(
 
     ``policy``: a ``jax.checkpoint`` policy for the layer body (from a placement map), or
     ``None`` to keep every intermediate on device. Returns the last carry and the stacked outs.
+    The body runs under ``jax.named_scope(LAYER_SCOPE)``: its ops' names carry it, so a profile
+    (XProf, Nsight Systems, ``recipes/profile.py``) shows the layers' forward and backward as
+    such (one scope for every layer: the scan compiles one body for all of them).
     """
     policy = remat_policy(policy)  # inside zoo.parallel's step: FSDP re-gathers instead of saving
-    fn = body if policy is None else jax.checkpoint(body, policy=policy, prevent_cse=False)
+
+    def scoped(c: Carry, layer: Any) -> tuple[Carry, Any]:
+        with jax.named_scope(LAYER_SCOPE):
+            return body(c, layer)
+
+    fn = scoped if policy is None else jax.checkpoint(scoped, policy=policy, prevent_cse=False)
     return jax.lax.scan(fn, carry, stacked)

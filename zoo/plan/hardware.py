@@ -167,3 +167,28 @@ def for_device(device: Any) -> str | None:
         if name.replace("-", "") in kind:
             return name
     return None
+
+
+def measure_host_link(device: Any = None, nbytes: int = 256 * 2**20, repeats: int = 3) -> tuple[float, float]:
+    """``(to host, to device)`` bytes/s of ``nbytes`` moved between ``device`` (default the first)
+    and its pinned host memory, the best of ``repeats`` timed transfers each way after a warm-up
+    (a few hundred MB: about a second). One device transferring alone: with every device of the
+    host transferring at once, as the table's ``host_link`` assumes, each gets less."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    device = device or jax.devices()[0]
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    on_host = on_device.with_memory_kind("pinned_host")
+    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), on_device).block_until_ready()
+    host = jax.device_put(x, on_host).block_until_ready()
+    jax.device_put(host, on_device).block_until_ready()  # warm-up both ways
+    best = [float("inf"), float("inf")]
+    for _ in range(repeats):
+        for i, (src, dst) in enumerate(((x, on_host), (host, on_device))):
+            start = time.perf_counter()
+            jax.device_put(src, dst).block_until_ready()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return x.nbytes / best[0], x.nbytes / best[1]

@@ -11,6 +11,8 @@ the loop around it is the only place with I/O. One module a concern, none import
 - ``run_dir``: the run dir's lock and the rules for a previous run
 - ``preemption``: stopping on SIGTERM or Ctrl-C with a checkpoint at the step reached, ``Preempted``
 - ``metrics``: the metrics log (JSON lines, TensorBoard, W&B, terminal), the loss plot, the matmul peak
+- ``verify``: the placements proven on the compiled step before it runs
+- ``profile`` / ``trace_report``: ``train(profile=...)``'s trace of some steps, and its per-step report
 - ``loop``: ``train``
 
 Every name is importable from ``zoo.train`` itself (``from zoo import train; train.TrainConfig``).

@@ -19,14 +19,17 @@ import numpy as np
 import optax
 
 from zoo.errors import ConfigError
+from zoo.runtime import describe_xla_options, step_xla_options
 from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
+from zoo.train.profile import StepProfiler, check_window
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.run_dir import RunDirLock, check_resume, write_run_files
 from zoo.train.step import make_eval, make_train_step
+from zoo.train.verify import check_step
 
 
 def train(
@@ -47,6 +50,9 @@ def train(
     wandb: str | None = None,
     sources: Mapping[str, Any] | None = None,
     allow_change: Iterable[str] = (),
+    xla_options: Mapping[str, Any] | None = None,
+    xla_defaults: bool = True,
+    profile: tuple[int, int] | str | None = None,
 ) -> tuple[eqx.Module, list[dict[str, Any]]]:
     """Train ``model`` on ``data``; returns the trained model and the metric records.
 
@@ -62,6 +68,14 @@ def train(
     other settings; a resume whose settings differ from those is refused, listing the
     differences, except for the names in ``allow_change`` (and what never changes the numbers:
     ``zoo.train.run_dir.FREE_ON_RESUME``).
+
+    The step is compiled with the backend's XLA options (:data:`zoo.runtime.XLA_OPTIONS`: on GPU
+    the latency-hiding scheduler, host offloading and the collective settings; none on CPU),
+    ``xla_options`` on top (``xla_defaults=False``: only those); the run prints them. Before the
+    first step the compiled step is checked (:mod:`zoo.train.verify`): every tensor ``placement``
+    offloads moves to pinned host memory and host-placed trees are there, else a ConfigError names
+    the tensor. ``profile``: ``(START, STOP)`` or ``"START:STOP"``, trace steps START..STOP-1 into
+    ``run_dir/profile`` (:mod:`zoo.train.profile`; ``recipes/profile.py`` reports it).
     """
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
@@ -71,8 +85,10 @@ def train(
         data.check(cfg.seq_len)
     if wandb is not None and run_dir is None:
         raise ConfigError("wandb logging needs a run dir (its files go to RUN_DIR/wandb)")
+    profile = check_window(profile, cfg.steps, run_dir)
     run = _Run(model, data, cfg, None if run_dir is None else Path(run_dir), resume, placement, mesh, param_memory,
-               opt_memory, peak_flops, stop_after, consume, wandb, dict(sources or {}), tuple(allow_change))  # fmt: skip
+               opt_memory, peak_flops, stop_after, consume, wandb, dict(sources or {}), tuple(allow_change),
+               dict(xla_options or {}), xla_defaults, profile)  # fmt: skip
     if run.run_dir is None:
         return _train(run)
     with RunDirLock(run.run_dir, resume, overwrite):
@@ -118,6 +134,9 @@ class _Run:
     wandb: str | None
     sources: dict[str, Any]
     allow_change: tuple[str, ...]
+    xla_options: dict[str, Any]
+    xla_defaults: bool
+    profile: tuple[int, int] | None
 
     def settings(self) -> dict[str, Any]:
         return run_settings(self.model, self.cfg, placement=self.placement, mesh=self.mesh,
@@ -187,9 +206,16 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
         params = tree_placement(params, param_memory, what="parameters")
     if opt_memory != "device":
         opt_state = tree_placement(opt_state, opt_memory, what="optimizer state")
-    step_fn = make_train_step(
-        model, cfg, tx, placement=run.placement, mesh=mesh, param_memory=param_memory, opt_memory=opt_memory
-    )
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    xla_options = step_xla_options(platform, run.xla_options, defaults=run.xla_defaults)
+    if jax.process_index() == 0:
+        print(describe_xla_options(platform, xla_options), flush=True)
+    step_fn = make_train_step(model, cfg, tx, placement=run.placement, mesh=mesh, param_memory=param_memory,
+                              opt_memory=opt_memory, xla_options=xla_options)  # fmt: skip
+    profiler = StepProfiler(run.profile, run_dir, platform=platform, xla_options=xla_options, placement=run.placement,
+                            param_memory=param_memory, opt_memory=opt_memory)  # fmt: skip
+    # The placements are proven on the compiled step before it runs (the steps reuse that compile).
+    unchecked = run.placement is not None or param_memory != "device" or opt_memory != "device" or run.profile
     evaluate = make_eval(model, placement=run.placement)
     seq = cfg.seq_len
     flops_per_token = model.config.flops_per_token(seq)
@@ -233,7 +259,14 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
             last_time = time.perf_counter()
         for step, batch in batches(data, cfg, start, rows=mine):
             placed = place_batch(batch, mesh, rows=mine, batch_size=cfg.batch_size)
-            params, opt_state, metrics = step_fn(params, opt_state, placed, jnp.int32(step))
+            if unchecked:
+                unchecked = False
+                profiler.compiled = check_step(step_fn, (params, opt_state, placed, jnp.int32(step)), model=model,
+                                               placement=run.placement, param_memory=param_memory,
+                                               opt_memory=opt_memory, platform=platform)  # fmt: skip
+            with profiler.step(step + 1):
+                params, opt_state, metrics = step_fn(params, opt_state, placed, jnp.int32(step))
+                profiler.wait((params, opt_state, metrics))
             done = step + 1
             is_log = done % cfg.log_every == 0 or done == cfg.steps
             is_eval = done % cfg.eval_every == 0 or done == cfg.steps
@@ -276,6 +309,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
     except KeyboardInterrupt as e:
         raise Interrupted(interrupted_message(manager, run_dir, done)) from e
     finally:
+        profiler.stop(done)
         stops.restore()
         log.close()
     if run_dir is not None and log.history and jax.process_index() == 0:

@@ -5,7 +5,7 @@ brought from and back to their memory) and ``make_eval``; a step is a pure funct
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -40,6 +40,7 @@ def make_train_step(
     mesh: Any = None,
     param_memory: str = "device",
     opt_memory: str = "device",
+    xla_options: Mapping[str, Any] | None = None,
 ) -> Callable:
     """``step(params, opt_state, batch, index) -> (params, opt_state, metrics)``, jitted.
 
@@ -51,6 +52,8 @@ def make_train_step(
     optimizer state live between steps (``pinned_host`` trees are brought to device inside the
     step and written back). After the update, ``model.after_step(metrics)`` makes the family's
     changes outside the gradient (DeepSeek-V3's router bias from the step's expert load).
+    ``xla_options``: XLA compile options of the step (:func:`zoo.runtime.step_xla_options`
+    gives a backend's set; ``None``: XLA's defaults).
     """
     from zoo.causal_lm import options_or_default
     from zoo.placement import memory_space, tree_placement
@@ -112,7 +115,7 @@ def make_train_step(
             opt_state = tree_placement(opt_state, opt_memory)
         return params, opt_state, out
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=dict(xla_options) if xla_options else None)
 
 
 def make_eval(model: eqx.Module, *, placement: Any = None) -> Callable:
