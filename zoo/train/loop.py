@@ -19,17 +19,15 @@ import numpy as np
 import optax
 
 from zoo.errors import ConfigError
-from zoo.runtime import describe_xla_options, step_xla_options
 from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, optimizer
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
-from zoo.train.profile import StepProfiler, check_window
+from zoo.train.profile import CheckedStep, check_window
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.run_dir import RunDirLock, check_resume, write_run_files
-from zoo.train.step import make_eval, make_train_step
-from zoo.train.verify import check_step
+from zoo.train.step import make_eval
 
 
 def train(
@@ -69,13 +67,10 @@ def train(
     differences, except for the names in ``allow_change`` (and what never changes the numbers:
     ``zoo.train.run_dir.FREE_ON_RESUME``).
 
-    The step is compiled with the backend's XLA options (:data:`zoo.runtime.XLA_OPTIONS`: on GPU
-    the latency-hiding scheduler, host offloading and the collective settings; none on CPU),
-    ``xla_options`` on top (``xla_defaults=False``: only those); the run prints them. Before the
-    first step the compiled step is checked (:mod:`zoo.train.verify`): every tensor ``placement``
-    offloads moves to pinned host memory and host-placed trees are there, else a ConfigError names
-    the tensor. ``profile``: ``(START, STOP)`` or ``"START:STOP"``, trace steps START..STOP-1 into
-    ``run_dir/profile`` (:mod:`zoo.train.profile`; ``recipes/profile.py`` reports it).
+    The step compiles with the backend's XLA options (:data:`zoo.runtime.XLA_OPTIONS`) and
+    ``xla_options`` on top (``xla_defaults=False``: only those); its placements are proven on the
+    compiled program before step 1 (:mod:`zoo.train.verify`). ``profile``: ``"START:STOP"``, steps
+    START..STOP-1 traced into ``run_dir/profile`` (:class:`zoo.train.profile.CheckedStep`).
     """
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
@@ -206,16 +201,9 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
         params = tree_placement(params, param_memory, what="parameters")
     if opt_memory != "device":
         opt_state = tree_placement(opt_state, opt_memory, what="optimizer state")
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-    xla_options = step_xla_options(platform, run.xla_options, defaults=run.xla_defaults)
-    if jax.process_index() == 0:
-        print(describe_xla_options(platform, xla_options), flush=True)
-    step_fn = make_train_step(model, cfg, tx, placement=run.placement, mesh=mesh, param_memory=param_memory,
-                              opt_memory=opt_memory, xla_options=xla_options)  # fmt: skip
-    profiler = StepProfiler(run.profile, run_dir, platform=platform, xla_options=xla_options, placement=run.placement,
-                            param_memory=param_memory, opt_memory=opt_memory)  # fmt: skip
-    # The placements are proven on the compiled step before it runs (the steps reuse that compile).
-    unchecked = run.placement is not None or param_memory != "device" or opt_memory != "device" or run.profile
+    step_fn = CheckedStep(model, cfg, tx, placement=run.placement, mesh=mesh, param_memory=param_memory,
+                          opt_memory=opt_memory, xla_options=run.xla_options, xla_defaults=run.xla_defaults,
+                          profile=run.profile, run_dir=run_dir)  # fmt: skip
     evaluate = make_eval(model, placement=run.placement)
     seq = cfg.seq_len
     flops_per_token = model.config.flops_per_token(seq)
@@ -259,14 +247,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
             last_time = time.perf_counter()
         for step, batch in batches(data, cfg, start, rows=mine):
             placed = place_batch(batch, mesh, rows=mine, batch_size=cfg.batch_size)
-            if unchecked:
-                unchecked = False
-                profiler.compiled = check_step(step_fn, (params, opt_state, placed, jnp.int32(step)), model=model,
-                                               placement=run.placement, param_memory=param_memory,
-                                               opt_memory=opt_memory, platform=platform)  # fmt: skip
-            with profiler.step(step + 1):
-                params, opt_state, metrics = step_fn(params, opt_state, placed, jnp.int32(step))
-                profiler.wait((params, opt_state, metrics))
+            params, opt_state, metrics = step_fn(params, opt_state, placed, jnp.int32(step))
             done = step + 1
             is_log = done % cfg.log_every == 0 or done == cfg.steps
             is_eval = done % cfg.eval_every == 0 or done == cfg.steps
@@ -309,7 +290,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
     except KeyboardInterrupt as e:
         raise Interrupted(interrupted_message(manager, run_dir, done)) from e
     finally:
-        profiler.stop(done)
+        step_fn.profiler.stop(done)
         stops.restore()
         log.close()
     if run_dir is not None and log.history and jax.process_index() == 0:

@@ -105,3 +105,38 @@ class StepProfiler:
         (self.dir / "step.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
         print(f"profile of steps {self.first}-{last}: {self.dir} (TensorBoard/XProf: the plugins/ folder; Perfetto: "
               f"perfetto_trace.json.gz); report: python recipes/profile.py {self.dir.parent}", flush=True)  # fmt: skip
+
+
+class CheckedStep:
+    """The run's train step (:func:`zoo.train.step.make_train_step`) compiled with the backend's
+    XLA options (printed), its placements proven on the compiled program before the first step
+    runs (:func:`zoo.train.verify.check_step`; the steps reuse that compile), and the profiled
+    window traced."""
+
+    def __init__(self, model: Any, cfg: Any, tx: Any, *, placement: Any, mesh: Any, param_memory: str,
+                 opt_memory: str, xla_options: Any, xla_defaults: bool, profile: Any, run_dir: Path | None):  # fmt: skip
+        from zoo.runtime import describe_xla_options, step_xla_options
+        from zoo.train.step import make_train_step
+
+        self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        options = step_xla_options(self.platform, xla_options, defaults=xla_defaults)
+        if jax.process_index() == 0:
+            print(describe_xla_options(self.platform, options), flush=True)
+        self.fn = make_train_step(model, cfg, tx, placement=placement, mesh=mesh, param_memory=param_memory,
+                                  opt_memory=opt_memory, xla_options=options)  # fmt: skip
+        self.profiler = StepProfiler(profile, run_dir, platform=self.platform, xla_options=options,
+                                     placement=placement, param_memory=param_memory, opt_memory=opt_memory)  # fmt: skip
+        self.check = dict(model=model, placement=placement, param_memory=param_memory, opt_memory=opt_memory)
+        self.unchecked = placement is not None or param_memory != "device" or opt_memory != "device" or bool(profile)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any, step: Any) -> Any:
+        from zoo.train.verify import check_step
+
+        if self.unchecked:
+            self.unchecked = False
+            self.profiler.compiled = check_step(self.fn, (params, opt_state, batch, step), platform=self.platform,
+                                                **self.check)  # fmt: skip
+        with self.profiler.step(int(step) + 1):
+            out = self.fn(params, opt_state, batch, step)
+            self.profiler.wait(out)
+        return out
