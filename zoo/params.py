@@ -180,16 +180,18 @@ def _draw(data: Array, shape: tuple[int, ...], stacked: bool, offsets: list[Arra
             coords[axis] = coords[axis] * rows
         start = [jnp.asarray(c, jnp.int32) for c in coords] + [jnp.int32(0)] * (len(local) - len(coords))
         index = jnp.zeros(slab, jnp.uint32)
-        inside = jnp.ones(slab, jnp.bool_)
+        inside = None  # elements within ``shape`` (only where the layout pads)
         for d in range(first, len(local)):
             at = jnp.asarray(offsets[d] + start[d], jnp.uint32)
             if slab[d] > 1:
                 at = at + jax.lax.broadcasted_iota(jnp.uint32, slab, d)
             index = index + at * jnp.uint32(strides[d - first])
             if padded[d] != shape[d]:
-                inside = inside & (at < shape[d])
+                within = jnp.broadcast_to(at < shape[d], slab)
+                inside = within if inside is None else inside & within
         key = data[offsets[0] + start[0]] if stacked else data
-        values = jnp.where(inside, std * _normal_at(key, index), 0).astype(dtype)
+        values = std * _normal_at(key, index)
+        values = (values if inside is None else jnp.where(inside, values, 0)).astype(dtype)
         return jax.lax.dynamic_update_slice(out, values, start)
 
     out = jnp.zeros(local, dtype)
