@@ -21,6 +21,7 @@ Every name is importable from ``zoo.train`` itself (``from zoo import train; tra
 from zoo.train.batch import BATCH_FIELDS, as_batch, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.restore import is_run_dir, load_model, load_run
+from zoo.train import profile, trace_report, verify  # noqa: E402,F401  (zoo.train.profile etc., as the docs name them)
 from zoo.train.config import TrainConfig, learning_rate, optimizer, param_specs
 from zoo.train.loop import train
 from zoo.train.metrics import (
