@@ -399,7 +399,7 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
         root = path.split(".")[0]
         stacks[root] = stacks.get(root, True) and _is_layer_stack(p)
 
-    vocab = _vocab_axis(model, mesh)
+    vocab = vocab_split_of(model, mesh) is not None
 
     def dims(path: str, drop: int) -> tuple[int, ...]:
         p = specs[path]
@@ -417,16 +417,15 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
 
 
-def _vocab_axis(model, mesh: AnyMesh) -> str | None:
-    """The mesh axis that splits the vocabulary inside the step, where the embedding and head are
-    streamed instead of gathered whole (:mod:`zoo.vocab_parallel`): ``"fsdp"`` when it splits the
-    ``V`` of every parameter that has one, else ``None`` (a vocabulary kept whole)."""
+def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
+    """How the step splits ``model``'s vocabulary on ``mesh``, where the embedding and head are
+    streamed instead of gathered whole (:mod:`zoo.vocab_parallel`): over ``fsdp`` when it splits
+    the ``V`` of every parameter that has one, else ``None`` (a vocabulary kept whole)."""
     specs, rules = _model_specs(model), _rules(model)
-    found = set()
-    for p in specs.values():
-        if VOCAB in p.names:
-            found.add(param_axes(p, mesh, rules=rules)[p.names.index(VOCAB)])
-    return "fsdp" if found == {"fsdp"} else None
+    found = {param_axes(p, mesh, rules=rules)[p.names.index(VOCAB)] for p in specs.values() if VOCAB in p.names}
+    if found != {"fsdp"}:
+        return None
+    return VocabSplit("fsdp", _size(mesh, "fsdp"), model.config.vocab_size)
 
 
 def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: AnyMesh, axes: tuple[str, ...]) -> None:
@@ -507,8 +506,7 @@ def value_and_grad(
             batch, arrays = jax.tree.map(lambda x: jnp.take(x, order, axis=1), (batch, arrays))
 
         vary = tuple(dict.fromkeys(a for a in (*axes, CONTEXT) if _size(mesh, a) > 1))
-        vocab = _vocab_axis(model, mesh)
-        split = None if vocab is None else VocabSplit(vocab, _size(mesh, vocab), model.config.vocab_size)
+        split = vocab_split_of(model, mesh)
 
         def body(params, local_arrays, *local_batch):
             with step_context(mesh, plans, split) as ctx:
@@ -622,5 +620,5 @@ __all__ = [
     "AXES", "BATCH_AXES", "GATHERED", "MeshError", "gather_layer", "in_step", "init_optimizer", "initialize_distributed",
     "is_padded", "layout_sizes", "make_mesh", "pad", "param_axes", "param_bytes", "param_shardings", "parse_mesh",
     "partition_specs", "remat_policy", "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of",
-    "tensor_psum", "unpad", "validate_mesh", "value_and_grad", "varying_like",
+    "tensor_psum", "unpad", "validate_mesh", "value_and_grad", "varying_like", "vocab_split_of",
 ]  # fmt: skip

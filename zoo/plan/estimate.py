@@ -125,18 +125,18 @@ def _loss_peak(step: Step, unified: bool) -> int:
     dtype, vocab = model.compute_dtype, model.config.vocab_size
     d = model.config.sizes["D"]
     b, s = step.local_batch, step.seq_len - 1
-    axis = parallel._vocab_axis(model, step.mesh)
+    split = parallel.vocab_split_of(model, step.mesh)
 
     def loss(x, w, labels):
         return chunked_cross_entropy(x, w.astype(dtype), labels, vocab_size=vocab)
 
-    if axis is None:
+    if split is None:
+
         def f(m, x, labels):
             return jax.value_and_grad(loss, argnums=(0, 1))(x, m.unembedding(), labels)
 
         jaxpr = jax.make_jaxpr(f)(step.params, SDS((b, s, d), dtype), SDS((b, s), jnp.int32))
     else:
-        split = hooks.VocabSplit(axis, step.sizes[axis], vocab)
         n = step.batch_size // step.local_batch
 
         def local(x, w, labels):
@@ -144,7 +144,8 @@ def _loss_peak(step: Step, unified: bool) -> int:
                 return jax.value_and_grad(loss, argnums=(0, 1))(x, w, labels)
 
         batch = P(step.axes)
-        f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, P(axis), batch), out_specs=(P(), (batch, P(axis))))
+        f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, P(split.axis), batch),
+                          out_specs=(P(), (batch, P(split.axis))))
         w = jax.eval_shape(lambda m: m.unembedding(), step.params)
         jaxpr = jax.make_jaxpr(f)(SDS((b * n, s, d), dtype), SDS(w.shape, w.dtype), SDS((b * n, s), jnp.int32))
     peak, _ = _liveness.program_peak(jaxpr, unified=unified)

@@ -247,7 +247,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
             last_time = time.perf_counter()
         for step, batch in batches(data, cfg, start, rows=mine):
             placed = place_batch(batch, mesh, rows=mine, batch_size=cfg.batch_size)
-            params, opt_state, metrics = step_fn(params, opt_state, placed, jnp.int32(step))
+            params, opt_state, metrics = step_fn(params, opt_state, placed, step)
             done = step + 1
             is_log = done % cfg.log_every == 0 or done == cfg.steps
             is_eval = done % cfg.eval_every == 0 or done == cfg.steps

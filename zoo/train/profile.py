@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from zoo.errors import ConfigError
 
@@ -129,14 +130,16 @@ class CheckedStep:
         self.check = dict(model=model, placement=placement, param_memory=param_memory, opt_memory=opt_memory)
         self.unchecked = placement is not None or param_memory != "device" or opt_memory != "device" or bool(profile)
 
-    def __call__(self, params: Any, opt_state: Any, batch: Any, step: Any) -> Any:
+    def __call__(self, params: Any, opt_state: Any, batch: Any, step: int) -> Any:
+        """Step ``step`` (0-based, a Python int: nothing is read back from the device for it)."""
         from zoo.train.verify import check_step
 
+        index = jnp.int32(step)
         if self.unchecked:
             self.unchecked = False
-            self.profiler.compiled = check_step(self.fn, (params, opt_state, batch, step), platform=self.platform,
+            self.profiler.compiled = check_step(self.fn, (params, opt_state, batch, index), platform=self.platform,
                                                 **self.check)  # fmt: skip
-        with self.profiler.step(int(step) + 1):
-            out = self.fn(params, opt_state, batch, step)
+        with self.profiler.step(step + 1):
+            out = self.fn(params, opt_state, batch, index)
             self.profiler.wait(out)
         return out

@@ -140,6 +140,7 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     import equinox as eqx
     import orbax.checkpoint as ocp
 
+    from zoo import parallel
     from zoo.hf.pretrained import _DTYPE_NAMES, read_config
     from zoo.params import is_param
     from zoo.train.config import TrainConfig, optimizer
@@ -155,8 +156,6 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     if settings.get("mesh"):  # the arrays as the run laid them out: padded where its mesh did not divide them
         from jax.sharding import AbstractMesh
 
-        from zoo import parallel
-
         sizes = tuple(int(settings["mesh"].get(a, 1)) for a in parallel.AXES)
         abstract = parallel.pad(abstract, AbstractMesh(sizes, parallel.AXES))
     params = eqx.filter(abstract, is_param)
@@ -171,8 +170,6 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
         manager.close()
     if tree is None:
         raise CheckpointError(f"{run_dir / 'checkpoints'}: no checkpoint yet")
-    from zoo import parallel
-
     static = eqx.filter(abstract, is_param, inverse=True)
     return parallel.unpad(eqx.combine(tree["params"], static)), step, settings
 
