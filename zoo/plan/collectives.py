@@ -199,7 +199,10 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                 # (a tuple: one buffer per element), a reduce-scatter's operand is its result
                 # times the group.
                 scale = len(groups[0]) if kind == "reduce_scatter" else 1
-                size = sum(b * scale for b in map(_shape_bytes, re.findall(r"\w+\[[\d,]*\]", result)) if b * scale >= floor)
+                parts = [b * scale for b in map(_shape_bytes, re.findall(r"\w+\[[\d,]*\]", result))]
+                # A combined all-reduce holds separate buffers; an all-to-all's tuple is one
+                # buffer cut in a chunk per peer.
+                size = sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
                 axes = axes_of(groups[0])
                 if axes and size:
                     out[(kind, axes)] = out.get((kind, axes), 0) + size * times
