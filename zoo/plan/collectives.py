@@ -261,3 +261,61 @@ def seconds(kind: str, nbytes: float, n: int, bandwidth: float) -> float:  # noq
         return 0.0
     share = 1.0 if kind == "permute" else (n - 1) / n
     return (2.0 if kind == "all_reduce" else 1.0) * share * nbytes / bandwidth
+
+
+# -- a step's collectives as the planner prices them ------------------------------------------
+
+
+def _weights(c: Collective) -> bool:
+    """FSDP's per-layer weight gathers and gradient reduce-scatters: XLA's latency-hiding
+    scheduler runs them behind the neighbouring layer's compute."""
+    return c.layer and c.axes == ("fsdp",) and c.kind in ("all_gather", "reduce_scatter")
+
+
+@dataclass
+class Traffic:
+    """A step's collectives as lines in the local batch (traced at local batches 1 and ``b2``),
+    priced on ``hw`` for the mesh ``sizes``: seconds of FSDP weight traffic in the forward and
+    the backward layer loops (hidden behind those loops' compute where it fits), and seconds of
+    everything else (tensor all-reduces, all-to-alls, context gathers, the gradient all-reduce
+    over the batch axes, gathers outside the layer loops), exposed."""
+
+    lines: dict[tuple[str, tuple[str, ...], str], tuple[float, float]]  # (kind, axes, scope) -> (a, slope)
+    bandwidth: dict[tuple[str, ...], float]
+    sizes: dict[str, int]
+    prefetch: float  # bytes: one more layer of gathered weights, the scheduler's prefetch buffer
+
+    @classmethod
+    def of(cls, one: list[Collective], two: list[Collective], b2: int, sizes: Mapping[str, int], hw: Any) -> Traffic:
+        def scope(c: Collective) -> str:
+            return ("backward" if c.backward else "forward") if _weights(c) else "exposed"
+
+        def sums(cs: list[Collective]) -> dict:
+            out: dict = {}
+            for c in cs:
+                key = (c.kind, c.axes, scope(c))
+                out[key] = out.get(key, 0.0) + c.total
+            return out
+
+        s1, s2 = sums(one), sums(two)
+        lines = {}
+        for key in set(s1) | set(s2):
+            slope = (s2.get(key, 0.0) - s1.get(key, 0.0)) / max(b2 - 1, 1)
+            lines[key] = (s1.get(key, 0.0) - slope, slope)
+        bandwidth = {axes: link(hw, sizes, axes) for _, axes, _ in lines}
+        per_layer: dict[int, float] = {}
+        for c in one:
+            if _weights(c) and c.kind == "all_gather" and not c.backward:
+                per_layer[c.count] = per_layer.get(c.count, 0.0) + c.nbytes
+        # The scheduler gathers the next layer while this one computes: two layers' weights live.
+        prefetch = 0.0 if hw.unified else max(per_layer.values(), default=0.0)
+        return cls(lines, bandwidth, dict(sizes), prefetch)
+
+    def seconds(self, b: int) -> dict[str, float]:
+        """Seconds per step at local batch ``b``: ``forward`` and ``backward`` weight traffic,
+        ``exposed`` the rest."""
+        out = {"forward": 0.0, "backward": 0.0, "exposed": 0.0}
+        for (kind, axes, where), (a, slope) in self.lines.items():
+            n = math.prod(self.sizes[x] for x in axes)
+            out[where] += seconds(kind, max(a + slope * b, 0.0), n, self.bandwidth[axes])
+        return out
