@@ -104,8 +104,13 @@ class Plan:
             f"{self.seq_len} tokens per sequence; budgets {_size(self.device_budget)} device, "
             f"{_size(self.host_budget)} host per device"
         )
-        lines = [
-            head,
+        lines = [head]
+        if self.meshes:
+            from zoo.plan.search import mesh_table
+
+            lines += [f"meshes of {self.devices} devices, the chosen first:", mesh_table(self.meshes), "",
+                      f"the chosen mesh {self.mesh or 'one device'}:"]  # fmt: skip
+        lines += [
             self.table(),
             "",
             f"chosen: batch {self.batch_size}, parameters {self.param_memory}, optimizer state {self.opt_memory}",
