@@ -100,7 +100,7 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
     compute = config.flops_per_token(seq_len) * seq_len * shards / devices * 4 / 3  # full remat: +1 forward
     compute /= hw.peak_for(dtype) * hw.efficiency
 
-    def t(kind: str, nbytes: float, axes: tuple[str, ...]) -> float:
+    def t(kind: str, nbytes: int | float, axes: tuple[str, ...]) -> float:  # noqa: PYI041
         n = math.prod(sizes[a] for a in axes)
         return collectives.seconds(kind, nbytes, n, collectives.link(hw, sizes, axes)) if n > 1 else 0.0
 
@@ -151,14 +151,11 @@ def search(
     for sizes in found:
         p_bytes = _state(config, sizes)[0]
         state = 4 * p_bytes
-        try:
-            quick = quick_time(config, sizes, seq_len, hw, dtype)
-        except ConfigError:
-            raise
+        quick = quick_time(config, sizes, seq_len, hw, dtype)
         why = ""
         if p_bytes > budget_d or state > budget_d + budget_h:
             why = f"state {state / 2**30:.0f} GiB per device"
-        rows.append(MeshRow(mesh_spec(sizes), state, quick, why=why))
+        rows.append(MeshRow(mesh_spec(sizes), float(state), float(quick), why=why))
     # Seconds per token: a step of one sequence per batch shard.
     def per_token(r: MeshRow) -> float:
         s = parallel.parse_mesh(r.mesh)
@@ -175,7 +172,7 @@ def search(
             planned.append(dataclasses.replace(r, why=str(e).split(":")[0] + " (activations)"))
             continue
         row = dataclasses.replace(
-            r, batch_size=p.batch_size, device_bytes=p.estimate.device_bytes, host_bytes=p.estimate.host_bytes,
+            r, batch_size=p.batch_size, device_bytes=float(p.estimate.device_bytes), host_bytes=float(p.estimate.host_bytes),
             step_time=p.step_time, mfu=p.mfu, tokens_per_s_device=p.tokens_per_s / devices,
             placement=p.placement.spec(),
         )  # fmt: skip
@@ -186,10 +183,16 @@ def search(
     if best is None:
         table = mesh_table(planned + sorted(others, key=lambda r: r.state_bytes)[:5])
         smallest = min(rows, key=lambda r: r.state_bytes)
+        replicas = min(s["data"] for s in found)
+        why = (
+            f"; {devices} = {devices // replicas} x {replicas} and no dimension of the model divides by {replicas}: "
+            f"every mesh keeps {replicas} data-parallel replicas of the state, sharded only {devices // replicas} ways"
+            if replicas > 1 else ""
+        )  # fmt: skip
         raise NothingFits(
             f"no mesh of {devices} {hw.name} fits: the smallest state is {smallest.state_bytes / 2**30:.1f} GiB per "
             f"device (parameters, gradients and AdamW moments on {smallest.mesh or 'one device'}) against "
-            f"{budget_d / 2**30:.1f} GiB device and {budget_h / 2**30:.1f} GiB host usable\n{table}"
+            f"{budget_d / 2**30:.1f} GiB device and {budget_h / 2**30:.1f} GiB host usable{why}\n{table}"
         )
     if plan_kw.get("verify", True):
         from zoo.plan.planner import verify_offloads
