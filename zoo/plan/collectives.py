@@ -254,7 +254,7 @@ def link(hw: Any, sizes: Mapping[str, int], axes: tuple[str, ...]) -> float:
     return bw
 
 
-def seconds(kind: str, nbytes: float, n: int, bandwidth: float) -> float:  # noqa: PYI041
+def seconds(kind: str, nbytes: int | float, n: int, bandwidth: int | float) -> float:  # noqa: PYI041
     """A ring collective's time: ``(n-1)/n`` of the buffer through each device (twice for an
     all-reduce: reduce-scatter then all-gather); a permute sends its buffer once."""
     if n <= 1:
