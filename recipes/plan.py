@@ -3,6 +3,10 @@
     python recipes/plan.py --model llama --preset llama3.1-405b --mesh fsdp=8,tensor=8 --hardware gb200 --seq-len 8192
     python recipes/plan.py --model deepseek_v3 --preset deepseek-v3-671b --mesh data=9,expert=8 --hardware gb200 --seq-len 4096
     python recipes/plan.py --model llama --preset small --seq-len 256 --device-budget-gib 0.1   # this machine's CPU
+    python recipes/plan.py --model deepseek_v3 --preset deepseek-v3-671b --devices 128 --hardware gb200 --seq-len 4096
+
+With ``--devices N`` and no ``--mesh`` the mesh is searched too (every mesh of N the model
+accepts, pruned by memory, the best few planned in full) and the table of meshes is printed first.
 
 Everything is traced from shapes on an abstract mesh of any size: nothing is allocated and no
 accelerator is needed. Prints the candidates (no map, full remat, each preset, the plan) with
@@ -30,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default="llama", choices=registry.model_types(), help="model type")
     p.add_argument("--preset", default="small", help="a named config of the model type (llama3.1-405b, small, ...)")
-    p.add_argument("--mesh", default="", help="axis=size pairs: data, fsdp, tensor, expert (default: one device)")
+    p.add_argument("--mesh", default="", help="axis=size pairs: data, fsdp, context, tensor, expert (default: one "
+                   "device, or searched with --devices)")
+    p.add_argument("--devices", type=int, default=None, help="device count: search the mesh (or check --mesh's size)")
     p.add_argument("--hardware", default="cpu", help=f"one of {', '.join(HARDWARE)}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the largest that fits)")
@@ -64,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             host_budget=None if args.host_budget_gib is None else args.host_budget_gib * gib,
             compute_dtype=getattr(jnp, args.compute_dtype),
             verify=not args.no_verify,
+            devices=args.devices,
         )
     except planning.NothingFits as e:
-        print(planning.candidate_table(e.candidates))
+        if e.candidates:
+            print(planning.candidate_table(e.candidates))
         print(f"\n{e}\n({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         return 1
     except (ConfigError, MeshError) as e:

@@ -5,6 +5,12 @@ Figures are per device (one GPU, or one TPU chip), from the vendors' published s
 ``host_link`` is the bandwidth one device gets to host memory **in one direction** when every
 device of its host transfers at once: offloaded activations go to host in the forward pass and
 come back in the backward pass, one direction at a time.
+
+The network (``zoo.plan.collectives`` prices collectives on it): devices come in fast domains of
+``domain`` devices (an NVLink domain, a TPU slice's ICI), each device with ``domain_link`` bytes/s
+per direction into it; a collective whose group spans two domains runs at ``cross_link`` per
+device (InfiniBand / RoCE per GPU, TPU DCN per chip) for all of its bytes, as a ring does.
+``link_source`` says where each figure comes from.
 """
 
 from __future__ import annotations
@@ -36,16 +42,36 @@ class Hardware:
     efficiency: float = 0.6
     # Host and device are one memory (XLA:CPU): offloading saves nothing.
     unified: bool = False
+    # The network, per device and per direction (0: not published, the planner refuses meshes
+    # that need it). ``domain``: devices per fast domain.
+    domain: int = 1
+    domain_link: float = 0.0
+    cross_link: float = 0.0
+    link_source: str = ""
+    # float32 matmuls run at this fraction of the bf16 peak (TF32 on NVIDIA, bf16 passes on TPU).
+    f32_ratio: float = 0.5
+
+    def peak_for(self, dtype: Any) -> float:
+        """Dense matmul peak, FLOP/s, in the compute dtype ``dtype`` (bf16 or float32)."""
+        import numpy as np
+
+        return self.peak_flops * (self.f32_ratio if np.dtype(dtype).itemsize >= 4 else 1.0)
 
     def describe(self) -> str:
         return (
             f"{self.name}: {self.hbm_bytes / GB:.0f} GB HBM at {self.hbm_bandwidth / 1e12:.2f} TB/s, "
             f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16, host link {self.host_link / GB:.0f} GB/s per direction, "
-            f"{self.host_bytes / GB:.0f} GB host memory per device"
+            f"{self.host_bytes / GB:.0f} GB host memory per device; {self.domain}-device fast domains at "
+            f"{self.domain_link / GB:.0f} GB/s, {self.cross_link / GB:.1f} GB/s across, per device per direction"
         )
 
 
 _PCIE5 = 64 * GB  # PCIe Gen5 x16, one direction
+_IB400 = 400e9 / 8  # one 400 Gb/s ConnectX-7 port per GPU (NDR InfiniBand), one direction
+_HGX_LINKS = (
+    "NVLink within the 8-GPU HGX baseboard; InfiniBand across: DGX H100/H200/B200 datasheets "
+    "(eight 400 Gb/s ConnectX-7 ports, one per GPU)"
+)
 
 HARDWARE: dict[str, Hardware] = {
     h.name: h
@@ -59,6 +85,8 @@ HARDWARE: dict[str, Hardware] = {
             2048 * GB / 8,
             source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS dense "
             "BF16, PCIe Gen5 128 GB/s bidirectional); DGX H100: 2 TB system memory for 8 GPUs",
+            domain=8, domain_link=900 * GB / 2, cross_link=_IB400,
+            link_source="H100 SXM5 datasheet: NVLink 900 GB/s per GPU (both directions); " + _HGX_LINKS,
         ),
         Hardware(
             "h200",
@@ -69,6 +97,8 @@ HARDWARE: dict[str, Hardware] = {
             2048 * GB / 8,
             source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS dense BF16, "
             "PCIe Gen5); DGX H200: 2 TB system memory for 8 GPUs",
+            domain=8, domain_link=900 * GB / 2, cross_link=_IB400,
+            link_source="H200 SXM datasheet: NVLink 900 GB/s per GPU (both directions); " + _HGX_LINKS,
         ),
         Hardware(
             "b200",
@@ -79,19 +109,27 @@ HARDWARE: dict[str, Hardware] = {
             2048 * GB / 8,
             source="NVIDIA DGX B200 datasheet (8 GPUs: 1,440 GB HBM3e, 64 TB/s, 72 PFLOPS FP8 training; "
             "BF16 dense half of FP8: 2.25 PFLOPS per GPU; 2 TB system memory, PCIe Gen5 hosts)",
+            domain=8, domain_link=1800 * GB / 2, cross_link=_IB400,
+            link_source="DGX B200 datasheet: fifth-generation NVLink 1.8 TB/s per GPU (both directions), 14.4 TB/s "
+            "for the 8; " + _HGX_LINKS,
         ),
         Hardware(
             "gb200",
             186 * GB,
             8e12,
             2.5e15,
-            900 * GB / 2 / 2,
+            170 * GB,
             480 * GB / 2,
             source="NVIDIA GB200 NVL72 datasheet (72 GPUs: 13.4 TB HBM3e, 576 TB/s, 180 PFLOPS dense BF16; "
             "NVLink-C2C 900 GB/s bidirectional between each Grace CPU and its two Blackwell GPUs; "
             "up to 480 GB LPDDR5X per Grace)",
-            note="host link: NVLink-C2C's 900 GB/s is both directions of one Grace shared by two GPUs: "
-            "225 GB/s per GPU per direction when both offload",
+            note="host link measured, not the specification: nvbandwidth on 4 Grace-Blackwell GPUs (GB300, the "
+            "same Grace and NVLink-C2C) copying at once, host_to_all 168.6-175.4 GB/s and all_to_host "
+            "181.9-183.9 GB/s per GPU (NVIDIA/Megatron-LM issue 6491), against the 900 GB/s C2C figure "
+            "(both directions, shared by the Grace's two GPUs: 225 GB/s per GPU per direction)",
+            domain=72, domain_link=1800 * GB / 2, cross_link=_IB400,
+            link_source="GB200 NVL72 datasheet: one NVLink domain of 72 GPUs, 1.8 TB/s per GPU (both directions), "
+            "130 TB/s in all; DGX GB200: one 400 Gb/s ConnectX-7 per GPU across racks",
         ),
         Hardware(
             "tpu-v5p",
@@ -103,6 +141,9 @@ HARDWARE: dict[str, Hardware] = {
             source="Google Cloud TPU v5p documentation (459 TFLOPS BF16, 95 GB HBM2e at 2,765 GB/s; "
             "a 4-chip host VM has 448 GB of RAM)",
             note="host link not published: PCIe Gen4 x16 (32 GB/s per direction) assumed",
+            domain=6144, domain_link=1200 * GB / 2, cross_link=50e9 / 8,
+            link_source="Cloud TPU v5p documentation: ICI 1,200 GB/s per chip (both directions, 3D torus), the "
+            "largest slice 6,144 chips; data center network (DCN) 50 Gbps per chip between slices",
         ),
         Hardware(
             "tpu-v6e",
@@ -113,7 +154,11 @@ HARDWARE: dict[str, Hardware] = {
             1536 * 2**30 / 8,
             source="Google Cloud TPU v6e (Trillium) documentation (918 TFLOPS BF16, 32 GB HBM at 1,638 GB/s, "
             "each chip on PCIe Gen5 to its host; 1,536 GiB DRAM per 8-chip host)",
-            note="host link width not published: PCIe Gen5 x16 assumed",
+            note="host link width not published: PCIe Gen5 x16 assumed; DCN per chip not published: "
+            "100 Gbps assumed (v5e's hosts have 2 x 100 Gbps for 8 chips, v5p 50 Gbps per chip)",
+            domain=256, domain_link=800 * GB / 2, cross_link=100e9 / 8,
+            link_source="Cloud TPU v6e documentation: ICI 800 GB/s per chip (both directions, 4 ports, 2D torus), "
+            "256-chip pods",
         ),
         Hardware(
             "cpu",
@@ -126,6 +171,9 @@ HARDWARE: dict[str, Hardware] = {
             "24 GiB RAM)",
             note="one memory for host and device: nothing to offload to",
             unified=True,
+            domain=1 << 20, domain_link=20e9, cross_link=20e9,
+            link_source="simulated devices of one process: a collective is a copy in RAM",
+            f32_ratio=1.0,
         ),
     )
 }

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 
 from zoo.errors import ConfigError
 from zoo.placement import PlacementMap
-from zoo.plan import _flops
+from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, make_step, mesh_spec
+from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan.estimate import Estimate, GiB, _from_step
 from zoo.plan.hardware import Hardware
 from zoo.plan.hardware import hardware as lookup
@@ -84,6 +85,14 @@ class Plan:
     mesh: str
     offloaded_verified: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # Seconds per step of collectives not hidden behind compute, and the mesh search's table
+    # (each row a mesh's best candidate, the chosen mesh first; empty for a given mesh).
+    comm_time: float = 0.0
+    meshes: tuple[Any, ...] = ()
+
+    @property
+    def devices(self) -> int:
+        return math.prod(_mesh_sizes(self.mesh or None).values())
 
     def table(self) -> str:
         """The candidates as an aligned text table (GiB per device; MiB for small models)."""
@@ -95,15 +104,21 @@ class Plan:
             f"{self.seq_len} tokens per sequence; budgets {_size(self.device_budget)} device, "
             f"{_size(self.host_budget)} host per device"
         )
-        lines = [
-            head,
+        lines = [head]
+        if self.meshes:
+            from zoo.plan.search import mesh_table
+
+            lines += [f"meshes of {self.devices} devices, the chosen first:", mesh_table(self.meshes), "",
+                      f"the chosen mesh {self.mesh or 'one device'}:"]  # fmt: skip
+        lines += [
             self.table(),
             "",
             f"chosen: batch {self.batch_size}, parameters {self.param_memory}, optimizer state {self.opt_memory}",
             f"  map: {self.placement.spec()}",
             (
                 f"  estimate (verified): {_size(self.estimate.device_bytes)} device, "
-                f"{_size(self.estimate.host_bytes)} host; step {self.step_time:.3g} s, MFU {self.mfu:.1%}"
+                f"{_size(self.estimate.host_bytes)} host; step {self.step_time:.3g} s (collectives exposed "
+                f"{self.comm_time:.3g} s), MFU {self.mfu:.1%}, {self.tokens_per_s / self.devices:.4g} tokens/s per device"
             ),
         ]
         if self.offloaded_verified:
@@ -185,8 +200,14 @@ class _Where:
 class CostModel:
     """Memory and step time of any map, batch and tree placement, from a few traces."""
 
-    def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2):
+    def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
+                 jaxpr2: Any = None, bodies: list[_flops.Body] | None = None):  # fmt: skip
         self.base, self.hw, self.seq_len = base, hw, seq_len
+        # Collectives at local batches 1 and b2 (the second trace, where given): a line in the batch.
+        one = collectives.traced(jaxpr, base.sizes)
+        two = collectives.traced(jaxpr2, base.sizes) if jaxpr2 is not None else one
+        self.traffic = collectives.Traffic.of(one, two, b2 if jaxpr2 is not None else 2, base.sizes, hw)
+        self.peak = hw.peak_for(base.model.compute_dtype)
         self.map_cls = type(base.model).placement_map
         self.shards = base.batch_size // base.local_batch
         self.params, self.opt = e1.params, e1.optimizer
@@ -206,12 +227,13 @@ class CostModel:
         self.names = [n for n in self.map_cls.names() if self.per_b.get(n)]
         remat = self.map_cls.preset("remat")
         self.base_device = {n for n in self.names if getattr(remat, n) == "device"}
-        self.bodies = _flops.layer_bodies(base.model, seq_len)
+        self.bodies = _flops.layer_bodies(base.model, seq_len) if bodies is None else bodies
         self.tensor = base.sizes["tensor"]
         self.flops_model = base.config.flops_per_token(seq_len) * seq_len / (base.devices / self.shards)
         # ^ per device per unit local batch: the global batch's FLOPs shared by every device
         self.can_offload = hw.host_link > 0 and not hw.unified
         self._times: dict[tuple, tuple[float, float]] = {}
+        self.comm: dict[tuple, float] = {}  # (map, batch, pm, om) -> exposed collective seconds
         self._stack_for = {id(b): self._stack_of(b) for b in self.bodies}
 
     # -- memory ------------------------------------------------------------------------
@@ -231,6 +253,7 @@ class CostModel:
         p_host, o_host = pm == "pinned_host", om == "pinned_host"
         temps = max(passes + p_host * self.params, self.update + p_host * self.params + o_host * self.opt)
         device = (not p_host) * self.params + (not o_host) * self.opt + self.batch_bytes * b + temps
+        device += self.traffic.prefetch
         host = p_host * self.params + o_host * self.opt + host_res * b
         return float(device), float(host)
 
@@ -250,14 +273,17 @@ class CostModel:
         return self._times[key]
 
     def _time(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
-        rate = self.hw.peak_flops * self.hw.efficiency
+        rate = self.peak * self.hw.efficiency
         model = self.flops_model * b
         recompute = exposed = 0.0
+        layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
         for body in self.bodies:
             fwd = body.forward_flops() * b / self.tensor
             remat = () if placement is None else [n for n in body.names if placement.get(n) == "remat"]
             rec = body.recompute_flops(remat) * b / self.tensor
             recompute += body.layers * rec
+            layer_fwd += body.layers * fwd / rate
+            layer_bwd += body.layers * (2 * fwd + rec) / rate
             if placement is None or not self.can_offload:
                 continue
             st = self._stack_for[id(body)]
@@ -269,7 +295,13 @@ class CostModel:
             link = moved / self.hw.host_link
             exposed += body.layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
         compute = (model + recompute) / rate
-        t = compute + exposed
+        comm = self.traffic.seconds(b)
+        # XLA's latency-hiding scheduler gathers the next layer's weights (and scatters the last
+        # layer's gradients) behind this layer's compute; tensor all-reduces, all-to-alls and
+        # what runs outside the layer loops wait on their results.
+        hidden = max(0.0, comm["forward"] - layer_fwd) + max(0.0, comm["backward"] - layer_bwd)
+        t = compute + exposed + hidden + comm["exposed"]
+        self.comm[(placement, b, pm, om)] = hidden + comm["exposed"]
         if self.can_offload or self.hw.unified:
             bw = self.hw.host_link if self.hw.host_link > 0 else math.inf
             if pm == "pinned_host":
@@ -428,17 +460,55 @@ def plan(
     compute_dtype: Any = None,
     verify: bool = True,
     margin: float = 0.1,
+    devices: int | None = None,
+    top: int = 5,
 ) -> Plan:
     """The placement map, parameter and optimizer-state memory, and (``batch_size=None``) the
     largest global batch that maximise estimated tokens per second within ``device_budget``
     and ``host_budget`` bytes per device (default: the hardware's HBM and host memory).
 
+    ``devices`` without ``mesh``: the mesh too, searched over zoo's axes
+    (:func:`zoo.plan.search.search`: every mesh of ``devices`` that divides the model, pruned by
+    memory, the ``top`` most promising planned in full); the plan's ``meshes`` hold the table.
     ``hardware``: a name of :data:`zoo.plan.hardware.HARDWARE` (default ``"cpu"``, one memory:
     nothing is offloaded). ``margin``: the fraction of each budget kept free for the
     estimate's own error (10% is the worst measured against XLA:CPU on the test grid). Raises :class:`~zoo.errors.MeshError` for a mesh that does not divide
     the model or the batch, :class:`~zoo.errors.ConfigError` for an unknown hardware name or a
     budget nothing fits (naming the smallest peak found and what dominates it).
     """
+    if devices is not None:
+        from zoo.plan import search
+
+        if not isinstance(devices, int) or devices < 1:
+            raise ConfigError(f"plan: devices must be a positive integer, got {devices!r}")
+        if mesh is None:
+            return search.search(model_or_config, devices=devices, seq_len=seq_len, device_budget=device_budget,
+                                 batch_size=batch_size, host_budget=host_budget, hardware=hardware,
+                                 compute_dtype=compute_dtype, verify=verify, margin=margin, top=top)  # fmt: skip
+        n = math.prod(_mesh_sizes(mesh).values())
+        if n != devices:
+            raise ConfigError(f"plan: mesh {mesh_spec(_mesh_sizes(mesh))} has {n} devices, not devices={devices}")
+    return plan_mesh(model_or_config, seq_len=seq_len, device_budget=device_budget, batch_size=batch_size,
+                     host_budget=host_budget, mesh=mesh, hardware=hardware, compute_dtype=compute_dtype,
+                     verify=verify, margin=margin)  # fmt: skip
+
+
+def plan_mesh(
+    model_or_config: Any,
+    *,
+    seq_len: int,
+    device_budget: int | float | None = None,  # noqa: PYI041
+    batch_size: int | None = None,
+    host_budget: int | float | None = None,  # noqa: PYI041
+    mesh: Any = None,
+    hardware: str | Hardware | None = None,
+    compute_dtype: Any = None,
+    verify: bool = True,
+    margin: float = 0.1,
+    bodies: list[_flops.Body] | None = None,
+) -> Plan:
+    """:func:`plan` on one given mesh; ``bodies``: the layer bodies' FLOP counts, where a
+    search already has them (they depend on the model and the sequence, not the mesh)."""
     hw = lookup(hardware if hardware is not None else "cpu")
     device_budget = float(hw.hbm_bytes if device_budget is None else device_budget)
     host_budget = float(hw.host_bytes if host_budget is None else host_budget)
@@ -458,8 +528,9 @@ def plan(
     # The second point of the line: the requested batch itself, where one is given.
     second = batch_size // shards if batch_size is not None and batch_size > shards else 2
     probe2 = make_step(probe.model, batch_size=second * shards, seq_len=seq_len, placement="remat", mesh=mesh)
-    e2 = _from_step(probe2, unified=hw.unified)
-    cm = CostModel(probe, e1, e2, j1, hw, seq_len, second)
+    j2 = probe2.trace()
+    e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
+    cm = CostModel(probe, e1, e2, j1, hw, seq_len, second, jaxpr2=j2, bodies=bodies)
 
     if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
         raise ConfigError(f"plan: margin is the fraction of each budget kept free, in [0, 1); got {margin!r}")
@@ -487,10 +558,10 @@ def plan(
     candidates = _candidates(cm, fixed_b, device_budget, host_budget, (placement, b, pm, om))
     return Plan(
         placement=placement, batch_size=b * shards, param_memory=pm, opt_memory=om, step_time=t,
-        mfu=flops / (t * hw.peak_flops), tokens_per_s=b * shards * seq_len / t, estimate=est,
+        mfu=flops / (t * cm.peak), tokens_per_s=b * shards * seq_len / t, estimate=est,
         candidates=candidates, hardware=hw, device_budget=device_budget, host_budget=host_budget,
         seq_len=seq_len, mesh=mesh_spec(probe.sizes), offloaded_verified=verified,
-        notes=tuple(n for n in (hw.note,) if n),
+        notes=tuple(n for n in (hw.note,) if n), comm_time=cm.comm[(_Where.of(placement), b, pm, om)],
     )  # fmt: skip
 
 
@@ -515,9 +586,10 @@ def price(
                       compute_dtype=compute_dtype)  # fmt: skip
     j1 = probe.trace()
     e1 = _from_step(probe, unified=hw.unified, jaxpr=j1)
-    e2 = _from_step(make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh),
-                    unified=hw.unified)  # fmt: skip
-    cm = CostModel(probe, e1, e2, j1, hw, seq_len)
+    probe2 = make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh)
+    j2 = probe2.trace()
+    e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
+    cm = CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2)
     from zoo.placement import resolve
 
     b = batch_size // shards
@@ -528,7 +600,7 @@ def price(
         d, h = cm.memory(m, b, param_memory, opt_memory)
         fits = d <= hw.hbm_bytes and h <= hw.host_bytes
         out.append(Candidate(label, m, param_memory, opt_memory, batch_size if fits else None, d, h, t,
-                             flops / (t * hw.peak_flops), batch_size * seq_len / t))  # fmt: skip
+                             flops / (t * cm.peak), batch_size * seq_len / t))  # fmt: skip
     return tuple(out)
 
 
@@ -608,7 +680,7 @@ def _candidates(cm: CostModel, fixed_b, device_budget, host_budget, chosen=None)
     placement, b, pm, om = chosen
     t, flops = cm.time(placement, b, pm, om)
     d, h = cm.memory(placement, b, pm, om)
-    out.append(Candidate("plan", placement, pm, om, b * cm.shards, d, h, t, flops / (t * cm.hw.peak_flops),
+    out.append(Candidate("plan", placement, pm, om, b * cm.shards, d, h, t, flops / (t * cm.peak),
                          b * cm.shards * cm.seq_len / t))  # fmt: skip
     return tuple(out)
 
@@ -635,7 +707,7 @@ def _candidate(cm: CostModel, label: str, m: Any, fixed_b, device_budget, host_b
         fits = b * cm.shards
     t, flops = cm.time(m, b, pm, om)
     d, h = cm.memory(m, b, pm, om)
-    return Candidate(label, m, pm, om, fits, d, h, t, flops / (t * cm.hw.peak_flops), b * cm.shards * cm.seq_len / t)
+    return Candidate(label, m, pm, om, fits, d, h, t, flops / (t * cm.peak), b * cm.shards * cm.seq_len / t)
 
 
 def _largest(cm, m, pm, om, fixed_b, device_budget, host_budget) -> int:

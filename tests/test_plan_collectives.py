@@ -1,0 +1,69 @@
+"""zoo.plan.collectives: the collective bytes of a traced step against what the compiled HLO moves
+(8 simulated CPU devices), and the links a mesh's collectives cross."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zoo import plan, registry
+from zoo.errors import ConfigError
+from zoo.plan import collectives
+from zoo.plan._step import make_step, mesh_sizes
+
+# Buffers under 1 KiB are left out on both sides: the norms' and routers' small gradients, and
+# the update's scalar norms GSPMD adds outside shard_map, which XLA may fold into other groups.
+FLOOR = 1024
+
+CASES = [  # (model type, mesh, the collectives it must have)
+    ("llama", "data=2,fsdp=2,tensor=2", {("all_gather", ("fsdp",)), ("reduce_scatter", ("fsdp",)),
+                                         ("all_reduce", ("tensor",)), ("all_reduce", ("data",))}),
+    ("deepseek_v3", "fsdp=2,expert=4", {("all_to_all", ("expert",)), ("all_gather", ("fsdp",))}),
+    ("llama", "fsdp=4,context=2", {("all_gather", ("context",)), ("reduce_scatter", ("context",))}),
+    ("qwen3_moe", "data=2,tensor=2,expert=2", {("all_to_all", ("expert",)), ("all_reduce", ("tensor",))}),
+]  # fmt: skip
+
+
+def config(model_type: str, name: str = "tiny"):
+    return registry.by_model_type(model_type).config_cls.preset(name, model_type)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_traced_collective_bytes_equal_the_compiled_hlo(case):
+    """FSDP gathers and reduce-scatters, tensor all-reduces, expert all-to-alls, context K/V
+    gathers and the batch axes' gradient all-reduce: per kind and mesh axes, the bytes counted
+    on the traced step (scans times their length) are the bytes XLA's program moves (its while
+    loops times their trip counts)."""
+    model_type, mesh, expected = case
+    step = make_step(config(model_type), batch_size=8, seq_len=64, mesh=mesh, placement="remat")
+    jaxpr, compiled = step.compile()
+    counted = collectives.totals(collectives.traced(jaxpr, step.sizes), floor=FLOOR)
+    hlo = collectives.hlo_traffic(compiled.as_text(), step.sizes, floor=FLOOR)
+    assert expected <= set(counted), (sorted(counted), expected)
+    assert counted == hlo
+
+
+def test_links_follow_the_device_order():
+    """The last mesh axes vary fastest: on 8-GPU HGX nodes tensor=8 stays on NVLink and a data
+    axis over the nodes crosses InfiniBand; on a 72-GPU NVLink domain fsdp=8 after tensor=8
+    (64 devices) stays inside, fsdp=16 (128 devices) crosses."""
+    h100, gb200 = plan.hardware("h100"), plan.hardware("gb200")
+    sizes = mesh_sizes("data=4,tensor=8")
+    assert collectives.link(h100, sizes, ("tensor",)) == h100.domain_link
+    assert collectives.link(h100, sizes, ("data",)) == h100.cross_link
+    assert collectives.link(gb200, mesh_sizes("fsdp=8,tensor=8"), ("fsdp",)) == gb200.domain_link
+    assert collectives.link(gb200, mesh_sizes("fsdp=16,tensor=8"), ("fsdp",)) == gb200.cross_link
+    # An axis whose groups are not aligned with the domains crosses: 9 x 8 = 72 on 8-GPU nodes.
+    assert collectives.crosses(mesh_sizes("data=8,tensor=9"), ("tensor",), 8)
+    assert not collectives.crosses(mesh_sizes("data=9,tensor=8"), ("tensor",), 8)
+    # A ring all-gather moves (n-1)/n of the buffer through each device, an all-reduce twice that.
+    assert collectives.seconds("all_gather", 8e9, 8, 1e9) == pytest.approx(7.0)
+    assert collectives.seconds("all_reduce", 8e9, 8, 1e9) == pytest.approx(14.0)
+
+
+def test_a_hardware_without_link_figures_is_refused():
+    bare = dataclasses.replace(plan.hardware("h100"), name="h100-no-ib", cross_link=0.0)
+    with pytest.raises(ConfigError, match=r"'h100-no-ib' has no link figure across its fast domains \(cross_link"):
+        collectives.link(bare, mesh_sizes("fsdp=16"), ("fsdp",))
+    assert collectives.link(bare, mesh_sizes("fsdp=8"), ("fsdp",)) == bare.domain_link

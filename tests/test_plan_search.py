@@ -1,0 +1,63 @@
+"""zoo.plan.plan(devices=N): the mesh search, its table and its errors (abstract: no arrays)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from zoo import plan, registry
+from zoo.errors import ConfigError, MeshError
+from zoo.plan import search
+
+
+def config(model_type: str, name: str = "small"):
+    return registry.by_model_type(model_type).config_cls.preset(name, model_type)
+
+
+def test_meshes_are_those_the_model_accepts():
+    """validate_mesh is the oracle: 405B's hidden size 16384 and vocabulary 128256 = 2^8 x 501
+    admit fsdp up to 256; no axis takes a factor 9 (72 = 8 x 9 leaves data=9)."""
+    cfg = config("llama", "llama3.1-405b")
+    found = search.meshes(cfg, 72, 8192)
+    assert found and all(m["data"] % 9 == 0 for m in found)
+    assert {"data": 9, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1} in found
+    assert all(m["tensor"] <= 8 for m in search.meshes(cfg, 128, 8192))  # 8 KV heads
+    assert any(m["fsdp"] == 128 for m in search.meshes(cfg, 128, 8192))
+    assert len(search.factorizations(12, 3)) == 18
+
+
+def test_search_plans_the_fastest_mesh_and_lists_the_others():
+    """Llama 3.1 405B on 128 GB200s at 8K tokens: the search prunes the data-parallel meshes by
+    state memory, plans the two best in full and returns the faster (its time: docs/planning.md)."""
+    p = plan.plan(config("llama", "llama3.1-405b"), devices=128, hardware="gb200", seq_len=8192,
+                  compute_dtype=jnp.bfloat16, verify=False, top=2)  # fmt: skip
+    assert p.devices == 128 and p.meshes[0].mesh == p.mesh and p.meshes[0].batch_size == p.batch_size
+    planned = [r for r in p.meshes if r.batch_size]
+    assert len(planned) >= 2 and all(r.tokens_per_s_device <= p.meshes[0].tokens_per_s_device for r in planned)
+    assert any("state" in r.why for r in p.meshes)  # data=16,fsdp=8 holds 756 GiB per device
+    assert p.estimate.device_bytes <= p.device_budget and 0 < p.mfu < 1
+    text = str(p)
+    assert "meshes of 128 devices" in text and "tokens/s per device" in text
+
+
+def test_nothing_fits_on_72_says_why():
+    with pytest.raises(plan.NothingFits, match=r"no mesh of 72 gb200 fits: the smallest state is 756\.0 GiB per "
+                       r"device .* on data=9,fsdp=8.*72 = 8 x 9 and no dimension of the model divides by 9"):  # fmt: skip
+        plan.plan(config("llama", "llama3.1-405b"), devices=72, hardware="gb200", seq_len=8192,
+                  compute_dtype=jnp.bfloat16)  # fmt: skip
+
+
+def test_errors_name_the_culprit():
+    with pytest.raises(MeshError, match=r"context=4 splits the sequence \(axis 1\) into 8 equal chunks"):
+        plan.plan(config("llama"), mesh="context=4", seq_len=60)
+    with pytest.raises(ConfigError, match=r"mesh fsdp=4 has 4 devices, not devices=8"):
+        plan.plan(config("llama"), devices=8, mesh="fsdp=4", seq_len=64)
+    with pytest.raises(ConfigError, match="devices must be a positive integer"):
+        plan.plan(config("llama"), devices=0, seq_len=64)
+
+
+def test_search_on_cpu_picks_a_mesh_that_fits():
+    """On this machine's 8 simulated devices (one memory), a small Llama: the chosen mesh's own
+    plan fits the budget."""
+    p = plan.plan(config("llama"), devices=8, seq_len=128, hardware="cpu", device_budget=0.2 * 2**30)
+    assert p.devices == 8 and p.estimate.device_bytes <= p.device_budget

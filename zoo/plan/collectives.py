@@ -1,0 +1,321 @@
+"""The collectives of a training step: counted on the traced program, priced on the links they cross.
+
+:func:`traced` reads every collective of a traced step (``shard_map``'s explicit ones: FSDP's
+all-gathers and the reduce-scatters autodiff makes of them, tensor all-reduces, expert
+all-to-alls, context gathers, the batch axes' gradient all-reduce) with the per-device bytes
+of its buffer and how often it runs (the product of the scans around it). :func:`hlo_traffic`
+reads the same from a compiled program's HLO text, for the tests to hold the two together.
+
+:func:`link` says which link a collective over some mesh axes crosses: devices are numbered in
+the mesh's axis order (``zoo.parallel.AXES``: data, fsdp, context, tensor, expert; the last
+varies fastest), and a group of devices inside one fast domain (``Hardware.domain``) uses
+``domain_link``, one spanning two uses ``cross_link`` for all its bytes (a ring is as fast as its
+slowest hop). :func:`seconds` prices one collective: a ring all-gather, reduce-scatter or
+all-to-all moves ``(n-1)/n`` of its buffer through each device, an all-reduce twice that.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax._src import core
+
+from zoo.errors import ConfigError
+from zoo.parallel import AXES
+from zoo.plan._liveness import CALLS, _call_jaxpr, _closed, nbytes
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
+_PRIMITIVES = {
+    "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "psum_invariant": "all_reduce",
+    "psum": "all_reduce", "all_to_all": "all_to_all", "ppermute": "permute",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Collectives of one kind over ``axes``: per-device ``nbytes`` of each buffer (the gathered
+    or unscattered side), run ``count`` times a step; ``layer``: inside a scanned layer stack;
+    ``backward``: in a scan that also reduce-scatters (FSDP's backward pass)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: int
+    count: int
+    layer: bool
+    backward: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.nbytes * self.count
+
+
+def _axes(eqn: core.JaxprEqn) -> tuple[str, ...]:
+    names = eqn.params.get("axis_name", eqn.params.get("axes", ()))
+    names = names if isinstance(names, tuple) else (names,)
+    return tuple(a for a in AXES if a in names)
+
+
+def _buffer(kind: str, eqn: core.JaxprEqn) -> int:
+    if kind == "all_gather":
+        return sum(nbytes(v.aval) for v in eqn.outvars)
+    return sum(nbytes(v.aval) for v in eqn.invars if isinstance(v, core.Var))
+
+
+def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
+    """Every collective of a traced step over axes of size > 1, merged by (kind, axes, bytes,
+    scope). Scans multiply what they hold by their length; the outermost is the step's loop over
+    micro-batches, a layer scan one of length > 1 inside it."""
+    found: dict[tuple, int] = {}
+
+    def has_scatter(j: core.Jaxpr) -> bool:
+        for e in j.eqns:
+            if e.primitive.name == "reduce_scatter" and "fsdp" in _axes(e):
+                return True
+            if any(has_scatter(_closed(s)) for s in _subs(e)):
+                return True
+        return False
+
+    def walk(j: core.Jaxpr, times: int, depth: int, layer: bool, backward: bool, inlined: bool) -> None:
+        for e in j.eqns:
+            name = e.primitive.name
+            kind = _PRIMITIVES.get(name)
+            if kind is not None:
+                axes = tuple(a for a in _axes(e) if sizes.get(a, 1) > 1)
+                size = _buffer(kind, e)
+                if inlined and kind == "all_gather" and axes == ("fsdp",):
+                    continue  # the re-gather of a stack XLA inlines is the forward gather, CSE'd
+                if axes and size:
+                    key = (kind, axes, size, layer, backward)
+                    found[key] = found.get(key, 0) + times
+                continue
+            if name == "scan":
+                body = _closed(e.params["jaxpr"])
+                n = e.params["length"]
+                if depth == 0:  # make_train_step's loop over micro-batches
+                    walk(body, times * n, 1, layer, backward, inlined)
+                    continue
+                inner = layer or n > 1
+                back = has_scatter(body)
+                # A stack of one layer is inlined by XLA: its backward pass's FSDP re-gathers
+                # repeat the forward pass's gathers of the same weights, and XLA keeps one.
+                walk(body, times * n, depth + 1, inner, backward or (inner and not layer and back),
+                     inlined or (not inner and back))  # fmt: skip
+                continue
+            for sub in _subs(e):
+                walk(_closed(sub), times, depth, layer, backward, inlined)
+
+    walk(_closed(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr), 1, 0, False, False, False)
+    return [Collective(k, a, s, c, lay, bw) for (k, a, s, lay, bw), c in found.items()]
+
+
+def _subs(eqn: core.JaxprEqn) -> list[Any]:
+    if eqn.primitive.name in CALLS and _call_jaxpr(eqn) is not None:
+        return [_call_jaxpr(eqn)]
+    from zoo.placement import _subjaxprs
+
+    return list(_subjaxprs(eqn))
+
+
+def totals(collectives: list[Collective], floor: int = 0) -> dict[tuple[str, tuple[str, ...]], int]:
+    """Bytes per step by (kind, axes), buffers under ``floor`` bytes left out."""
+    out: dict[tuple[str, tuple[str, ...]], int] = {}
+    for c in collectives:
+        if c.nbytes >= floor:
+            out[(c.kind, c.axes)] = out.get((c.kind, c.axes), 0) + c.total
+    return out
+
+
+# -- the compiled program -----------------------------------------------------------------------
+
+_HLO_KIND = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
+             "all-to-all": "all_to_all", "collective-permute": "permute"}  # fmt: skip
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.-]+ = (.+?) ([a-z][\w-]*)\((.*)$")
+_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _SHAPE.findall(text))
+
+
+def _groups(line: str, n_devices: int) -> list[list[int]]:
+    m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
+    if m:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        dims = [int(x) for x in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    return [list(range(n_devices))]
+
+
+def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tuple[str, tuple[str, ...]], int]:
+    """Per-device bytes per step by (kind, mesh axes) of a compiled SPMD program's collectives
+    (``compiled.as_text()``), each buffer times the trip counts of the ``while`` loops around
+    it; the axes of a group are read off its device ids (numbered in the mesh's axis order).
+    Buffers under ``floor`` bytes are left out; an all-reduce of a tuple counts every element."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(ENTRY\s+)?%([\w.-]+) .*\{\s*$", line)
+        if m and not line.startswith(" "):
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if current is not None and line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            comps[current].append(line)
+    shape = [sizes.get(a, 1) for a in AXES]
+    n = math.prod(shape)
+    out: dict[tuple[str, tuple[str, ...]], int] = {}
+
+    def axes_of(group: list[int]) -> tuple[str, ...]:
+        coords = np.array(np.unravel_index(np.asarray(group), shape))
+        return tuple(a for a, row in zip(AXES, coords) if len(set(row.tolist())) > 1)
+
+    def visit(name: str, times: int) -> None:
+        for line in comps.get(name, []):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            result, op = m.group(1), m.group(2)
+            base = op.removesuffix("-start")
+            if base in _HLO_KIND:
+                kind = _HLO_KIND[base]
+                groups = _groups(line, n)
+                # Sizes from the result: an all-reduce or all-to-all keeps its operand's shape
+                # (a tuple: one buffer per element), a reduce-scatter's operand is its result
+                # times the group.
+                scale = len(groups[0]) if kind == "reduce_scatter" else 1
+                parts = [b * scale for b in map(_shape_bytes, re.findall(r"\w+\[[\d,]*\]", result))]
+                # A combined all-reduce holds separate buffers; an all-to-all's tuple is one
+                # buffer cut in a chunk per peer.
+                size = sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
+                axes = axes_of(groups[0])
+                if axes and size:
+                    out[(kind, axes)] = out.get((kind, axes), 0) + size * times
+                continue
+            if op == "while":
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                body = re.search(r"body=%([\w.-]+)", line)
+                if body:
+                    visit(body.group(1), times * (int(trip.group(1)) if trip else 1))
+                continue
+            for callee in re.findall(r"(?:calls|to_apply|branch_computations)=\{?%([\w.-]+)", line):
+                if op in ("call", "conditional", "async-start"):
+                    visit(callee, times)
+
+    if entry is not None:
+        visit(entry, 1)
+    return out
+
+
+# -- links and prices -------------------------------------------------------------------------
+
+
+def device_ids(sizes: Mapping[str, int]) -> np.ndarray:
+    """Device numbers laid out as the mesh: axis order ``AXES``, the last varying fastest."""
+    return np.arange(math.prod(sizes[a] for a in AXES)).reshape([sizes[a] for a in AXES])
+
+
+def crosses(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> bool:
+    """Whether some group of devices that differ only along ``axes`` spans two fast domains of
+    ``domain`` consecutive devices."""
+    ids = device_ids(sizes)
+    idx = [AXES.index(a) for a in axes]
+    rest = [i for i in range(len(AXES)) if i not in idx]
+    groups = ids.transpose(rest + idx).reshape(-1, math.prod(sizes[a] for a in axes)) // max(domain, 1)
+    return bool((groups != groups[:, :1]).any())
+
+
+def link(hw: Any, sizes: Mapping[str, int], axes: tuple[str, ...]) -> float:
+    """Bytes/s per device per direction a collective over ``axes`` gets on hardware ``hw``; a
+    :class:`ConfigError` where the hardware has no figure for the link it needs."""
+    across = crosses(sizes, axes, hw.domain)
+    bw = hw.cross_link if across else hw.domain_link
+    if bw <= 0:
+        where = "across its fast domains" if across else "within a fast domain"
+        raise ConfigError(
+            f"hardware {hw.name!r} has no link figure {where} ({'cross_link' if across else 'domain_link'} is 0): "
+            f"a collective over {'x'.join(axes)} cannot be priced"
+        )
+    return bw
+
+
+def seconds(kind: str, nbytes: int | float, n: int, bandwidth: int | float) -> float:  # noqa: PYI041
+    """A ring collective's time: ``(n-1)/n`` of the buffer through each device (twice for an
+    all-reduce: reduce-scatter then all-gather); a permute sends its buffer once."""
+    if n <= 1:
+        return 0.0
+    share = 1.0 if kind == "permute" else (n - 1) / n
+    return (2.0 if kind == "all_reduce" else 1.0) * share * nbytes / bandwidth
+
+
+# -- a step's collectives as the planner prices them ------------------------------------------
+
+
+def _weights(c: Collective) -> bool:
+    """FSDP's per-layer weight gathers and gradient reduce-scatters: XLA's latency-hiding
+    scheduler runs them behind the neighbouring layer's compute."""
+    return c.layer and c.axes == ("fsdp",) and c.kind in ("all_gather", "reduce_scatter")
+
+
+@dataclass
+class Traffic:
+    """A step's collectives as lines in the local batch (traced at local batches 1 and ``b2``),
+    priced on ``hw`` for the mesh ``sizes``: seconds of FSDP weight traffic in the forward and
+    the backward layer loops (hidden behind those loops' compute where it fits), and seconds of
+    everything else (tensor all-reduces, all-to-alls, context gathers, the gradient all-reduce
+    over the batch axes, gathers outside the layer loops), exposed."""
+
+    lines: dict[tuple[str, tuple[str, ...], str], tuple[float, float]]  # (kind, axes, scope) -> (a, slope)
+    bandwidth: dict[tuple[str, ...], float]
+    sizes: dict[str, int]
+    prefetch: float  # bytes: one more layer of gathered weights, the scheduler's prefetch buffer
+
+    @classmethod
+    def of(cls, one: list[Collective], two: list[Collective], b2: int, sizes: Mapping[str, int], hw: Any) -> Traffic:
+        def scope(c: Collective) -> str:
+            return ("backward" if c.backward else "forward") if _weights(c) else "exposed"
+
+        def sums(cs: list[Collective]) -> dict:
+            out: dict = {}
+            for c in cs:
+                key = (c.kind, c.axes, scope(c))
+                out[key] = out.get(key, 0.0) + c.total
+            return out
+
+        s1, s2 = sums(one), sums(two)
+        lines = {}
+        for key in set(s1) | set(s2):
+            slope = (s2.get(key, 0.0) - s1.get(key, 0.0)) / max(b2 - 1, 1)
+            lines[key] = (s1.get(key, 0.0) - slope, slope)
+        bandwidth = {axes: link(hw, sizes, axes) for _, axes, _ in lines}
+        per_layer: dict[int, float] = {}
+        for c in one:
+            if _weights(c) and c.kind == "all_gather" and not c.backward:
+                per_layer[c.count] = per_layer.get(c.count, 0.0) + c.nbytes
+        # The scheduler gathers the next layer while this one computes: two layers' weights live.
+        prefetch = 0.0 if hw.unified else max(per_layer.values(), default=0.0)
+        return cls(lines, bandwidth, dict(sizes), prefetch)
+
+    def seconds(self, b: int) -> dict[str, float]:
+        """Seconds per step at local batch ``b``: ``forward`` and ``backward`` weight traffic,
+        ``exposed`` the rest."""
+        out = {"forward": 0.0, "backward": 0.0, "exposed": 0.0}
+        for (kind, axes, where), (a, slope) in self.lines.items():
+            n = math.prod(self.sizes[x] for x in axes)
+            out[where] += seconds(kind, max(a + slope * b, 0.0), n, self.bandwidth[axes])
+        return out

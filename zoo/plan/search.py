@@ -1,0 +1,228 @@
+"""The mesh search: every mesh of a device count over zoo's axes, the most promising planned in full.
+
+1. **Enumerate** every assignment of the device count to ``zoo.parallel.AXES`` that the model
+   accepts (``zoo.parallel.validate_mesh`` is the divisibility oracle: when a layout change
+   lets a dimension split further, the search sees it) and whose context axis cuts the
+   sequence into equal chunks.
+2. **Prune by memory**: the parameters, gradients and AdamW moments per device under the mesh's
+   layout (exact, from the parameter description) must fit the device and host budgets
+   together, the gradients the device alone.
+3. **Rank** by a quick model of the step at one sequence per device (:func:`quick_time`: compute
+   at the hardware's efficiency, FSDP weight traffic beyond it, the gradient all-reduce over the
+   axes that do not split a weight, tensor all-reduces and the all-to-alls' padded buffers, each on
+   its link), then **plan in full** (:func:`zoo.plan.planner.plan_mesh`: traced memory, the map,
+   the batch, collectives counted on the traced step) the ``top`` best, and keep the fastest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+
+from zoo import parallel
+from zoo.errors import ConfigError, MeshError
+from zoo.plan import _flops, collectives
+from zoo.plan._step import abstract_mesh, abstract_model, mesh_spec
+from zoo.plan.hardware import Hardware
+from zoo.plan.hardware import hardware as lookup
+from zoo.registry import family_of
+
+
+@dataclass(frozen=True)
+class MeshRow:
+    """One mesh of the search: its per-device state, the quick model's seconds per sequence and
+    per device, and (planned in full) its best batch and figures; ``why`` where it was dropped."""
+
+    mesh: str
+    state_bytes: float  # parameters + gradients + AdamW moments per device
+    quick: float
+    batch_size: int | None = None
+    device_bytes: float = 0.0
+    host_bytes: float = 0.0
+    step_time: float = 0.0
+    mfu: float = 0.0
+    tokens_per_s_device: float = 0.0
+    placement: str = ""
+    why: str = ""
+
+
+def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Ordered ``k``-tuples of positive integers whose product is ``n``."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
+
+
+def meshes(config: Any, devices: int, seq_len: int) -> list[dict[str, int]]:
+    """Every mesh of ``devices`` that ``config`` accepts (``validate_mesh``) and whose context
+    axis divides the sequence into its ``2 x context`` equal chunks."""
+    out = []
+    for shape in factorizations(devices, len(parallel.AXES)):
+        sizes = dict(zip(parallel.AXES, shape))
+        if seq_len % (2 * sizes["context"]) and sizes["context"] > 1:
+            continue
+        try:
+            parallel.validate_mesh(abstract_mesh(sizes), config)
+        except MeshError:
+            continue
+        out.append(sizes)
+    return out
+
+
+def _state(config: Any, sizes: dict[str, int]) -> tuple[float, float, float]:
+    """(parameter bytes per device, their compute-dtype bytes per layer before the FSDP split,
+    gradient bytes all-reduced over the batch axes that do not split them), float32 parameters."""
+    mesh = abstract_mesh(sizes)
+    rules = type(config).axis_rules
+    params = layer = reduced = 0.0
+    for p in family_of(config).param_specs(config).values():
+        n = math.prod(p.shape(config.sizes))
+        axes = [a for a in parallel.param_axes(p, mesh, rules=rules) if a]
+        split = math.prod(sizes[a] for a in axes)
+        params += 4 * n / split
+        if p.names and p.names[0].startswith("L") and p.names[0] in p.stacked:
+            layer += 2 * n / split * (sizes["fsdp"] if "fsdp" in axes else 1)
+        over = [a for a in ("data", "fsdp", "context", "expert") if sizes[a] > 1 and a not in axes]
+        if over:
+            reduced += 4 * n / split
+    return params, layer, reduced
+
+
+def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, dtype: Any) -> float:
+    """Seconds of one step at one sequence per batch shard, by the quick model (see the module)."""
+    p_bytes, layer_bytes, reduced = _state(config, sizes)
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    devices = math.prod(sizes.values())
+    compute = config.flops_per_token(seq_len) * seq_len * shards / devices * 4 / 3  # full remat: +1 forward
+    compute /= hw.peak_for(dtype) * hw.efficiency
+
+    def t(kind: str, nbytes: int | float, axes: tuple[str, ...]) -> float:  # noqa: PYI041
+        n = math.prod(sizes[a] for a in axes)
+        return collectives.seconds(kind, nbytes, n, collectives.link(hw, sizes, axes)) if n > 1 else 0.0
+
+    fsdp = 3 * t("all_gather", layer_bytes, ("fsdp",))
+    over = tuple(a for a in ("data", "fsdp", "context", "expert") if sizes[a] > 1)
+    grads = t("all_reduce", reduced, over) if over else 0.0
+    d = config.sizes["D"]
+    layers = getattr(config, "num_layers", 1)
+    tokens = seq_len // sizes["context"]
+    item = jnp.dtype(dtype).itemsize
+    tensor = 6 * layers * t("all_reduce", tokens * d * item, ("tensor",))
+    a2a = 0.0
+    k = getattr(config, "num_experts_per_tok", 0) or 0
+    if sizes["expert"] > 1 and k:
+        moe_layers = layers - (getattr(config, "first_k_dense_replace", 0) or 0)
+        a2a = 6 * moe_layers * t("all_to_all", sizes["expert"] * tokens * k * d * item, ("expert",))
+    return compute + max(0.0, fsdp - compute) + grads + tensor + a2a
+
+
+def search(
+    model_or_config: Any, *, devices: int, seq_len: int, hardware: str | Hardware | None, top: int = 5,
+    compute_dtype: Any = None, **plan_kw: Any,
+) -> Any:
+    """The fastest plan over the meshes of ``devices`` (see the module); ``plan_kw``: the
+    budgets, batch, margin and verification of :func:`zoo.plan.plan`. Raises
+    :class:`~zoo.errors.MeshError` naming the dimensions when no mesh of ``devices`` divides
+    the model, and :class:`~zoo.plan.NothingFits` (the table of meshes in its message) when
+    none fits the budgets."""
+    from zoo.plan.planner import NothingFits, plan_mesh
+
+    hw = lookup(hardware if hardware is not None else "cpu")
+    model = abstract_model(model_or_config, compute_dtype)
+    config = model.config
+    dtype = model.compute_dtype
+    found = meshes(config, devices, seq_len)
+    if not found:
+        sizes = {r.field: config.sizes[letter] for letter, r in type(config).axis_rules.items()}
+        raise MeshError(
+            f"no mesh of {devices} devices divides {type(config).__name__} at seq_len {seq_len}: every way of "
+            f"writing {devices} as data x fsdp x context x tensor x expert splits some dimension unevenly "
+            f"({', '.join(f'{k} = {v}' for k, v in sizes.items())}); use a device count these divide"
+        )
+    margin = plan_kw.get("margin", 0.1)
+    budget_d = float(hw.hbm_bytes if plan_kw.get("device_budget") is None else plan_kw["device_budget"]) * (1 - margin)
+    budget_h = 0.0 if hw.unified else float(hw.host_bytes if plan_kw.get("host_budget") is None
+                                            else plan_kw["host_budget"]) * (1 - margin)  # fmt: skip
+    rows: list[MeshRow] = []
+    for sizes in found:
+        p_bytes = _state(config, sizes)[0]
+        state = 4 * p_bytes
+        quick = quick_time(config, sizes, seq_len, hw, dtype)
+        why = ""
+        if p_bytes > budget_d or state > budget_d + budget_h:
+            why = f"state {state / 2**30:.0f} GiB per device"
+        rows.append(MeshRow(mesh_spec(sizes), float(state), float(quick), why=why))
+    # Seconds per token: a step of one sequence per batch shard.
+    def per_token(r: MeshRow) -> float:
+        s = parallel.parse_mesh(r.mesh)
+        return r.quick / (s["data"] * s["fsdp"] * s["expert"])
+
+    live = sorted((r for r in rows if not r.why), key=per_token)
+    bodies = _flops.layer_bodies(model, seq_len)
+    planned, best = [], None
+    for r in live[:top]:
+        try:
+            p = plan_mesh(model, mesh=r.mesh or None, seq_len=seq_len, hardware=hw, bodies=bodies,
+                          **{**plan_kw, "verify": False})  # fmt: skip
+        except NothingFits as e:
+            planned.append(dataclasses.replace(r, why=str(e).split(":")[0] + " (activations)"))
+            continue
+        row = dataclasses.replace(
+            r, batch_size=p.batch_size, device_bytes=float(p.estimate.device_bytes), host_bytes=float(p.estimate.host_bytes),
+            step_time=p.step_time, mfu=p.mfu, tokens_per_s_device=p.tokens_per_s / devices,
+            placement=p.placement.spec(),
+        )  # fmt: skip
+        planned.append(row)
+        if best is None or p.tokens_per_s > best.tokens_per_s:
+            best = p
+    others = [r for r in rows if r not in live[:top]]
+    if best is None:
+        table = mesh_table(planned + sorted(others, key=lambda r: r.state_bytes)[:5])
+        smallest = min(rows, key=lambda r: r.state_bytes)
+        replicas = min(s["data"] for s in found)
+        why = (
+            f"; {devices} = {devices // replicas} x {replicas} and no dimension of the model divides by {replicas}: "
+            f"every mesh keeps {replicas} data-parallel replicas of the state, sharded only {devices // replicas} ways"
+            if replicas > 1 else ""
+        )  # fmt: skip
+        raise NothingFits(
+            f"no mesh of {devices} {hw.name} fits: the smallest state is {smallest.state_bytes / 2**30:.1f} GiB per "
+            f"device (parameters, gradients and AdamW moments on {smallest.mesh or 'one device'}) against "
+            f"{budget_d / 2**30:.1f} GiB device and {budget_h / 2**30:.1f} GiB host usable{why}\n{table}"
+        )
+    if plan_kw.get("verify", True):
+        from zoo.plan.planner import verify_offloads
+
+        best = dataclasses.replace(best, offloaded_verified=verify_offloads(model, best.placement, seq_len)
+                                   if hw.host_link > 0 and not hw.unified else ())  # fmt: skip
+    chosen = next(r for r in planned if r.mesh == best.mesh)
+    ranked = [chosen] + sorted((r for r in planned if r is not chosen), key=lambda r: -r.tokens_per_s_device)
+    return dataclasses.replace(best, meshes=tuple(ranked + sorted(others, key=per_token)))
+
+
+def mesh_table(rows: list[MeshRow] | tuple[MeshRow, ...], limit: int = 12) -> str:
+    """The searched meshes as aligned text: planned ones with their batch, memory, step time,
+    MFU and tokens/s per device; dropped ones with why."""
+    head = (f"{'mesh':<34} {'batch':>6} {'device GiB':>10} {'host GiB':>9} {'step s':>8} {'MFU':>6} "
+            f"{'tok/s/dev':>9}  map / why")  # fmt: skip
+    out = [head, "-" * len(head)]
+    for r in list(rows)[:limit]:
+        if r.batch_size:
+            out.append(f"{r.mesh or 'one device':<34} {r.batch_size:>6} {r.device_bytes / 2**30:>10.1f} "
+                       f"{r.host_bytes / 2**30:>9.1f} {r.step_time:>8.3g} {r.mfu:>6.1%} {r.tokens_per_s_device:>9.4g}"
+                       f"  {_short_map(r.placement)}")  # fmt: skip
+        else:
+            out.append(f"{r.mesh or 'one device':<34} {'-':>6} {'':>10} {'':>9} {'':>8} {'':>6} {'':>9}  "
+                       f"{r.why or 'not planned (quick model ranks it lower)'}")  # fmt: skip
+    if len(rows) > limit:
+        out.append(f"... {len(rows) - limit} more meshes")
+    return "\n".join(out)
+
+
+def _short_map(spec: str) -> str:
+    parts = [p for p in spec.split(",") if not p.endswith("=device")]
+    return ",".join(parts) if parts else "everything on device"
