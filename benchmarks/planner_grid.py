@@ -50,7 +50,9 @@ def subject(family: str, kernel: str | None):
     config = cls.config_cls.preset("small", family)
     if kernel is None:
         return config
-    return plan.abstract_model(config).with_expert_impl(kernel)
+    from zoo.plan._step import abstract_model
+
+    return abstract_model(config).with_expert_impl(kernel)
 
 
 def main() -> None:
