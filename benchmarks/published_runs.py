@@ -32,7 +32,8 @@ def main() -> int:
         table = HARDWARE[hw].efficiency
         print(f"  {hw}: {e:.3f} (zoo.plan.hardware: {table:.3f}{'' if abs(e - table) < 1e-9 else ', differs'})")
     print()
-    print("| run | hardware | mesh | batch/device | seq | map | published tok/s/dev | predicted | ratio | half | zoo fits |")
+    print("| run | hardware | mesh | batch/device | seq | map | published tok/s/dev | predicted | ratio | half "
+          "| zoo fits |")
     print("|---|---|---|---:|---:|---|---:|---:|---:|---|---|")
     held: list[tuple[published.Run, float]] = []
     for run in published.RUNS:
@@ -50,8 +51,9 @@ def main() -> int:
     tpu = [r for r, _ in within if r.hardware in TPU]
     gpu = [r for r, _ in within if r.hardware not in TPU]
     print()
-    print(f"held out within 20%: {len(within)} of {len(held)} (TPU {len(tpu)} of "
-          f"{sum(r.hardware in TPU for r, _ in held)}, GPU {len(gpu)} of {sum(r.hardware not in TPU for r, _ in held)})")
+    n_tpu = sum(r.hardware in TPU for r, _ in held)
+    print(f"held out within 20%: {len(within)} of {len(held)} (TPU {len(tpu)} of {n_tpu}, GPU {len(gpu)} of "
+          f"{len(held) - n_tpu})")
     for r, x in held:
         if abs(x - 1) > 0.2:
             print(f"  miss: {r.name}: ratio {x:.2f}")

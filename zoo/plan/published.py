@@ -111,7 +111,7 @@ RUNS: tuple[Run, ...] = (
     Run("Llama 2 70B, v5p-512", "llama2-70b", "tpu-v5p", 512, "fsdp=512", 4, 4096, "save_dot_except_mlpwi",
         SAVE_DOTS_EXCEPT_MLP_IN, 692.0, f"{_TIERING} (Gold: 65.4% MFU, ~692); config AI-Hypercomputer/maxtext@"
         "92e59fd benchmarks/maxtext_v5p_model_configs.py llama2_70b_v5p_128 (ici_fsdp -1)", CALIBRATION,
-        mfu=0.654, note="MaxText also keeps the MLP down projection's output (mlpwo), which zoo recomputes"),  # fmt: skip
+        mfu=0.654, note="MaxText also keeps the MLP down projection's output (mlpwo): zoo recomputes it"),  # fmt: skip
     Run("Llama 3.1 405B, v5p-1024", "llama3.1-405b", "tpu-v5p", 1024, "fsdp=1024", 2, 8192,
         "custom: offload context, mlpwo; num_vocab_tiling 4", "remat+context=pinned_host", 124.618,
         _RECIPES + "v5p/Llama3.1-405B-MaxText/README.md; config AI-Hypercomputer/maxtext "
@@ -120,7 +120,7 @@ RUNS: tuple[Run, ...] = (
     # -- H100, MaxText (NVIDIA DGX Cloud benchmarking recipes) -----------------------------------------
     Run("Llama 2 70B, 64 H100", "llama2-70b", "h100", 64, "fsdp=64", 2, 4096, "MaxText default (full)", "remat",
         1035.970, _DGXC + "maxtext-llama2-70b-dgxc-benchmarking-c (25.01.1: BF16, FSDP=64, MBS 2, GBS 128)",
-        CALIBRATION, mfu=0.4654, note="the recipe page does not state remat_policy: MaxText's default, full"),  # fmt: skip
+        CALIBRATION, mfu=0.4654, note="the recipe page states no remat_policy: MaxText's default, full"),  # fmt: skip
     Run("Llama 3 70B, 128 H100", "llama3.1-70b", "h100", 128, "fsdp=128", 2, 8192, "MaxText default (full)",
         "remat", 1052.266, _DGXC + "maxtext-llama3-70b-dgxc-benchmarking-d (25.02: BF16, GBS 256) with the "
         "parallelism of -g (25.04.01: ici_fsdp 8, dcn_fsdp 16, per_device_batch_size 2)", HELD_OUT,
