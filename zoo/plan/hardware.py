@@ -15,6 +15,7 @@ device (InfiniBand / RoCE per GPU, TPU DCN per chip) for all of its bytes, as a 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +37,9 @@ class Hardware:
     host_bytes: float  # host memory per device
     source: str
     note: str = ""
-    # Fraction of the peak a training step's matmuls reach: the model's time unit. What is
+    # Fraction of the bf16 peak a training step's matmuls reach: the model's time unit. What is
     # compared (a map against full remat) depends on it only through how much transfer a
-    # layer's compute hides.
+    # layer's compute hides. 0.6 where uncalibrated; CALIBRATED_EFFICIENCY below where fitted.
     efficiency: float = 0.6
     # Host and device are one memory (XLA:CPU): offloading saves nothing.
     unified: bool = False
@@ -177,6 +178,14 @@ HARDWARE: dict[str, Hardware] = {
         ),
     )
 }
+
+
+# bf16 matmul efficiency per hardware, fitted by benchmarks/published_runs.py on the calibration
+# half of zoo.plan.published.RUNS only (MaxText's measured steps; one constant per hardware, none
+# per run) and checked on the held-out half: docs/planning.md, "Against published runs". H200
+# keeps 0.6: no published H200 run was fitted, though it is the same Hopper chip as the H100.
+CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.615, "tpu-v5p": 0.775, "tpu-v6e": 0.505}
+HARDWARE.update({n: dataclasses.replace(HARDWARE[n], efficiency=e) for n, e in CALIBRATED_EFFICIENCY.items()})
 
 
 def hardware(name: str | Hardware) -> Hardware:

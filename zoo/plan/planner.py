@@ -25,6 +25,7 @@ if the estimate disagrees), then by the CUDA export: every offloaded name really
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import math
@@ -311,6 +312,14 @@ class CostModel:
         t += (3 * self.params + 2 * self.opt) / self.hw.hbm_bandwidth
         return t, model
 
+    def with_efficiency(self, efficiency: float) -> CostModel:
+        """This model on the same traces with the hardware's matmul ``efficiency`` replaced
+        (a calibration tries many without tracing again)."""
+        other = copy.copy(self)
+        other.hw = dataclasses.replace(self.hw, efficiency=float(efficiency))
+        other._times, other.comm = {}, {}
+        return other
+
     # -- search ----------------------------------------------------------------------------
     def choices(self, name: str) -> tuple[str, ...]:
         out = [c for c in self.map_cls.choices(name) if c != "pinned_host" or self.can_offload]
@@ -581,15 +590,8 @@ def price(
     global batch: memory per device, step time, MFU, tokens per second; ``batch_size`` of a
     row is ``None`` where it exceeds the hardware's memory. What ``plan`` weighs, for any map."""
     hw = lookup(hardware if hardware is not None else "cpu")
-    shards = _shards(mesh)
-    probe = make_step(model_or_config, batch_size=shards, seq_len=seq_len, placement="remat", mesh=mesh,
-                      compute_dtype=compute_dtype)  # fmt: skip
-    j1 = probe.trace()
-    e1 = _from_step(probe, unified=hw.unified, jaxpr=j1)
-    probe2 = make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh)
-    j2 = probe2.trace()
-    e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
-    cm = CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2)
+    cm = cost_model(model_or_config, seq_len=seq_len, mesh=mesh, hardware=hw, compute_dtype=compute_dtype)
+    probe, shards = cm.base, cm.shards
     from zoo.placement import resolve
 
     b = batch_size // shards
@@ -602,6 +604,24 @@ def price(
         out.append(Candidate(label, m, param_memory, opt_memory, batch_size if fits else None, d, h, t,
                              flops / (t * cm.peak), batch_size * seq_len / t))  # fmt: skip
     return tuple(out)
+
+
+def cost_model(
+    model_or_config: Any, *, seq_len: int, mesh: Any = None, hardware: str | Hardware | None = None,
+    compute_dtype: Any = None,
+) -> CostModel:
+    """The cost model of one model, sequence, mesh and hardware, from the full-remat step traced
+    at local batches 1 and 2: what :func:`price` prices maps with (``zoo.plan.published`` too)."""
+    hw = lookup(hardware if hardware is not None else "cpu")
+    shards = _shards(mesh)
+    probe = make_step(model_or_config, batch_size=shards, seq_len=seq_len, placement="remat", mesh=mesh,
+                      compute_dtype=compute_dtype)  # fmt: skip
+    j1 = probe.trace()
+    e1 = _from_step(probe, unified=hw.unified, jaxpr=j1)
+    probe2 = make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh)
+    j2 = probe2.trace()
+    e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
+    return CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2)
 
 
 def _shards(mesh: Any) -> int:
