@@ -237,16 +237,13 @@ def test_meshes_that_cannot_work_are_refused_naming_what_would():
 
 
 def test_the_planner_prices_published_meshes_that_do_not_divide_the_vocabulary():
-    """Llama 3.1 405B and DeepSeek-V3 671B on fsdp=512 (MaxText's published v6e runs), traced in
-    seconds. MaxText's 405B run (8K tokens, one sequence per chip, layer inputs offloaded) fits a
+    """Llama 3.1 405B and DeepSeek-V3 671B on fsdp=512 (MaxText's published v6e runs), traced
+    from shapes (seconds each: docs/parallelism.md). MaxText's 405B run (8K tokens, one sequence per chip, layer inputs offloaded) fits a
     v6e's 32 GB with the head streamed: its own peak is under a GiB (gathered whole, the
     [128256, 16384] head and its gradient were 27.5 GiB of it)."""
-    import time
-
     from zoo import plan
     from zoo.deepseek_v3 import preset as deepseek
 
-    start = time.perf_counter()
     est = plan.estimate(llama_preset("llama3.1-405b"), batch_size=512, seq_len=8192, mesh="fsdp=512",
                         compute_dtype="bfloat16", placement="remat+layer_input=pinned_host")  # fmt: skip
     assert est.device_bytes < 32e9 and est.loss < 2**30, est
@@ -256,7 +253,6 @@ def test_the_planner_prices_published_meshes_that_do_not_divide_the_vocabulary()
     big = plan.estimate(deepseek("deepseek-v3-671b"), batch_size=512, seq_len=8192, mesh="fsdp=512",
                         compute_dtype="bfloat16", placement="remat+layer_input=pinned_host")  # fmt: skip
     assert big.loss < 2**30
-    assert time.perf_counter() - start < 120
 
 
 def test_a_padded_run_trains_resumes_and_loads_unpadded(tmp_path):
