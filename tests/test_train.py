@@ -349,8 +349,8 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_resumed(corpus, finish
     _, rest = ztrain.train(zoo.Llama(preset("tiny"), key=jr.key(0)), corpus, _cfg(), run_dir=run, resume=True)
     err = capsys.readouterr().err
     assert f"checkpoint step 6 ({run / 'checkpoints' / '6'}) is damaged: " in err and "falling back to step 3" in err
-    if how == "one bit flipped":
-        assert "does not match the checksum saved with it" in err
+    if how == "one bit flipped":  # the checksums catch it; where the bit lands in bytes orbax decodes, orbax does first
+        assert "does not match the checksum saved with it" in err or "it does not restore" in err
     assert (run / "damaged-checkpoints" / "6" / "default").is_dir()  # kept, out of the way of the new step 6
     assert [r["step"] for r in rest] == [4, 5, 6]
     full = [r["loss"] for r in finished_run[1] if "loss" in r]
