@@ -12,7 +12,6 @@ at a given efficiency (``benchmarks/published_runs.py`` prints the table; ``docs
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -137,16 +136,19 @@ RUNS: tuple[Run, ...] = (
 
 
 def config(run: Run) -> Any:
-    """The zoo model config of ``run.model``."""
-    if run.model == "llama2-70b":
-        from zoo.llama import LlamaConfig
+    """The zoo model config of ``run.model``, through the registry (the planner knows no family)."""
+    from zoo import registry
 
-        return LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                           num_kv_heads=8, head_dim=128)  # fmt: skip
-    for family in ("llama", "deepseek_v3", "qwen3"):
-        presets = importlib.import_module(f"zoo.{family}").PRESETS
-        if run.model in presets:
-            return presets[run.model]
+    if run.model == "llama2-70b":
+        return registry.by_model_type("llama").config_cls(
+            vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+            head_dim=128,
+        )  # fmt: skip
+    for model_type in ("llama", "deepseek_v3", "qwen3", "qwen3_moe"):
+        try:
+            return registry.by_model_type(model_type).config_cls.preset(run.model, model_type)
+        except ConfigError:
+            continue
     raise ConfigError(f"published run {run.name!r}: unknown model {run.model!r}")
 
 
