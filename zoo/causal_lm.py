@@ -33,7 +33,8 @@ class AxisRule:
         (``{E}`` in the checkpoint key): experts are split, the router's expert scores are not.
     pad: a size the mesh axis does not divide is padded with zeros to its next multiple, which
         must leave the model's function unchanged: the vocabulary (padded logits are never
-        predicted) and an MLP's hidden units (a zero unit adds nothing and gets no gradient).
+        predicted), an MLP's hidden units (a zero unit adds nothing and gets no gradient) and
+        a pipelined stack's layers (a padding layer is skipped: :mod:`zoo.pipeline`).
         Never a dimension that a norm or a softmax runs over, nor heads or experts.
     """
 

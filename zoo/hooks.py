@@ -54,12 +54,29 @@ class VocabSplit:
     vocab_size: int
 
 
+PIPELINE = "pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSplit:
+    """How the step pipelines the layer stacks: ``stages`` devices on the ``"pipeline"`` axis,
+    each holding a contiguous block of every pipelined stack's layers (padding last), and
+    ``microbatches`` micro-batches of each device's rows passed stage to stage
+    (:mod:`zoo.pipeline`). ``layers``: per pipelined stack (by its tree structure), its real
+    layer count (layers past it are padding, skipped)."""
+
+    stages: int
+    microbatches: int
+    layers: dict[Any, int]
+
+
 @dataclasses.dataclass
 class _Step:
     mesh: AnyMesh
     plans: dict[Any, Any]  # layer treedef -> per-leaf dims to all-gather over "fsdp"
     gathered: set[Any]
     vocab: VocabSplit | None = None
+    pipeline: PipelineSplit | None = None
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
@@ -248,16 +265,28 @@ def vocab_split() -> VocabSplit | None:
     return None if step is None else step.vocab
 
 
+def pipeline_of(stacked: PyTree) -> tuple[PipelineSplit, int] | None:
+    """``(split, real layer count)`` where ``stacked`` is a layer stack the current step
+    pipelines over ``"pipeline"``; ``None`` otherwise (outside the step, or a stack kept whole)."""
+    step = _STEP.get()
+    if step is None or step.pipeline is None:
+        return None
+    n = step.pipeline.layers.get(jax.tree.structure(stacked))
+    return None if n is None else (step.pipeline, n)
+
+
 def current_step() -> _Step | None:
     """The step being traced (mesh and FSDP plans), or ``None`` outside it."""
     return _STEP.get()
 
 
 @contextlib.contextmanager
-def step_context(mesh: AnyMesh, plans: dict[Any, Any], vocab: VocabSplit | None = None) -> Iterator[_Step]:
-    """Trace the model inside the parallel step: the hooks see ``mesh``, the FSDP ``plans`` and
-    how the vocabulary is split."""
-    ctx = _Step(mesh, plans, set(), vocab)
+def step_context(
+    mesh: AnyMesh, plans: dict[Any, Any], vocab: VocabSplit | None = None, pipeline: PipelineSplit | None = None
+) -> Iterator[_Step]:
+    """Trace the model inside the parallel step: the hooks see ``mesh``, the FSDP ``plans``, how
+    the vocabulary is split and how the layer stacks are pipelined."""
+    ctx = _Step(mesh, plans, set(), vocab, pipeline)
     token = _STEP.set(ctx)
     try:
         yield ctx
@@ -277,7 +306,7 @@ def psum_varying(x, axes: Sequence[str]):
 
 __all__ = [
     "CONTEXT", "GATHERED", "axis_size", "context_gather", "context_order", "context_positions", "context_size", "context_sum",
-    "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
+    "current_step", "gather_fsdp", "PIPELINE", "PipelineSplit", "pipeline_of", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
     "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like", "varying_over", "VocabSplit",
     "vocab_split",
 ]  # fmt: skip

@@ -1,6 +1,6 @@
-"""Data, FSDP, tensor, expert and context parallelism: one device mesh, one ``jax.shard_map`` step.
+"""Pipeline, data, FSDP, tensor, expert and context parallelism: one device mesh, one ``jax.shard_map`` step.
 
-The mesh always has the five axes of :data:`AXES` (size 1 when unused). Where each parameter
+The mesh always has the six axes of :data:`AXES` (size 1 when unused). Where each parameter
 lives is *derived* from the model's own parameter description (:mod:`zoo.params`): every
 dimension letter of a :class:`~zoo.params.Param` maps to at most one mesh axis by its family's
 ``config.axis_rules`` (:class:`zoo.causal_lm.AxisRule`), so a new model gets its layout from
@@ -34,7 +34,9 @@ from zoo.causal_lm import VOCAB
 from zoo.hooks import (
     CONTEXT,
     GATHERED,
+    PIPELINE,
     AnyMesh,
+    PipelineSplit,
     VocabSplit,
     context_order,
     gather_fsdp,
@@ -52,8 +54,10 @@ from zoo.layers.moe import routed_experts
 from zoo.registry import family_of, is_model
 
 # "context" splits the sequence (the batch arrays' second axis), in Llama 3's balanced order
-# (zoo.hooks.context_order); attention gathers keys and values over it.
-AXES: tuple[str, ...] = ("data", "fsdp", "context", "tensor", "expert")
+# (zoo.hooks.context_order); attention gathers keys and values over it. "pipeline" splits the
+# layer stacks into stages (zoo.pipeline); first, so it varies slowest over the devices: its
+# point-to-point traffic is the least of any axis and the one to put across slow links.
+AXES: tuple[str, ...] = (PIPELINE, "data", "fsdp", "context", "tensor", "expert")
 # The expert group splits the batch too: its devices would otherwise repeat the same attention
 # and dense work on the same tokens; the MoE layers then move tokens by all-to-all.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
@@ -99,7 +103,7 @@ def _check_axis(name: str, where: str) -> None:
 
 
 def make_mesh(spec: str | Mapping[str, int], *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with the five axes of :data:`AXES`, in that order, over ``devices`` (default all).
+    """A mesh with the six axes of :data:`AXES`, in that order, over ``devices`` (default all).
 
     The axis sizes must multiply to the device count: a silently idle device is a bug.
     Axis types are ``Auto`` so jitted code outside the step may still reshard freely.
@@ -373,9 +377,9 @@ def validate_mesh(mesh: AnyMesh, config: Any) -> None:
                 f"{letter} is not padded: that would change the model's function)"
             )
     used = {axis for _, axis in split}
-    for axis in ("tensor", "expert"):
+    for axis in ("tensor", "expert", PIPELINE):
         if _size(mesh, axis) > 1 and axis not in used:
-            what = "experts" if axis == "expert" else "heads or hidden units"
+            what = {"expert": "experts", "tensor": "heads or hidden units", PIPELINE: "layer stack"}[axis]
             raise MeshError(
                 f"mesh axis {axis!r} has size {_size(mesh, axis)} but {name} has no {what} to split over it; "
                 "every device on it would repeat the same work (use data or fsdp instead)"
@@ -415,6 +419,27 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
             plans[jax.tree.structure(sub)] = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
     rest = map_params(lambda path, x: () if stacks[path.split(".")[0]] else dims(path, 0), model)
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
+
+
+def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None) -> PipelineSplit | None:
+    """How the step pipelines ``model``'s layer stacks on ``mesh`` (``None`` without a
+    ``pipeline`` axis): every stack whose layer letter the family maps to ``pipeline``, with its
+    real layer count, and ``microbatches`` (default: one per stage, the fewest that fill it)."""
+    stages = _size(mesh, PIPELINE)
+    if stages == 1:
+        return None
+    specs, rules = _model_specs(model), _rules(model)
+    sizes = model.config.sizes
+    layers = {}
+    for root in dict.fromkeys(path.split(".")[0] for path, p in specs.items() if _is_layer_stack(p)):
+        sub = getattr(model, root, None)
+        stack = [p for path, p in specs.items() if path.split(".")[0] == root]
+        if sub is not None and all(param_axes(p, mesh, rules=rules)[0] == PIPELINE for p in stack):
+            layers[jax.tree.structure(sub)] = sizes[stack[0].names[0]]
+    m = stages if microbatches is None else microbatches
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise MeshError(f"value_and_grad: microbatches must be a positive integer, got {microbatches!r}")
+    return PipelineSplit(stages, m, layers)
 
 
 def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
@@ -462,6 +487,7 @@ def value_and_grad(
     *,
     has_aux: bool = False,
     batch_axes: Sequence[str] = BATCH_AXES,
+    microbatches: int | None = None,
 ) -> Callable[..., Any]:
     """``f(model, *batch, **static) -> (loss[, aux]), grads`` computed under ``jax.shard_map``.
 
@@ -478,6 +504,10 @@ def value_and_grad(
     (the router bias) get zero gradients. Keyword arguments are passed to ``loss_fn``: arrays
     (``positions=``, ``segment_ids=``, ``loss_mask=``) split like the batch, anything else (``placement=``)
     as a static value. The returned function is jitted with ``eqx.filter_jit``.
+
+    With a ``pipeline`` axis the layer stacks run as stages on it (:mod:`zoo.pipeline`): each
+    device's rows are cut into ``microbatches`` micro-batches (default: the stage count) that
+    flow through the stages; the rows are not split over ``pipeline``.
     """
     batch_axes = tuple(batch_axes)
     for a in batch_axes:
@@ -507,9 +537,10 @@ def value_and_grad(
 
         vary = tuple(dict.fromkeys(a for a in (*axes, CONTEXT) if _size(mesh, a) > 1))
         split = vocab_split_of(model, mesh)
+        pipelined = pipeline_split_of(model, mesh, microbatches)
 
         def body(params, local_arrays, *local_batch):
-            with step_context(mesh, plans, split) as ctx:
+            with step_context(mesh, plans, split, pipelined) as ctx:
 
                 def objective(p):
                     leaves, treedef = jax.tree.flatten(p)

@@ -7,32 +7,42 @@ from typing import Any, TypeVar
 
 import jax
 
-from zoo.hooks import remat_policy
+from zoo.hooks import pipeline_of, remat_policy
 
 Carry = TypeVar("Carry")
 LAYER_SCOPE = "decoder_layer"  # the named scope of every scanned layer's ops (zoo.train.trace_report reads it)
 
 
 def scan_layers(
-    body: Callable[[Carry, Any], tuple[Carry, Any]],
+    body: Callable[..., tuple[Carry, Any]],
     carry: Carry,
     stacked: Any,
     *,
     policy: Callable[..., Any] | None = None,
+    rows: Any = None,
 ) -> tuple[Carry, Any]:
-    """``body(carry, layer) -> (carry, out)`` for each layer slice of ``stacked`` (leading axis L).
+    """``body(carry, layer) -> (carry, out)`` for each layer slice of ``stacked`` (leading axis L);
+    with ``rows``, ``body(carry, layer, rows)``.
 
     ``policy``: a ``jax.checkpoint`` policy for the layer body (from a placement map), or
     ``None`` to keep every intermediate on device. Returns the last carry and the stacked outs.
+    ``rows``: the per-row inputs every layer reads (RoPE tables, segment ids), each leading
+    with the batch rows like the carry: inside a step that pipelines this stack
+    (:mod:`zoo.pipeline`) they are cut into micro-batches with it, which a value the body
+    closes over could not be.
     The body runs under ``jax.named_scope(LAYER_SCOPE)``: its ops' names carry it, so a profile
     (XProf, Nsight Systems, ``recipes/profile.py``) shows the layers' forward and backward as
     such (one scope for every layer: the scan compiles one body for all of them).
     """
     policy = remat_policy(policy)  # inside zoo.parallel's step: FSDP re-gathers instead of saving
 
-    def scoped(c: Carry, layer: Any) -> tuple[Carry, Any]:
+    def scoped(c: Carry, layer: Any, r: Any) -> tuple[Carry, Any]:
         with jax.named_scope(LAYER_SCOPE):
-            return body(c, layer)
+            return body(c, layer) if rows is None else body(c, layer, r)
 
     fn = scoped if policy is None else jax.checkpoint(scoped, policy=policy, prevent_cse=False)
-    return jax.lax.scan(fn, carry, stacked)
+    if (pipelined := pipeline_of(stacked)) is not None:
+        from zoo.pipeline import pipelined_scan
+
+        return pipelined_scan(fn, carry, stacked, rows, *pipelined)
+    return jax.lax.scan(lambda c, layer: fn(c, layer, rows), carry, stacked)

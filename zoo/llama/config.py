@@ -22,6 +22,7 @@ LLAMA_AXES: dict[str, AxisRule] = {
     "F": AxisRule("tensor", "intermediate_size", pad=True),
     "D": AxisRule("fsdp", "hidden_size"),
     "V": AxisRule("fsdp", "vocab_size", pad=True),
+    "L": AxisRule("pipeline", "num_layers", pad=True),
 }
 
 

@@ -184,13 +184,14 @@ class Llama(CausalLM):
         cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
         x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
 
-        def body(h, layer):
+        def body(h, layer, rows):
             layer = gather_layer(jax.tree.map(lambda w: w.astype(dtype), layer))
-            h = llama_layer(config, layer, h, cos, sin, segment_ids)
+            h = llama_layer(config, layer, h, *rows)
             return h, (h if return_hidden else None)
 
         x0 = x
-        x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self))
+        rows = (cos, sin, segment_ids)
+        x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self), rows=rows)
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
         logits = unembed(x, self.unembedding(), vocab_size=config.vocab_size) if head else x
         hidden = None

@@ -22,6 +22,9 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 256
     grad_accum: int = 1
+    # With a pipeline mesh axis: micro-batches each device's rows flow through the stages in
+    # (zoo.pipeline; None: one per stage). Not gradient accumulation, which grad_accum is.
+    microbatches: int | None = None
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
@@ -46,6 +49,8 @@ class TrainConfig:
                      "keep_checkpoints"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (a next-token loss predicts position t+1 from t), got {self.seq_len}")
         for name in ("lr", "clip"):

@@ -71,7 +71,7 @@ def make_train_step(
     if mesh is not None and mesh.size > 1:
         from zoo import parallel
 
-        grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True)
+        grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True, microbatches=cfg.microbatches)
     else:
         grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
 

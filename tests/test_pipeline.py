@@ -1,0 +1,96 @@
+"""Pipeline parallelism (zoo.pipeline): the layer stack in stages over the ``pipeline`` mesh
+axis, micro-batches passed between stages; loss and every gradient equal one device's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.random as jr
+import numpy as np
+import pytest
+
+import zoo
+from zoo import parallel
+from zoo.errors import MeshError
+from zoo.llama import preset
+from zoo.params import flatten
+from zoo.pipeline import bubble
+from zoo.plan import collectives
+
+
+def _loss(model, ids, **kw):
+    return zoo.lm_loss(model, ids, **kw)
+
+
+def _llama(layers: int, tied: bool = False) -> zoo.Llama:
+    config = dataclasses.replace(preset("tiny"), num_layers=layers, tie_word_embeddings=tied)
+    return zoo.Llama(config, key=jr.key(0))
+
+
+def _check(model, mesh, ids, microbatches, **kw):
+    ref_loss, ref_grads = eqx.filter_value_and_grad(_loss)(model, ids, **kw)
+    step = parallel.value_and_grad(_loss, mesh, microbatches=microbatches)
+    sharded = parallel.shard(model, mesh)
+    loss, grads = step(sharded, ids, **kw)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    got, want, padded = flatten(parallel.unpad(grads)), flatten(ref_grads), flatten(grads)
+    assert set(got) == set(want)
+    for path, r in want.items():
+        r = np.asarray(r)
+        np.testing.assert_allclose(np.asarray(got[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
+    for path, g in padded.items():  # padding layers get exactly zero gradient
+        if path.startswith("layers."):
+            assert not np.any(np.asarray(g)[model.config.num_layers :]), path
+    return sharded
+
+
+@pytest.mark.parametrize(
+    "spec, layers, tied",
+    [("pipeline=2,fsdp=4", 3, False), ("pipeline=4,fsdp=2", 6, True), ("pipeline=2,tensor=2,fsdp=2", 4, False)],
+)
+def test_pipelined_step_equals_one_device(spec, layers, tied):
+    """Layer counts that do not divide the stages (3 on 2, 6 on 4) are padded with zero layers
+    that are skipped; tied and untied heads; 4 micro-batches."""
+    model = _llama(layers, tied)
+    mesh = parallel.make_mesh(spec)
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    sharded = _check(model, mesh, ids, 4)
+    stages = mesh.shape["pipeline"]
+    per_stage = -(-layers // stages)
+    wq = sharded.layers.attn.wq
+    assert wq.shape[0] == per_stage * stages
+    assert {s.data.shape[0] for s in wq.addressable_shards} == {per_stage}  # each device: its stage's layers
+
+
+def test_packed_rows_pipelined():
+    model = _llama(4)
+    mesh = parallel.make_mesh("pipeline=2,fsdp=4")
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    segments = (np.arange(16)[None, :] >= np.array([5, 9, 12, 16] * 4)[:, None]).astype(np.int32)
+    positions = np.where(segments == 0, np.arange(16), np.arange(16) - np.array([5, 9, 12, 16] * 4)[:, None])
+    _check(model, mesh, ids, 2, segment_ids=jax.numpy.asarray(segments), positions=jax.numpy.asarray(positions))
+
+
+def test_the_schedule_passes_activations_point_to_point():
+    """The compiled step moves activations by collective-permute, and never all-gathers the layer
+    stack over the pipeline axis."""
+    model = _llama(4)
+    mesh = parallel.make_mesh("pipeline=4,fsdp=2")
+    ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size)
+    step = parallel.value_and_grad(_loss, mesh, microbatches=4)
+    hlo = jax.jit(step).lower(parallel.shard(model, mesh), ids).compile().as_text()
+    assert "collective-permute" in hlo
+    traffic = collectives.hlo_traffic(hlo, dict(mesh.shape))
+    assert ("all_gather", ("fsdp",)) in traffic  # the layers' FSDP gathers, within a stage
+    assert not [key for key in traffic if key[0] == "all_gather" and "pipeline" in key[1]], traffic
+    assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(4, 16) == pytest.approx(3 / 19)
+
+
+def test_microbatches_that_do_not_divide_the_rows_are_named():
+    model = _llama(2)
+    mesh = parallel.make_mesh("pipeline=2,fsdp=4")
+    ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size)
+    with pytest.raises(MeshError, match=r"microbatches=4 must divide each device's 2 rows"):
+        parallel.value_and_grad(_loss, mesh, microbatches=4)(parallel.shard(model, mesh), ids)
