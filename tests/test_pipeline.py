@@ -94,3 +94,61 @@ def test_microbatches_that_do_not_divide_the_rows_are_named():
     ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size)
     with pytest.raises(MeshError, match=r"microbatches=4 must divide each device's 2 rows"):
         parallel.value_and_grad(_loss, mesh, microbatches=4)(parallel.shard(model, mesh), ids)
+
+
+# -- MoE families: router statistics as per-layer outputs of a pipelined stack ------------
+
+
+def _family_loss(model, ids, **kw):
+    """The family's training objective with its metrics (loss parts, expert load)."""
+    if isinstance(model, zoo.DeepseekV3):
+        from zoo.deepseek_v3 import deepseek_v3_loss
+
+        total, metrics = deepseek_v3_loss(model, ids, **kw)
+        return total, metrics._asdict()
+    return model.loss(ids, **kw)
+
+
+def _check_with_aux(model, mesh, ids, microbatches, stacks):
+    """Loss, every metric (integers exactly) and every gradient equal one device's; the padding
+    layers of the pipelined ``stacks`` (``{root: real layer count}``) get zero gradient."""
+    (ref_loss, ref_aux), ref_grads = eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids)
+    step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches)
+    sharded = parallel.shard(model, mesh)
+    (loss, aux), grads = step(sharded, ids)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert set(aux) == set(ref_aux)
+    for name, want in ref_aux.items():
+        got, want = np.asarray(aux[name]), np.asarray(want)
+        assert got.shape == want.shape, name
+        if np.issubdtype(want.dtype, np.integer):  # expert load: counts, exactly
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)
+    got, want, padded = flatten(parallel.unpad(grads)), flatten(ref_grads), flatten(grads)
+    assert set(got) == set(want)
+    for path, r in want.items():
+        r = np.asarray(r)
+        np.testing.assert_allclose(np.asarray(got[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
+    for root, n in stacks.items():
+        leaves = [g for path, g in padded.items() if path.startswith(f"{root}.")]
+        assert leaves and {g.shape[0] for g in leaves} == {-(-n // mesh.shape["pipeline"]) * mesh.shape["pipeline"]}
+        for g in leaves:
+            assert not np.any(np.asarray(g)[n:])
+    return aux
+
+
+def test_deepseek_v3_pipelined_equals_one_device():
+    """The MoE stack (3 layers on 2 stages: one padding layer) pipelined, the dense first layer
+    and the MTP block on every stage; the balance loss (a mean over sequences, averaged over
+    micro-batches) and the per-layer expert load (summed) equal one device's."""
+    from zoo.deepseek_v3 import preset as deepseek_preset
+
+    model = zoo.DeepseekV3(deepseek_preset("tiny", num_layers=4, mtp=True), key=jr.key(0))
+    mesh = parallel.make_mesh("pipeline=2,expert=4")
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    aux = _check_with_aux(model, mesh, ids, 2, {"moe_layers": 3})
+    assert np.asarray(aux["expert_load"]).shape == (3, model.config.n_routed_experts)
+    sharded = parallel.shard(model, mesh)
+    assert sharded.moe_layers.attn.wkv_a.sharding.spec[0] == "pipeline"
+    assert sharded.dense_layers.attn.wkv_a.sharding.spec[0] is None  # kept whole on every stage

@@ -52,6 +52,24 @@ def _typed_like(x: jax.Array, axes: frozenset[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+COMBINE = ("sum", "mean", "rows")
+
+
+def _combine_kinds(combine: PyTree, outs: PyTree) -> PyTree:
+    """Per leaf of the per-layer outputs, how its micro-batches' values combine: ``combine``
+    broadcast over ``outs`` (a prefix of it), or by dtype where ``None``: integer leaves
+    (counts) summed, floating leaves (means over equal-size micro-batches) averaged."""
+    if combine is None:
+        return jax.tree.map(lambda x: "sum" if jnp.issubdtype(x.dtype, jnp.integer) else "mean", outs)
+
+    def spread(kind, sub):
+        if kind not in COMBINE:
+            raise MeshError(f"pipeline: combine must name one of {COMBINE} per output, got {kind!r}")
+        return jax.tree.map(lambda _: kind, sub)
+
+    return jax.tree.map(spread, combine, outs)
+
+
 def pipelined_scan(
     layer_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
     carry: PyTree,
@@ -59,13 +77,21 @@ def pipelined_scan(
     rows: PyTree,
     split: PipelineSplit,
     n_layers: int,
-) -> tuple[PyTree, None]:
-    """``layer_fn(carry, layer, rows) -> (carry, None)`` over every layer of a pipelined stack,
-    this device holding ``stacked``'s block of it; returns the whole stack's output carry (on
-    every stage) and ``None`` (per-layer outputs are not gathered across stages).
+    combine: PyTree = None,
+) -> tuple[PyTree, PyTree]:
+    """``layer_fn(carry, layer, rows) -> (carry, out)`` over every layer of a pipelined stack,
+    this device holding ``stacked``'s block of it; returns the whole stack's output carry and
+    its per-layer outputs stacked over the ``n_layers`` real layers, both on every stage, as
+    ``jax.lax.scan`` over the whole stack on one device would.
 
     ``carry`` (the residual stream) and ``rows`` (per-row inputs: RoPE tables, segment ids) lead
-    with the device's rows, which ``split.microbatches`` must divide."""
+    with the device's rows, which ``split.microbatches`` must divide. (A quantity summed over
+    the rows is a per-layer output with ``combine="sum"``, not a carry.) Each per-layer output
+    is combined over the micro-batches as ``combine`` says, per leaf (a prefix of ``out``):
+    ``"sum"`` (counts, sums over rows), ``"mean"`` (means over the rows: exact, the micro-batches
+    are equal in size), ``"rows"`` (the leaf leads with the micro-batch's rows: concatenated
+    back); ``None``: integer leaves summed, floating leaves averaged. Padding layers' outputs
+    are zeros and cut off."""
     stages, m = split.stages, split.microbatches
     leaves = jax.tree.leaves(carry)
     if not leaves:
@@ -86,12 +112,10 @@ def pipelined_scan(
         def one(c, layer_i):
             layer, i = layer_i
             new, out = layer_fn(c, layer, r)
-            if out is not None:
-                raise MeshError("pipeline: a pipelined stack's layers must return no per-layer outputs yet")
             real = stage * per_stage + i < n_layers
-            return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), None
+            return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
-        return jax.lax.scan(one, c, (stacked, jnp.arange(per_stage)))[0]
+        return jax.lax.scan(one, c, (stacked, jnp.arange(per_stage)))
 
     # The hand-over buffer and the last stage's outputs vary over the pipeline axis (ppermute
     # and the stage index make them differ) as well as over whatever the rows vary over.
@@ -107,15 +131,43 @@ def pipelined_scan(
         at = jnp.clip(mb, 0, m - 1)
         fed = jax.tree.map(lambda x: x[jnp.clip(t, 0, m - 1)], micro)
         inputs = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), fed, received)
-        y = stage_layers(inputs, jax.tree.map(lambda x: x[at], micro_rows))
+        y, outs = stage_layers(inputs, jax.tree.map(lambda x: x[at], micro_rows))
         keep = active & (stage == stages - 1)
         outputs = jax.tree.map(
             lambda o, v: jax.lax.dynamic_update_index_in_dim(o, jnp.where(keep, v, o[at]), at, 0), outputs, y
         )
         sent = jax.tree.map(lambda v: jax.lax.ppermute(v, PIPELINE, forward), y)
-        return (sent, outputs), None
+        return (sent, outputs), outs
 
-    (_, outputs), _ = jax.lax.scan(tick, (first, outputs), jnp.arange(m + stages - 1))
+    (_, outputs), per_tick = jax.lax.scan(tick, (first, outputs), jnp.arange(m + stages - 1))
     last = stage == stages - 1
     whole = jax.tree.map(lambda o: jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), PIPELINE), outputs)
-    return jax.tree.map(lambda o: o.reshape(n_rows, *o.shape[2:]), whole), None
+    carry_out = jax.tree.map(lambda o: o.reshape(n_rows, *o.shape[2:]), whole)
+    return carry_out, _gather_outputs(per_tick, _combine_kinds(combine, per_tick), stage, split, per_stage, n_layers)
+
+
+def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit, per_stage: int, n_layers: int):
+    """The per-layer outputs of every stage's layers, ``[n_layers, ...]`` on every stage, from
+    this stage's per-tick outputs ``[ticks, per_stage, ...]``: stage ``s`` worked on micro-batch
+    ``j`` at tick ``s + j``; padding layers' outputs zeroed and cut off."""
+    stages, m = split.stages, split.microbatches
+    real = stage * per_stage + jnp.arange(per_stage) < n_layers
+    mine = jnp.arange(stages) == stage
+
+    def one(y, kind):
+        y = jax.lax.dynamic_slice_in_dim(y, stage, m, axis=0)  # [m, per_stage, ...]: this stage's micro-batches
+        if kind == "sum":
+            y = jnp.sum(y, axis=0)
+        elif kind == "mean":
+            y = jnp.mean(y, axis=0)
+        else:  # [m, per_stage, rows/m, ...] -> [per_stage, rows, ...]
+            y = jnp.moveaxis(y, 0, 1)
+            y = y.reshape(per_stage, -1, *y.shape[3:])
+        y = jnp.where(real.reshape(-1, *(1,) * (y.ndim - 1)), y, jnp.zeros_like(y))
+        # Each stage's block in its place, the others zeros; a psum (not an all-gather) so the
+        # result is typed the same on every stage, as what follows the stack must be.
+        full = jnp.where(mine.reshape(-1, *(1,) * y.ndim), y[None], jnp.zeros_like(y)[None])
+        full = jax.lax.psum(full.reshape(stages * per_stage, *y.shape[1:]), PIPELINE)
+        return full[:n_layers]
+
+    return jax.tree.map(one, per_tick, kinds)

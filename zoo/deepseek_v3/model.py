@@ -348,28 +348,32 @@ class DeepseekV3(CausalLM):
         x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
         outputs = [x]
 
+        rows = (cos, sin, segment_ids)  # per-row inputs: cut into micro-batches when pipelined
         if self.dense_layers is not None:
 
-            def dense_body(h, layer):
+            def dense_body(h, layer, rows):
                 layer = gather_layer(jax.tree.map(lambda w: w.astype(dtype), layer))
-                h = dense_layer(config, layer, h, cos, sin, segment_ids)
+                h = dense_layer(config, layer, h, *rows)
                 return h, (h if return_hidden else None)
 
-            x, ys = scan_layers(dense_body, x, self.dense_layers, policy=policy)
+            x, ys = scan_layers(dense_body, x, self.dense_layers, policy=policy, rows=rows)
             outputs.append(ys)
         load, balance = None, jnp.zeros((), jnp.float32)
         if self.moe_layers is not None:
 
-            def moe_body(h, layer):
+            def moe_body(h, layer, rows):
                 h, layer_load, layer_balance = moe_layer(
-                    config, gather_layer(self._cast_moe(layer, dtype)), h, cos, sin, segment_ids, self.expert_impl
+                    config, gather_layer(self._cast_moe(layer, dtype)), h, *rows, self.expert_impl
                 )
                 return h, (layer_load, layer_balance, h if return_hidden else None)
 
             # Per-layer balance losses as scan outputs, not a carry: a carry starts typed as varying
             # over every axis the tokens do, while a sequence's balance loss is the same on all the
-            # context devices that hold its chunks.
-            x, (load, balances, ys) = scan_layers(moe_body, x, self.moe_layers, policy=policy)
+            # context devices that hold its chunks. Pipelined, micro-batches' loads add up and
+            # their balance losses (means over equal numbers of sequences) average.
+            x, (load, balances, ys) = scan_layers(
+                moe_body, x, self.moe_layers, policy=policy, rows=rows, combine=("sum", "mean", "rows")
+            )
             balance = jnp.sum(balances)
             outputs.append(ys)
         last = x
@@ -445,7 +449,10 @@ class DeepseekV3(CausalLM):
         if self.moe_layers is None:
             return self
         rate = options_or_default(self, options).router_bias_rate
-        bias = update_router_bias(self.moe_layers.moe.router_bias, metrics["expert_load"], rate)
+        bias, load = self.moe_layers.moe.router_bias, metrics["expert_load"]
+        # A pipelined stack's padding layers (zoo.pipeline) have no load: their bias stays zero.
+        load = jnp.pad(load, [(0, bias.shape[0] - load.shape[0]), (0, 0)])
+        bias = update_router_bias(bias, load, rate)
         return eqx.tree_at(lambda m: m.moe_layers.moe.router_bias, self, bias)
 
     # -- generation (zoo/deepseek_v3/decode.py) --------------------------------------------

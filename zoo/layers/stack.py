@@ -20,6 +20,8 @@ def scan_layers(
     *,
     policy: Callable[..., Any] | None = None,
     rows: Any = None,
+    combine: Any = None,
+    pipeline: tuple[Any, int] | None = None,
 ) -> tuple[Carry, Any]:
     """``body(carry, layer) -> (carry, out)`` for each layer slice of ``stacked`` (leading axis L);
     with ``rows``, ``body(carry, layer, rows)``.
@@ -30,6 +32,12 @@ def scan_layers(
     with the batch rows like the carry: inside a step that pipelines this stack
     (:mod:`zoo.pipeline`) they are cut into micro-batches with it, which a value the body
     closes over could not be.
+    ``combine``: how each per-layer output combines over those micro-batches (a prefix of
+    ``out``: ``"sum"``, ``"mean"`` or ``"rows"``; default: integers summed, floats averaged;
+    :func:`zoo.pipeline.pipelined_scan`). Without pipelining it is not used.
+    ``pipeline``: for a ``stacked`` that is a view of stored stacks (reshaped, or several in a
+    dict), what :func:`zoo.hooks.pipeline_of` says of those stacks with the view's real length
+    (``None``: ``pipeline_of(stacked)``).
     The body runs under ``jax.named_scope(LAYER_SCOPE)``: its ops' names carry it, so a profile
     (XProf, Nsight Systems, ``recipes/profile.py``) shows the layers' forward and backward as
     such (one scope for every layer: the scan compiles one body for all of them).
@@ -41,8 +49,8 @@ def scan_layers(
             return body(c, layer) if rows is None else body(c, layer, r)
 
     fn = scoped if policy is None else jax.checkpoint(scoped, policy=policy, prevent_cse=False)
-    if (pipelined := pipeline_of(stacked)) is not None:
+    if (pipelined := pipeline if pipeline is not None else pipeline_of(stacked)) is not None:
         from zoo.pipeline import pipelined_scan
 
-        return pipelined_scan(fn, carry, stacked, rows, *pipelined)
+        return pipelined_scan(fn, carry, stacked, rows, *pipelined, combine=combine)
     return jax.lax.scan(lambda c, layer: fn(c, layer, rows), carry, stacked)
