@@ -152,3 +152,30 @@ def test_deepseek_v3_pipelined_equals_one_device():
     sharded = parallel.shard(model, mesh)
     assert sharded.moe_layers.attn.wkv_a.sharding.spec[0] == "pipeline"
     assert sharded.dense_layers.attn.wkv_a.sharding.spec[0] is None  # kept whole on every stage
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, spec, stacks",
+    [
+        # Dense, tied head: 3 layers on 2 stages (one padding layer).
+        ("qwen3", {"num_layers": 3}, "pipeline=2,fsdp=4", {"dense_layers": 3}),
+        # A dense first layer, then 3 MoE layers: two blocks, each a GPipe pass over its whole stack.
+        ("qwen3_moe", {"num_layers": 4}, "pipeline=2,expert=4", {"dense_layers": 1, "moe_layers": 3}),
+        # Dense and MoE alternating: one block of 3 (dense, moe) repeats, both stacks in one pass.
+        ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,expert=4",
+         {"dense_layers": 3, "moe_layers": 3}),
+    ],
+    ids=["qwen3", "qwen3_moe-dense-first", "qwen3_moe-alternating"],
+)
+def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks):
+    """Loss, balance loss, expert load (exactly) and every gradient equal one device's; the
+    router probabilities' sums and the load come out of the stages as per-layer outputs."""
+    from zoo.qwen3 import preset as qwen3_preset
+
+    model = zoo.Qwen3(qwen3_preset("tiny", model_type, **overrides), key=jr.key(0))
+    mesh = parallel.make_mesh(spec)
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    aux = _check_with_aux(model, mesh, ids, 2, stacks)
+    if "moe_layers" in stacks:
+        assert np.asarray(aux["expert_load"]).shape == (stacks["moe_layers"], model.config.num_experts)
+        assert float(aux["balance_loss"]) > 0

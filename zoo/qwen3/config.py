@@ -27,6 +27,11 @@ QWEN3_AXES: dict[str, AxisRule] = {
     "E": AxisRule("expert", "num_experts", stored_apart_only=True),
     "D": AxisRule("fsdp", "hidden_size"),
     "V": AxisRule("fsdp", "vocab_size", pad=True),
+    # Both layer stacks are pipelined (zoo.pipeline): each block of the forward pass (one
+    # repeating pattern of kinds, or one run of a kind) is a GPipe pass over its repeats, which
+    # needs each block to hold its kinds' whole stacks (zoo.qwen3.model.block_pipeline).
+    "Ld": AxisRule("pipeline", "num_layers (its dense layers)", pad=True),
+    "Lm": AxisRule("pipeline", "num_layers (its MoE layers)", pad=True),
 }
 
 ModelType = Literal["qwen3", "qwen3_moe"]

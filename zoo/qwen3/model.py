@@ -23,7 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.causal_lm import CausalLM, options_or_default, positions_for
-from zoo.hooks import gather_layer, tensor_psum, varying_like
+from zoo.errors import MeshError
+from zoo.hooks import PipelineSplit, gather_layer, pipeline_of, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import moe_experts, resolve_expert_impl
@@ -181,18 +182,52 @@ def _rows(stack, first: int, end: int):
     return stack if (first, end) == (0, n) else jax.tree.map(lambda w: w[first:end], stack)
 
 
-def block_stacks(model: Qwen3) -> list[tuple[Any, Any, tuple[str, ...]]]:
+def block_stacks(model: Qwen3, pipelined: bool = False) -> list[tuple[Any, Any, tuple[str, ...]]]:
     """Per :attr:`~zoo.qwen3.config.Qwen3Config.blocks` entry: its dense and MoE layers shaped
-    ``[repeats, per repeat, ...]`` (``None`` where the pattern has none) and the pattern."""
+    ``[repeats, per repeat, ...]`` (``None`` where the pattern has none) and the pattern.
+    ``pipelined``: inside a step that pipelines the stacks, each block holds its kinds' whole
+    stacks (:func:`block_pipeline` checks it), this device's stage of them."""
     out = []
     for block in model.config.blocks:
         parts = []
         for kind, stack, first in (("dense", model.dense_layers, block.dense_first), ("moe", model.moe_layers, block.moe_first)):
             n, per = block.count(kind), block.pattern.count(kind)
-            sub = None if n == 0 else _rows(stack, first, first + n)
-            parts.append(None if sub is None else jax.tree.map(lambda w, per=per, r=block.repeats: w.reshape(r, per, *w.shape[1:]), sub))
+            sub = None if n == 0 else (stack if pipelined else _rows(stack, first, first + n))
+            parts.append(None if sub is None else jax.tree.map(lambda w, per=per: w.reshape(-1, per, *w.shape[1:]), sub))
         out.append((*parts, block.pattern))
     return out
+
+
+def block_pipeline(model: Qwen3) -> PipelineSplit | None:
+    """How the step pipelines each block (``None`` outside a pipelined step): each block is a
+    GPipe pass over its repeats, a stage holding whole repeats. That needs every block to hold
+    the whole stack of each kind in its pattern (no kind split into runs between the other's)
+    and, where a repeat has several layers of a kind, the repeats to divide the stages or their
+    padding to line up (each stack is padded on its own)."""
+    stacks = {"dense": model.dense_layers, "moe": model.moe_layers}
+    found = {kind: pipeline_of(s) for kind, s in stacks.items() if s is not None}
+    if all(v is None for v in found.values()):
+        return None
+    config, blocks = model.config, model.config.blocks
+    for block in blocks:
+        for kind in dict.fromkeys(block.pattern):
+            if found[kind] is None:
+                raise MeshError(f"Qwen3: the {kind} layers are not split over pipeline but the others are")
+            split, n = found[kind]
+            if block.count(kind) != n:
+                raise MeshError(
+                    f"Qwen3Config: a pipeline axis needs each kind of layer in one block, but layer kinds "
+                    f"{config.layer_kinds} (mlp_only_layers={config.mlp_only_layers}, decoder_sparse_step="
+                    f"{config.decoder_sparse_step}) split the {kind} layers into runs; use a mesh without pipeline"
+                )
+            local = jax.tree.leaves(stacks[kind])[0].shape[0]
+            if local != block.pattern.count(kind) * -(-block.repeats // split.stages):
+                raise MeshError(
+                    f"Qwen3Config: pipeline={split.stages} does not divide the {block.repeats} repeats of the layer "
+                    f"pattern {block.pattern}, whose {kind} layers would then not line up with the other kind's "
+                    "across the stages; use a pipeline size that divides them"
+                )
+    return next(v for v in found.values() if v is not None)[0]
 
 
 class Qwen3Output(NamedTuple):
@@ -280,36 +315,43 @@ class Qwen3(CausalLM):
         cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
         policy = layer_policy(placement, self)
         x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
-        outputs, loads, prob_sum = [x[None]], [], varying_like(jnp.zeros((config.num_experts,), jnp.float32), x)
-        for dense, moe, pattern in block_stacks(self):
+        outputs, loads, probs = [x[None]], [], []
+        split = block_pipeline(self)
+        rows = (cos, sin, segment_ids)  # per-row inputs: cut into micro-batches when pipelined
+        for block, (dense, moe, pattern) in zip(config.blocks, block_stacks(self, pipelined=split is not None)):
 
-            def body(carry, layers, pattern=pattern):
-                h, probs = carry
-                taken, hs, block_loads = {"dense": 0, "moe": 0}, [], []
+            def body(h, layers, rows, pattern=pattern):
+                taken, hs, block_loads, block_probs = {"dense": 0, "moe": 0}, [], [], []
                 for kind in pattern:  # the repeat's layers, in their stored order
                     layer = jax.tree.map(lambda w, i=taken[kind]: w[i], layers[kind])
                     taken[kind] += 1
                     layer = gather_layer(cast_layer(layer, dtype))
-                    h, stats = qwen3_layer(config, layer, h, cos, sin, segment_ids, kind, self.expert_impl)
+                    h, stats = qwen3_layer(config, layer, h, *rows, kind, self.expert_impl)
                     if stats is not None:
                         block_loads.append(stats[0])
-                        probs = probs + stats[1]
+                        block_probs.append(stats[1])
                     hs.append(h)
-                out = (jnp.stack(hs) if return_hidden else None, jnp.stack(block_loads) if block_loads else None)
-                return (h, probs), out
+                stacked = lambda xs, axis=0: jnp.stack(xs, axis=axis) if xs else None  # noqa: E731
+                return h, (stacked(hs, 1) if return_hidden else None, stacked(block_loads), stacked(block_probs))
 
-            (x, prob_sum), (ys, load) = scan_layers(body, (x, prob_sum), {"dense": dense, "moe": moe}, policy=policy)
+            # The router probabilities' sums are per-layer outputs, not a carry: pipelined
+            # (zoo.pipeline), each micro-batch's are summed, like the expert load.
+            here = None if split is None else (split, block.repeats)
+            x, (ys, load, prob) = scan_layers(
+                body, x, {"dense": dense, "moe": moe}, policy=policy, rows=rows, combine=("rows", "sum", "sum"), pipeline=here
+            )
             if load is not None:
                 loads.append(load.reshape(-1, *load.shape[2:]))
-            if return_hidden:
-                outputs.append(ys.reshape(-1, *ys.shape[2:]))
+                probs.append(jnp.sum(prob, axis=(0, 1)))
+            if return_hidden:  # [repeats, rows, per repeat, S, D] -> [layers, rows, S, D]
+                outputs.append(jnp.moveaxis(ys, 2, 1).reshape(-1, *ys.shape[1:2], *ys.shape[3:]))
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
         logits = unembed(x, self.unembedding(), vocab_size=config.vocab_size) if head else x
         hidden = None
         if return_hidden:
             per_layer = jnp.concatenate(outputs[1:], axis=0)
             hidden = jnp.concatenate([outputs[0], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
-        stats = RouterStats(jnp.concatenate(loads, axis=0), prob_sum) if loads else None
+        stats = RouterStats(jnp.concatenate(loads, axis=0), sum(probs[1:], probs[0])) if loads else None
         return Qwen3Output(logits, hidden, stats)
 
     # -- training (zoo/qwen3/loss.py) ---------------------------------------------------------
