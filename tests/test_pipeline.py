@@ -179,3 +179,26 @@ def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks):
     if "moe_layers" in stacks:
         assert np.asarray(aux["expert_load"]).shape == (stacks["moe_layers"], model.config.num_experts)
         assert float(aux["balance_loss"]) > 0
+
+
+def test_per_layer_outputs_leading_with_rows_come_back_in_row_order():
+    """Hidden states (``return_hidden``: per-layer outputs that lead with the rows) are put back
+    together from the micro-batches in row order, padding layers cut off."""
+
+    def loss(model, ids):
+        hidden = model.forward(ids, return_hidden=True)[1]  # [L + 1, B, S, D]
+        probe = jax.numpy.mean(hidden[..., 0] * ids.astype(hidden.dtype), axis=(1, 2))  # row-dependent, per layer
+        return zoo.lm_loss(model, ids) + 1e-3 * jax.numpy.sum(probe), probe
+
+    model = _llama(3)
+    mesh = parallel.make_mesh("pipeline=2,fsdp=4")
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    (ref_loss, ref_probe), ref_grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, ids)
+    (got_loss, probe), grads = parallel.value_and_grad(loss, mesh, has_aux=True, microbatches=2)(parallel.shard(model, mesh), ids)
+    np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-5)
+    assert probe.shape == (4,)
+    np.testing.assert_allclose(np.asarray(probe), np.asarray(ref_probe), rtol=1e-5)
+    got, want = flatten(parallel.unpad(grads)), flatten(ref_grads)
+    for path, r in want.items():
+        r = np.asarray(r)
+        np.testing.assert_allclose(np.asarray(got[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)

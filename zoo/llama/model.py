@@ -191,7 +191,9 @@ class Llama(CausalLM):
 
         x0 = x
         rows = (cos, sin, segment_ids)
-        x, per_layer = scan_layers(body, x, self.layers, policy=layer_policy(placement, self), rows=rows)
+        x, per_layer = scan_layers(
+            body, x, self.layers, policy=layer_policy(placement, self), rows=rows, combine="rows"
+        )
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
         logits = unembed(x, self.unembedding(), vocab_size=config.vocab_size) if head else x
         hidden = None
