@@ -9,7 +9,9 @@ runs its layers on micro-batch ``t - s`` and hands the result to stage ``s + 1``
 ``ppermute``; ``M + P - 1`` ticks fill and drain the ``P`` stages, a bubble of
 ``(P - 1) / (M + P - 1)`` of the step. The last stage's outputs are then broadcast to every
 stage (a ``psum`` of one non-zero term), so what follows the stack (final norm, head, loss)
-runs as without pipelining. Autodiff gives the backward schedule: the transpose of each
+runs as without pipelining. Per-layer outputs (router statistics: expert load, balance
+losses) are combined over the micro-batches per stage and placed over the stages the same way
+(:func:`pipelined_scan`'s ``combine``). Autodiff gives the backward schedule: the transpose of each
 ``ppermute`` sends gradients one stage back, ticks in reverse.
 
 Each stage's layers run under ``jax.lax.scan`` with the placement map's policy, as without
@@ -40,7 +42,7 @@ def _split_rows(tree: PyTree, m: int, rows: int, what: str) -> PyTree:
         if x.ndim == 0 or x.shape[0] != rows:
             raise MeshError(
                 f"pipeline: every {what} array must lead with the {rows} rows of the residual stream, "
-                f"got shape {tuple(x.shape)} (a stack whose carry accumulates across rows is not pipelined yet)"
+                f"got shape {tuple(x.shape)} (a sum over the rows goes out as a per-layer output with combine='sum', not in the carry)"
             )
         return x.reshape(m, rows // m, *x.shape[1:])
 
