@@ -59,5 +59,5 @@ def test_errors_name_the_culprit():
 def test_search_on_cpu_picks_a_mesh_that_fits():
     """On this machine's 8 simulated devices (one memory), a small Llama: the chosen mesh's own
     plan fits the budget."""
-    p = plan.plan(config("llama"), devices=8, seq_len=128, hardware="cpu", device_budget=0.2 * 2**30)
+    p = plan.plan(config("llama"), devices=8, seq_len=128, hardware="cpu", device_budget=0.2 * 2**30, top=2)
     assert p.devices == 8 and p.estimate.device_bytes <= p.device_budget
