@@ -174,9 +174,12 @@ def flat(tree) -> dict:
 
 
 def test_parse_mesh():
-    assert parallel.parse_mesh("data=2,fsdp=2,tensor=2") == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2, "expert": 1}
-    assert parallel.parse_mesh("") == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1}
-    assert parallel.parse_mesh(" expert = 4 , fsdp=2 ,") == {"data": 1, "fsdp": 2, "context": 1, "tensor": 1, "expert": 4}
+    assert parallel.parse_mesh("data=2,fsdp=2,tensor=2") == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "tensor": 2,
+                                                              "expert": 1}  # fmt: skip
+    assert parallel.parse_mesh("") == {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1}
+    assert parallel.parse_mesh(" expert = 4 , fsdp=2 ,") == {"pipeline": 1, "data": 1, "fsdp": 2, "context": 1, "tensor": 1,
+                                                            "expert": 4}  # fmt: skip
+    assert parallel.parse_mesh("pipeline=4,fsdp=2")["pipeline"] == 4
     assert parallel.parse_mesh("context=4,data=2")["context"] == 4
     with pytest.raises(MeshError, match=r"unknown mesh axis 'fsdb' \(did you mean 'fsdp'\?\)"):
         parallel.parse_mesh("data=2,fsdb=4")
@@ -193,7 +196,7 @@ def test_parse_mesh():
 def test_make_mesh():
     mesh = parallel.make_mesh("fsdp=4,tensor=2")
     assert mesh.axis_names == parallel.AXES
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2, "expert": 1}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 1, "fsdp": 4, "context": 1, "tensor": 2, "expert": 1}
     assert parallel.make_mesh({"expert": 4}, devices=jax.devices()[:4]).devices.size == 4
     with pytest.raises(MeshError, match=r"data=1 x fsdp=2 x context=1 x tensor=2 x expert=1 has 4 devices but 8 are available"):
         parallel.make_mesh("fsdp=2,tensor=2")
@@ -487,7 +490,7 @@ def test_step_errors_name_the_culprit():
     context = parallel.value_and_grad(zoo.lm_loss, parallel.make_mesh("context=2,data=4"))
     with pytest.raises(MeshError, match=r"batch argument 0: context=2 splits the sequence \(axis 1\) into 4 equal chunks; got shape \(8, 6\)"):
         context(model, jnp.zeros((8, 6), jnp.int32))
-    with pytest.raises(MeshError, match=r"unknown mesh axis 'contxt' \(did you mean 'context'\?\); axes: data, fsdp, context, tensor, expert"):
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'contxt' \(did you mean 'context'\?\); axes: pipeline, data, fsdp, context, tensor, expert"):
         parallel.make_mesh("contxt=2,data=4")
 
 

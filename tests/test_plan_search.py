@@ -20,7 +20,7 @@ def test_meshes_are_those_the_model_accepts():
     cfg = config("llama", "llama3.1-405b")
     found = search.meshes(cfg, 72, 8192)
     assert found and all(m["data"] % 9 == 0 for m in found)
-    assert {"data": 9, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1} in found
+    assert {"pipeline": 1, "data": 9, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1} in found
     assert all(m["tensor"] <= 8 for m in search.meshes(cfg, 128, 8192))  # 8 KV heads
     assert any(m["fsdp"] == 128 for m in search.meshes(cfg, 128, 8192))
     assert len(search.factorizations(12, 3)) == 18
