@@ -224,3 +224,18 @@ def test_a_pipelined_run_trains_resumes_and_loads_unpadded(tmp_path):
     np.testing.assert_array_equal(losses(full)[2:], losses(rest))
     loaded, step, _ = ztrain.load_run(tmp_path / "cut")
     assert step == 4 and loaded.layers.attn.wq.shape[0] == 3
+
+
+def test_a_checkpoint_loads_into_the_padded_stages_and_saves_its_true_shapes(fixtures, tmp_path):
+    """The 2-layer fixture on pipeline=4: read straight into 4 stages of one layer (2 of them
+    padding, zeros), saved back with 2 layers and the same values."""
+    mesh = parallel.make_mesh("pipeline=4,fsdp=2")
+    placed = zoo.from_pretrained(fixtures / "llama3_1-tiny", mesh=mesh)
+    whole = flatten(zoo.from_pretrained(fixtures / "llama3_1-tiny"))
+    wq = placed.layers.attn.wq
+    assert wq.shape[0] == 4 and wq.sharding.spec[0] == "pipeline" and not np.any(np.asarray(wq)[2:])
+    zoo.save_pretrained(placed, tmp_path / "saved")
+    for arrays in (flatten(parallel.unpad(placed)), flatten(zoo.from_pretrained(tmp_path / "saved"))):
+        assert set(arrays) == set(whole)
+        for path, x in whole.items():
+            np.testing.assert_array_equal(np.asarray(arrays[path]), np.asarray(x), err_msg=path)
