@@ -89,6 +89,21 @@ def _free_compiled_programs():
         print(f"\n[memory maps: {before} -> {_memory_maps()}]")
 
 
+# Well under Linux's default vm.max_map_count (65,530): a worker of pytest-xdist may run many
+# tests of several files between two file ends, and one file alone reaches ~15,000 mappings.
+_MAPS_LIMIT = 40_000
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs_when_many():
+    """As :func:`_free_compiled_programs`, after any test that leaves more than ``_MAPS_LIMIT``
+    memory mappings (counting them reads one small file)."""
+    yield
+    if _memory_maps() > _MAPS_LIMIT:
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def fixtures() -> Path:
     return FIXTURES
