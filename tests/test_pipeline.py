@@ -205,14 +205,15 @@ def test_per_layer_outputs_leading_with_rows_come_back_in_row_order():
 
 
 def test_a_pipelined_run_trains_resumes_and_loads_unpadded(tmp_path):
-    """zoo.train on pipeline=2,fsdp=4 (3 layers: one padding layer): the losses follow one
-    device's, a resume continues bit for bit, and the run directory's model has 3 layers."""
+    """zoo.train on pipeline=2,fsdp=4 (3 layers: one padding layer), 2 pipeline micro-batches
+    inside each of 2 accumulated ones: the losses follow one device's, a resume continues bit
+    for bit, and the run directory's model has 3 layers."""
     from zoo import train as ztrain
     from zoo.data import stdlib_corpus
 
     corpus = stdlib_corpus(max_bytes=2**20)
     cfg = ztrain.TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=4,
-                             eval_batches=1, checkpoint_every=2, microbatches=2)  # fmt: skip
+                             eval_batches=1, checkpoint_every=2, microbatches=2, grad_accum=2)  # fmt: skip
     m = _llama(3)
     mesh = parallel.make_mesh("pipeline=2,fsdp=4")
     _, one = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "one")
