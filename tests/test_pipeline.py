@@ -48,7 +48,8 @@ def _check(model, mesh, ids, microbatches, **kw):
 
 @pytest.mark.parametrize(
     "spec, layers, tied",
-    [("pipeline=2,fsdp=4", 3, False), ("pipeline=4,fsdp=2", 6, True), ("pipeline=2,tensor=2,fsdp=2", 4, False)],
+    [("pipeline=2,fsdp=4", 3, False), ("pipeline=4,fsdp=2", 6, True), ("pipeline=2,tensor=2,fsdp=2", 4, False),
+     ("pipeline=2,context=2,fsdp=2", 3, False)],
 )
 def test_pipelined_step_equals_one_device(spec, layers, tied):
     """Layer counts that do not divide the stages (3 on 2, 6 on 4) are padded with zero layers
