@@ -82,3 +82,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def train_on_a_mesh_like_one_device(model, mesh, tmp_path: Path, **settings):
+    """``zoo.train`` of ``model`` on ``mesh`` and on one device (4 steps of the stdlib corpus,
+    checkpoints at 2 and 4): asserts the losses agree (rtol 1e-5, the parity figure) and a run
+    stopped after step 2 resumes bit for bit; returns ``load_run`` of the resumed run."""
+    from zoo import train as ztrain
+    from zoo.data import stdlib_corpus
+
+    corpus = stdlib_corpus(max_bytes=2**20)
+    cfg = ztrain.TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=4,
+                             eval_batches=1, checkpoint_every=2, **settings)  # fmt: skip
+    _, one = ztrain.train(model, corpus, cfg, run_dir=tmp_path / "one")
+    _, full = ztrain.train(model, corpus, cfg, run_dir=tmp_path / "full", mesh=mesh)
+    ztrain.train(model, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, stop_after=2)
+    _, rest = ztrain.train(model, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, resume=True)
+    losses = lambda history: [r["loss"] for r in history if "loss" in r]  # noqa: E731
+    np.testing.assert_allclose(losses(full), losses(one), rtol=1e-5)
+    np.testing.assert_array_equal(losses(full)[2:], losses(rest))
+    return ztrain.load_run(tmp_path / "cut")

@@ -19,6 +19,8 @@ from zoo.params import flatten
 from zoo.pipeline import bubble
 from zoo.plan import collectives
 
+from helpers import train_on_a_mesh_like_one_device
+
 
 def _loss(model, ids, **kw):
     return zoo.lm_loss(model, ids, **kw)
@@ -209,22 +211,8 @@ def test_a_pipelined_run_trains_resumes_and_loads_unpadded(tmp_path):
     """zoo.train on pipeline=2,fsdp=4 (3 layers: one padding layer), 2 pipeline micro-batches
     inside each of 2 accumulated ones: the losses follow one device's, a resume continues bit
     for bit, and the run directory's model has 3 layers."""
-    from zoo import train as ztrain
-    from zoo.data import stdlib_corpus
-
-    corpus = stdlib_corpus(max_bytes=2**20)
-    cfg = ztrain.TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=4,
-                             eval_batches=1, checkpoint_every=2, microbatches=2, grad_accum=2)  # fmt: skip
-    m = _llama(3)
     mesh = parallel.make_mesh("pipeline=2,fsdp=4")
-    _, one = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "one")
-    _, full = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "full", mesh=mesh)
-    ztrain.train(m, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, stop_after=2)
-    _, rest = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, resume=True)
-    losses = lambda history: [r["loss"] for r in history if "loss" in r]  # noqa: E731
-    np.testing.assert_allclose(losses(full), losses(one), rtol=1e-5)
-    np.testing.assert_array_equal(losses(full)[2:], losses(rest))
-    loaded, step, _ = ztrain.load_run(tmp_path / "cut")
+    loaded, step, _ = train_on_a_mesh_like_one_device(_llama(3), mesh, tmp_path, microbatches=2, grad_accum=2)
     assert step == 4 and loaded.layers.attn.wq.shape[0] == 3
 
 

@@ -259,20 +259,7 @@ def test_a_padded_run_trains_resumes_and_loads_unpadded(tmp_path):
     """zoo.train on fsdp=8 with a 257-token vocabulary: the losses follow one device's, a resume
     continues bit for bit, and the run directory's model (what eval and generate load) has the
     true shapes."""
-    from zoo import train as ztrain
-    from zoo.data import stdlib_corpus
+    from helpers import train_on_a_mesh_like_one_device
 
-    corpus = stdlib_corpus(max_bytes=2**20)
-    cfg = ztrain.TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=4,
-                             eval_batches=1, checkpoint_every=2)  # fmt: skip
-    m = model("llama")
-    mesh = parallel.make_mesh("fsdp=8")
-    _, one = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "one")
-    _, full = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "full", mesh=mesh)
-    ztrain.train(m, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, stop_after=2)
-    _, rest = ztrain.train(m, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, resume=True)
-    losses = lambda history: [r["loss"] for r in history if "loss" in r]  # noqa: E731
-    np.testing.assert_allclose(losses(full), losses(one), rtol=1e-5)
-    np.testing.assert_array_equal(losses(full)[2:], losses(rest))
-    loaded, step, _ = ztrain.load_run(tmp_path / "cut")
+    loaded, step, _ = train_on_a_mesh_like_one_device(model("llama"), parallel.make_mesh("fsdp=8"), tmp_path)
     assert step == 4 and loaded.embed.shape == (257, 64) and loaded.head.shape == (257, 64)

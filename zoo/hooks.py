@@ -305,8 +305,8 @@ def psum_varying(x, axes: Sequence[str]):
 
 
 __all__ = [
-    "CONTEXT", "GATHERED", "axis_size", "context_gather", "context_order", "context_positions", "context_size", "context_sum",
-    "current_step", "gather_fsdp", "PIPELINE", "PipelineSplit", "pipeline_of", "gather_layer", "global_sum", "in_step", "psum_varying", "remat_policy",
-    "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like", "varying_over", "VocabSplit",
-    "vocab_split",
+    "CONTEXT", "GATHERED", "PIPELINE", "PipelineSplit", "axis_size", "context_gather", "context_order", "context_positions",
+    "context_size", "context_sum", "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "pipeline_of",
+    "psum_varying", "remat_policy", "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
+    "varying_over", "VocabSplit", "vocab_split",
 ]  # fmt: skip
