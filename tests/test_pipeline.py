@@ -67,13 +67,19 @@ def test_pipelined_step_equals_one_device(spec, layers, tied):
     assert {s.data.shape[0] for s in wq.addressable_shards} == {per_stage}  # each device: its stage's layers
 
 
+def _packed(rows: int = 16, seq: int = 16) -> dict[str, jax.Array]:
+    """Rows of two documents each (the second starting at 5, 9, 12 or nowhere)."""
+    starts = np.array([5, 9, 12, seq] * (rows // 4))[:, None]
+    segments = (np.arange(seq)[None, :] >= starts).astype(np.int32)
+    positions = np.where(segments == 0, np.arange(seq), np.arange(seq) - starts)
+    return {"segment_ids": jax.numpy.asarray(segments), "positions": jax.numpy.asarray(positions)}
+
+
 def test_packed_rows_pipelined():
     model = _llama(4)
     mesh = parallel.make_mesh("pipeline=2,fsdp=4")
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    segments = (np.arange(16)[None, :] >= np.array([5, 9, 12, 16] * 4)[:, None]).astype(np.int32)
-    positions = np.where(segments == 0, np.arange(16), np.arange(16) - np.array([5, 9, 12, 16] * 4)[:, None])
-    _check(model, mesh, ids, 2, segment_ids=jax.numpy.asarray(segments), positions=jax.numpy.asarray(positions))
+    _check(model, mesh, ids, 4, **_packed())
 
 
 def test_the_schedule_passes_activations_point_to_point():
@@ -112,13 +118,13 @@ def _family_loss(model, ids, **kw):
     return model.loss(ids, **kw)
 
 
-def _check_with_aux(model, mesh, ids, microbatches, stacks):
+def _check_with_aux(model, mesh, ids, microbatches, stacks, **kw):
     """Loss, every metric (integers exactly) and every gradient equal one device's; the padding
     layers of the pipelined ``stacks`` (``{root: real layer count}``) get zero gradient."""
-    (ref_loss, ref_aux), ref_grads = eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids)
+    (ref_loss, ref_aux), ref_grads = eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids, **kw)
     step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches)
     sharded = parallel.shard(model, mesh)
-    (loss, aux), grads = step(sharded, ids)
+    (loss, aux), grads = step(sharded, ids, **kw)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert set(aux) == set(ref_aux)
     for name, want in ref_aux.items():
@@ -150,7 +156,7 @@ def test_deepseek_v3_pipelined_equals_one_device():
     model = zoo.DeepseekV3(deepseek_preset("tiny", num_layers=4, mtp=True), key=jr.key(0))
     mesh = parallel.make_mesh("pipeline=2,expert=4")
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    aux = _check_with_aux(model, mesh, ids, 2, {"moe_layers": 3})
+    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3})
     assert np.asarray(aux["expert_load"]).shape == (3, model.config.n_routed_experts)
     sharded = parallel.shard(model, mesh)
     assert sharded.moe_layers.attn.wkv_a.sharding.spec[0] == "pipeline"
@@ -158,27 +164,31 @@ def test_deepseek_v3_pipelined_equals_one_device():
 
 
 @pytest.mark.parametrize(
-    "model_type, overrides, spec, stacks",
+    "model_type, overrides, spec, stacks, packed",
     [
         # Dense, tied head: 3 layers on 2 stages (one padding layer).
-        ("qwen3", {"num_layers": 3}, "pipeline=2,fsdp=4", {"dense_layers": 3}),
+        ("qwen3", {"num_layers": 3}, "pipeline=2,fsdp=4", {"dense_layers": 3}, False),
+        # Dense, 6 layers on 4 stages (two padding layers), packed rows.
+        ("qwen3", {"num_layers": 6}, "pipeline=4,fsdp=2", {"dense_layers": 6}, True),
         # A dense first layer, then 3 MoE layers: two blocks, each a GPipe pass over its whole stack.
-        ("qwen3_moe", {"num_layers": 4}, "pipeline=2,expert=4", {"dense_layers": 1, "moe_layers": 3}),
-        # Dense and MoE alternating: one block of 3 (dense, moe) repeats, both stacks in one pass.
-        ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,expert=4",
-         {"dense_layers": 3, "moe_layers": 3}),
+        ("qwen3_moe", {"num_layers": 4}, "pipeline=2,expert=4", {"dense_layers": 1, "moe_layers": 3}, False),
+        # Dense and MoE alternating: one block of 3 (dense, moe) repeats, both stacks in one pass;
+        # heads and expert hidden units split over tensor inside each stage.
+        ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,tensor=2,fsdp=2",
+         {"dense_layers": 3, "moe_layers": 3}, False),
     ],
-    ids=["qwen3", "qwen3_moe-dense-first", "qwen3_moe-alternating"],
+    ids=["qwen3", "qwen3-4-stages-packed", "qwen3_moe-dense-first", "qwen3_moe-alternating-tensor"],
 )
-def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks):
-    """Loss, balance loss, expert load (exactly) and every gradient equal one device's; the
-    router probabilities' sums and the load come out of the stages as per-layer outputs."""
+def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks, packed):
+    """Loss, balance loss, expert load (exactly) and every gradient equal one device's, with 4
+    micro-batches; the router probabilities' sums and the load come out of the stages as
+    per-layer outputs."""
     from zoo.qwen3 import preset as qwen3_preset
 
     model = zoo.Qwen3(qwen3_preset("tiny", model_type, **overrides), key=jr.key(0))
     mesh = parallel.make_mesh(spec)
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    aux = _check_with_aux(model, mesh, ids, 2, stacks)
+    aux = _check_with_aux(model, mesh, ids, 4, stacks, **(_packed() if packed else {}))
     if "moe_layers" in stacks:
         assert np.asarray(aux["expert_load"]).shape == (stacks["moe_layers"], model.config.num_experts)
         assert float(aux["balance_loss"]) > 0
@@ -229,3 +239,32 @@ def test_a_checkpoint_loads_into_the_padded_stages_and_saves_its_true_shapes(fix
         assert set(arrays) == set(whole)
         for path, x in whole.items():
             np.testing.assert_array_equal(np.asarray(arrays[path]), np.asarray(x), err_msg=path)
+
+
+def test_the_vocabulary_is_split_over_the_stages():
+    """The embedding and head are split over the stages (which share their tokens) as well as
+    over FSDP: each device holds 1/(P·F) of the rows, no stage holds the whole matrix, and
+    loss and gradients equal one device's, also where a stage's part is padding only (a
+    9-token vocabulary over 4 stages x 2: rows 12..15 of stage 3 are all padding) and through
+    the model's whole logits (the head gathered for a model call inside the step)."""
+    config = dataclasses.replace(preset("tiny"), num_layers=2, vocab_size=9, tie_word_embeddings=False)
+    model = zoo.Llama(config, key=jr.key(0))
+    mesh = parallel.make_mesh("pipeline=4,fsdp=2")
+    ids = jr.randint(jr.key(1), (8, 16), 0, config.vocab_size)
+    sharded = _check(model, mesh, ids, 2)
+    split = parallel.vocab_split_of(model, mesh)
+    assert (split.stage_axis, split.stages, split.axis, split.devices) == ("pipeline", 4, "fsdp", 2)
+    for table in (sharded.embed, sharded.head):
+        assert table.shape[0] == 16 and {s.data.shape[0] for s in table.addressable_shards} == {2}
+
+    def logits_loss(m, ids):
+        logp = jax.nn.log_softmax(m(ids[:, :-1]), axis=-1)
+        return -jax.numpy.mean(jax.numpy.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    ref_loss, ref_grads = eqx.filter_value_and_grad(logits_loss)(model, ids)
+    loss, grads = parallel.value_and_grad(logits_loss, mesh, microbatches=2)(sharded, ids)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for path, r in flatten(ref_grads).items():
+        r = np.asarray(r)
+        np.testing.assert_allclose(np.asarray(flatten(parallel.unpad(grads))[path]), r, rtol=1e-5,
+                                   atol=1e-5 * float(np.abs(r).max()), err_msg=path)  # fmt: skip

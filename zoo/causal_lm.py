@@ -27,7 +27,9 @@ from zoo.params import Param
 class AxisRule:
     """How one dimension letter of a family's legend is laid out on the mesh.
 
-    mesh_axis: the mesh axis that splits the dimension (``"tensor"``, ``"fsdp"``, ``"expert"``).
+    mesh_axis: the mesh axis that splits the dimension (``"tensor"``, ``"fsdp"``, ``"expert"``),
+        or axes, outermost first (the vocabulary's ``("pipeline", "fsdp")``: a block per stage,
+        split over its FSDP devices).
     field: the config field behind the letter, named in errors (``"num_heads"``).
     stored_apart_only: split only where the letter indexes separately stored tensors
         (``{E}`` in the checkpoint key): experts are split, the router's expert scores are not.
@@ -38,7 +40,7 @@ class AxisRule:
         Never a dimension that a norm or a softmax runs over, nor heads or experts.
     """
 
-    mesh_axis: str
+    mesh_axis: str | tuple[str, ...]
     field: str
     stored_apart_only: bool = False
     pad: bool = False

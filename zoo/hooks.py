@@ -46,12 +46,23 @@ def axis_size(mesh: AnyMesh, axis: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class VocabSplit:
     """How the step splits the vocabulary: the embedding's and head's rows over ``axis`` (of
-    ``devices`` devices; each holds a contiguous block, padded rows last), ``vocab_size`` of
-    them real (:mod:`zoo.vocab_parallel`)."""
+    ``devices`` devices, which hold different tokens) and over ``stage_axis`` (of ``stages``
+    devices, the pipeline stages, which share their tokens); each device holds a contiguous
+    block (stage-major: device ``(p, f)`` block ``p·devices + f``, padded rows last),
+    ``vocab_size`` of them real (:mod:`zoo.vocab_parallel`). ``axis`` is ``None`` where only
+    the stages split it."""
 
-    axis: str
+    axis: str | None
     devices: int
     vocab_size: int
+    stage_axis: str | None = None
+    stages: int = 1
+
+    @property
+    def spec(self) -> str | tuple[str, ...]:
+        """The vocabulary dimension's entry of the blocks' ``PartitionSpec``."""
+        axes = tuple(a for a in (self.stage_axis, self.axis) if a is not None)
+        return axes[0] if len(axes) == 1 else axes
 
 
 PIPELINE = "pipeline"

@@ -132,8 +132,13 @@ def make_mesh(spec: str | Mapping[str, int], *, devices: Sequence[jax.Device] | 
         return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=auto)
 
 
-def _size(mesh: AnyMesh, axis: str) -> int:
-    return int(mesh.shape.get(axis, 1))
+def axis_names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry: ``"fsdp"``, ``("pipeline", "fsdp")`` or ``None``."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _size(mesh: AnyMesh, axis: str | tuple[str, ...]) -> int:
+    return math.prod(int(mesh.shape.get(a, 1)) for a in axis_names(axis))
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,30 +152,30 @@ def _rules(obj: Any) -> Mapping[str, Any]:
     return type(config).axis_rules
 
 
-def _mesh_axis(param, letter: str, rules: Mapping[str, Any]) -> str | None:
+def _mesh_axis(param, letter: str, rules: Mapping[str, Any]) -> tuple[str, ...]:
     rule = rules.get(letter)
     if rule is None or (rule.stored_apart_only and letter not in param.stacked):
-        return None
-    return rule.mesh_axis
+        return ()
+    return axis_names(rule.mesh_axis)
 
 
-def param_axes(param, mesh: AnyMesh | None = None, *, rules: Mapping[str, Any]) -> tuple[str | None, ...]:
-    """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole),
-    by the family's ``rules`` (``config.axis_rules``). The first letter of the parameter's axes
-    that maps to a mesh axis gets it; each mesh axis splits at most one of its dimensions.
+def param_axes(param, mesh: AnyMesh | None = None, *, rules: Mapping[str, Any]
+               ) -> tuple[str | tuple[str, ...] | None, ...]:  # fmt: skip
+    """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole), or
+    its axes (``("pipeline", "fsdp")``: a rule that splits its letter over several), by the
+    family's ``rules`` (``config.axis_rules``). The first letter of the parameter's axes that
+    maps to a mesh axis gets it; each mesh axis splits at most one of its dimensions.
 
     With a ``mesh``, axes of size 1 are left out: nothing is split over them, and the step's
     type checks then need no collective over them.
     """
-    out: list[str | None] = []
+    out: list[str | tuple[str, ...] | None] = []
     used: set[str] = set()
     for letter in param.names:
-        axis = _mesh_axis(param, letter, rules)
-        if axis is None or axis in used or (mesh is not None and _size(mesh, axis) == 1):
-            out.append(None)
-            continue
-        used.add(axis)
-        out.append(axis)
+        axes = tuple(a for a in _mesh_axis(param, letter, rules)
+                     if a not in used and (mesh is None or _size(mesh, a) > 1))  # fmt: skip
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return tuple(out)
 
 
@@ -268,7 +273,7 @@ def replicate_unplaced(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree.map(put, tree)
 
 
-def _splits(config: Any, mesh: AnyMesh) -> dict[tuple[str, str], str]:
+def _splits(config: Any, mesh: AnyMesh) -> dict[tuple[str, str | tuple[str, ...]], str]:
     """``(letter, mesh axis) -> first parameter split so``, for every split of ``config``'s layout."""
     rules = _rules(config)
     split: dict[tuple[str, str], str] = {}
@@ -376,7 +381,7 @@ def validate_mesh(mesh: AnyMesh, config: Any) -> None:
                 f"(it splits dimension {letter} of {path}; {_would_work(sizes[letter], axis, mesh)}; "
                 f"{letter} is not padded: that would change the model's function)"
             )
-    used = {axis for _, axis in split}
+    used = {a for _, axis in split for a in axis_names(axis)}
     for axis in ("tensor", "expert", PIPELINE):
         if _size(mesh, axis) > 1 and axis not in used:
             what = {"expert": "experts", "tensor": "heads or hidden units", PIPELINE: "layer stack"}[axis]
@@ -409,7 +414,8 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
         p = specs[path]
         axes = param_axes(p, mesh, rules=rules)
         # The embedding and head split on the vocabulary stay split: zoo.vocab_parallel streams them.
-        return tuple(i - drop for i, a in enumerate(axes) if a == "fsdp" and not (vocab and p.names[i] == VOCAB))
+        return tuple(i - drop for i, a in enumerate(axes)
+                     if "fsdp" in axis_names(a) and not (vocab and p.names[i] == VOCAB))  # fmt: skip
 
     plans = {}
     for root, is_stack in stacks.items():
@@ -444,13 +450,18 @@ def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None) -> Pipelin
 
 def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
     """How the step splits ``model``'s vocabulary on ``mesh``, where the embedding and head are
-    streamed instead of gathered whole (:mod:`zoo.vocab_parallel`): over ``fsdp`` when it splits
-    the ``V`` of every parameter that has one, else ``None`` (a vocabulary kept whole)."""
+    streamed instead of gathered whole (:mod:`zoo.vocab_parallel`): over ``fsdp`` and over the
+    ``pipeline`` stages, those of the two that split the ``V`` of every parameter that has one;
+    ``None`` where neither does (a vocabulary kept whole)."""
     specs, rules = _model_specs(model), _rules(model)
     found = {param_axes(p, mesh, rules=rules)[p.names.index(VOCAB)] for p in specs.values() if VOCAB in p.names}
-    if found != {"fsdp"}:
+    if len(found) != 1:
         return None
-    return VocabSplit("fsdp", _size(mesh, "fsdp"), model.config.vocab_size)
+    axes = axis_names(found.pop())
+    if not axes or not set(axes) <= {PIPELINE, "fsdp"} or axes[0] != PIPELINE and len(axes) > 1:
+        return None
+    return VocabSplit("fsdp" if "fsdp" in axes else None, _size(mesh, "fsdp") if "fsdp" in axes else 1,
+                      model.config.vocab_size, PIPELINE if PIPELINE in axes else None, _size(mesh, PIPELINE))
 
 
 def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: AnyMesh, axes: tuple[str, ...]) -> None:
@@ -648,7 +659,8 @@ def initialize_distributed(
 
 
 __all__ = [
-    "AXES", "BATCH_AXES", "GATHERED", "MeshError", "gather_layer", "in_step", "init_optimizer", "initialize_distributed",
+    "AXES", "BATCH_AXES", "GATHERED", "MeshError", "axis_names", "gather_layer", "in_step", "init_optimizer",
+    "initialize_distributed",
     "is_padded", "layout_sizes", "make_mesh", "pad", "param_axes", "param_bytes", "param_shardings", "parse_mesh",
     "partition_specs", "remat_policy", "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of",
     "tensor_psum", "unpad", "validate_mesh", "value_and_grad", "varying_like", "vocab_split_of",

@@ -15,6 +15,13 @@ whole did, but holds ``F·c`` rows and a ``[tokens, F·c]`` block of float32 log
 (``c`` chosen for :data:`zoo.loss.CHUNK_BYTES`). Padding rows never take part: no id points at
 them and their logits are masked out, so they get zero gradient.
 
+Pipeline stages share their tokens (:mod:`zoo.pipeline`: every stage sees the same rows), so
+over the ``pipeline`` axis the vocabulary is split as Megatron splits it over tensor-parallel
+ranks: stage ``p`` holds ids ``p·F·Vl ..`` (split over its ``F`` devices as above), looks up and
+scores only those, and the stages combine their parts (the looked-up rows summed; log-sum-exps
+merged with a max and a sum; the features' gradient summed). No row crosses the stages' link,
+and each stage computes ``1/P`` of the logits.
+
 Dimension letters: N tokens (this device's) · D model width · Vl rows per device · C columns
 of a step (``F·c``).
 """
@@ -29,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from zoo.hooks import VocabSplit, sum_to_varying_of, varying_like
+from zoo.hooks import VocabSplit, sum_to_varying_of, varying_axes, varying_like
 
 
 def _rows_per_step(vl: int, split: VocabSplit, d: int, itemsize: int, tokens: int, budget: int) -> tuple[int, int]:
@@ -49,7 +56,28 @@ def _step_rows(j: Array, c: int, vl: int) -> tuple[Array, Bool[Array, " c"]]:
 
 
 def _gather_rows(block: Float[Array, "c D"], split: VocabSplit) -> Float[Array, "C D"]:
-    return jax.lax.all_gather(block, split.axis, axis=0, tiled=True)
+    """Rows of every block of this stage (the devices of ``split.axis``)."""
+    return block if split.axis is None else jax.lax.all_gather(block, split.axis, axis=0, tiled=True)
+
+
+def _scatter_rows(rows: Float[Array, "C D"], split: VocabSplit) -> Float[Array, "c D"]:
+    """The transpose of :func:`_gather_rows`: each device's rows, summed over ``split.axis``."""
+    return rows if split.axis is None else jax.lax.psum_scatter(rows, split.axis, scatter_dimension=0, tiled=True)
+
+
+def _stage_start(split: VocabSplit, vl: int) -> Array | int:
+    """The first vocabulary id of this device's stage (0 without stages)."""
+    return 0 if split.stage_axis is None else jax.lax.axis_index(split.stage_axis) * (split.devices * vl)
+
+
+def _over_stages(x: Array, split: VocabSplit, reduce=jax.lax.psum) -> Array:
+    """``reduce`` of ``x`` over the stages, which share their tokens but each hold a part of the
+    vocabulary: every stage gets the whole vocabulary's figure."""
+    if split.stage_axis is None:
+        return x
+    if split.stage_axis not in varying_axes(x):
+        x = jax.lax.pcast(x, (split.stage_axis,), to="varying")
+    return reduce(x, split.stage_axis)
 
 
 def _zeros(shape, dtype, *likes) -> Array:
@@ -71,11 +99,14 @@ def embed(table: Float[Array, "Vl D"], ids: Int[Array, "B S"], dtype, split: Voc
     return _embed(table, ids, jnp.dtype(dtype), split, c)
 
 
-def _where(ids: Int[Array, "*T"], j: Array, c: int, vl: int) -> tuple[Array, Bool[Array, "*T"], Int[Array, "*T"]]:
-    """Step ``j``'s start, which ``ids`` it serves, and their rows among its gathered rows."""
+def _where(ids: Int[Array, "*T"], j: Array, c: int, vl: int, split: VocabSplit
+           ) -> tuple[Array, Bool[Array, "*T"], Int[Array, "*T"]]:  # fmt: skip
+    """Step ``j``'s start, which ``ids`` it serves (those of this stage's part of the vocabulary
+    among its rows), and their rows among its gathered rows."""
     start, _ = _step_rows(j, c, vl)
-    owner, row = ids // vl, ids % vl
-    hit = (row >= j * c) & (row < start + c)
+    local = ids - _stage_start(split, vl)
+    owner, row = jnp.clip(local // vl, 0, split.devices - 1), local % vl
+    hit = (row >= j * c) & (row < start + c) & (local >= 0) & (local < split.devices * vl)
     return start, hit, owner * c + jnp.clip(row - start, 0, c - 1)
 
 
@@ -84,12 +115,13 @@ def _embed(table, ids, dtype, split, c):
     vl, d = table.shape
 
     def one(j, out):
-        start, hit, pos = _where(ids, j, c, vl)
+        start, hit, pos = _where(ids, j, c, vl, split)
         rows = _gather_rows(jax.lax.dynamic_slice_in_dim(table, start, c).astype(dtype), split)
         return out + jnp.where(hit[..., None], jnp.take(rows, pos, axis=0), jnp.zeros((), dtype))
 
     out = _zeros((*ids.shape, d), dtype, ids, table)
-    return jax.lax.fori_loop(0, math.ceil(vl / c), one, out)
+    # Each stage looked up the ids of its part of the vocabulary (zeros for the others).
+    return _over_stages(jax.lax.fori_loop(0, math.ceil(vl / c), one, out), split)
 
 
 def _embed_fwd(table, ids, dtype, split, c):
@@ -102,11 +134,11 @@ def _embed_bwd(dtype, split, c, residuals, g):
     flat_g = g.reshape(-1, d).astype(jnp.float32)
 
     def one(j, grad):
-        start, hit, pos = _where(ids.reshape(-1), j, c, vl)
+        start, hit, pos = _where(ids.reshape(-1), j, c, vl, split)
         _, fresh = _step_rows(j, c, vl)
         contrib = jnp.where(hit[:, None], flat_g, jnp.float32(0))
         rows = _zeros((split.devices * c, d), jnp.float32, contrib).at[pos].add(contrib)
-        block = jax.lax.psum_scatter(rows, split.axis, scatter_dimension=0, tiled=True)
+        block = _scatter_rows(rows, split)
         current = jax.lax.dynamic_slice_in_dim(grad, start, c)
         return jax.lax.dynamic_update_slice_in_dim(grad, current + jnp.where(fresh[:, None], block, 0), start, 0)
 
@@ -120,7 +152,16 @@ _embed.defvjp(_embed_fwd, _embed_bwd)
 def gather(table: Float[Array, "Vl D"], split: VocabSplit) -> Float[Array, "V D"]:
     """The whole matrix from its blocks (a model call inside the step, outside the loss: its
     logits need every row at once)."""
-    return _gather_rows(table, split)
+    rows = _gather_rows(table, split)  # this stage's part
+    if split.stage_axis is None:
+        return rows
+    # Over the stages a sum of the parts each in its place, not an all-gather: the whole matrix
+    # is then typed the same on every stage, as what is computed from it must be (its gradient
+    # reaches each stage's part whole, not summed over stages that computed the same logits).
+    placed = jax.lax.dynamic_update_index_in_dim(
+        _zeros((split.stages, *rows.shape), rows.dtype, rows), rows, jax.lax.axis_index(split.stage_axis), 0
+    )
+    return jax.lax.psum(placed, split.stage_axis).reshape(-1, rows.shape[-1])
 
 
 # -- the loss head --------------------------------------------------------------------------------
@@ -141,7 +182,7 @@ def _columns(j: Array, c: int, vl: int, split: VocabSplit) -> tuple[Array, Int[A
     step's own, and real: padding rows never do)."""
     start, fresh = _step_rows(j, c, vl)
     owner = np.repeat(np.arange(split.devices), c)
-    ids = owner * vl + start + jnp.tile(jnp.arange(c), split.devices)
+    ids = _stage_start(split, vl) + owner * vl + start + jnp.tile(jnp.arange(c), split.devices)
     return start, ids, jnp.tile(fresh, split.devices) & (ids < split.vocab_size)
 
 
@@ -181,7 +222,14 @@ def _lse_and_target(x, w, labels, split, c, tc):
         return tuple(jax.lax.dynamic_update_slice_in_dim(o, v, start, 0) for o, v in zip(out, (m + jnp.log(s), t)))
 
     zeros = _zeros((n,), jnp.float32, x, w)
-    return jax.lax.fori_loop(0, math.ceil(n / tc), chunk, (zeros, zeros))
+    lse, target = jax.lax.fori_loop(0, math.ceil(n / tc), chunk, (zeros, zeros))
+    if split.stage_axis is None:
+        return lse, target
+    # Each stage has the log-sum-exp of its part of the vocabulary (-inf for a part of padding
+    # rows only) and the target's logit where it holds the target (0 elsewhere): combined.
+    top = jax.lax.stop_gradient(_over_stages(lse, split, jax.lax.pmax))
+    lse = top + jnp.log(_over_stages(jnp.exp(lse - top), split))
+    return lse, _over_stages(target, split)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -216,7 +264,7 @@ def _nll_sum_bwd(split, c, tc, residuals, g):
             dlogits = ((jnp.exp(logits - lsec[:, None]) - target.astype(jnp.float32)) * sc[:, None]).astype(x.dtype)
             dxc = dxc + jnp.einsum("tc,cd->td", dlogits, rows, preferred_element_type=jnp.float32)
             drows = jnp.einsum("tc,td->cd", dlogits, xc, preferred_element_type=jnp.float32)
-            block = jax.lax.psum_scatter(drows, split.axis, scatter_dimension=0, tiled=True)
+            block = _scatter_rows(drows, split)
             current = jax.lax.dynamic_slice_in_dim(dw, start, c)
             return dxc, jax.lax.dynamic_update_slice_in_dim(dw, current + jnp.where(fresh[:, None], block, 0), start, 0)
 
@@ -227,6 +275,7 @@ def _nll_sum_bwd(split, c, tc, residuals, g):
 
     dx0 = _zeros((n, d), x.dtype, x, w, scales)
     dx, dw = jax.lax.fori_loop(0, math.ceil(n / tc), chunk, (dx0, _zeros(w.shape, jnp.float32, w, x, scales)))
+    dx = _over_stages(dx, split)  # each stage's columns add their part of the features' gradient
     return sum_to_varying_of(dx, x), sum_to_varying_of(dw, w).astype(w.dtype), None, sum_to_varying_of(g * nll, weights)
 
 

@@ -27,7 +27,7 @@ DEEPSEEK_V3_AXES: dict[str, AxisRule] = {
     "D": AxisRule("fsdp", "hidden_size"),
     "Q": AxisRule("fsdp", "q_lora_rank"),
     "C": AxisRule("fsdp", "kv_lora_rank"),
-    "V": AxisRule("fsdp", "vocab_size", pad=True),
+    "V": AxisRule(("pipeline", "fsdp"), "vocab_size", pad=True),
     # The MoE stack is pipelined (stages over "pipeline", padding layers skipped: zoo.pipeline).
     # The first_k_dense_replace dense layers (3 of 61 in the published model) are not: they
     # run whole on every stage before the MoE stack, replicated over "pipeline" (no second

@@ -21,7 +21,7 @@ LLAMA_AXES: dict[str, AxisRule] = {
     "G": AxisRule("tensor", "num_kv_heads"),
     "F": AxisRule("tensor", "intermediate_size", pad=True),
     "D": AxisRule("fsdp", "hidden_size"),
-    "V": AxisRule("fsdp", "vocab_size", pad=True),
+    "V": AxisRule(("pipeline", "fsdp"), "vocab_size", pad=True),
     "L": AxisRule("pipeline", "num_layers", pad=True),
 }
 

@@ -144,8 +144,8 @@ def _loss_peak(step: Step, unified: bool) -> int:
                 return jax.value_and_grad(loss, argnums=(0, 1))(x, w, labels)
 
         batch = P(step.axes)
-        f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, P(split.axis), batch),
-                          out_specs=(P(), (batch, P(split.axis))))
+        f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, P(split.spec), batch),
+                          out_specs=(P(), (batch, P(split.spec))))
         w = jax.eval_shape(lambda m: m.unembedding(), step.params)
         jaxpr = jax.make_jaxpr(f)(SDS((b * n, s, d), dtype), SDS(w.shape, w.dtype), SDS((b * n, s), jnp.int32))
     peak, _ = _liveness.program_peak(jaxpr, unified=unified)

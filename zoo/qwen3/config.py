@@ -26,7 +26,7 @@ QWEN3_AXES: dict[str, AxisRule] = {
     "M": AxisRule("tensor", "moe_intermediate_size", pad=True),
     "E": AxisRule("expert", "num_experts", stored_apart_only=True),
     "D": AxisRule("fsdp", "hidden_size"),
-    "V": AxisRule("fsdp", "vocab_size", pad=True),
+    "V": AxisRule(("pipeline", "fsdp"), "vocab_size", pad=True),
     # Both layer stacks are pipelined (zoo.pipeline): each block of the forward pass (one
     # repeating pattern of kinds, or one run of a kind) is a GPipe pass over its repeats, which
     # needs each block to hold its kinds' whole stacks (zoo.qwen3.model.block_pipeline).
