@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default="llama", choices=registry.model_types(), help="model type")
     p.add_argument("--preset", default="small", help="a named config of the model type (llama3.1-405b, small, ...)")
-    p.add_argument("--mesh", default="", help="axis=size pairs: data, fsdp, context, tensor, expert (default: one "
-                   "device, or searched with --devices)")
+    p.add_argument("--mesh", default="", help="axis=size pairs: pipeline, data, fsdp, context, tensor, expert "
+                   "(default: one device, or searched with --devices)")
     p.add_argument("--devices", type=int, default=None, help="device count: search the mesh (or check --mesh's size)")
     p.add_argument("--hardware", default="cpu", help=f"one of {', '.join(HARDWARE)}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")

@@ -119,8 +119,9 @@ def parser() -> argparse.ArgumentParser:
                    help="--placement auto: the hardware of zoo.plan's table (default: from the device kind; 'cpu' on CPU)")
     x.add_argument("--device-budget-gib", type=float, default=None,
                    help="--placement auto: memory per device (default: the device's own limit, else the hardware's HBM)")
-    x.add_argument("--mesh", default="", help="e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, context, tensor, expert; "
-                   "context splits the sequence)")
+    x.add_argument("--mesh", default="",
+                   help="e.g. data=2,fsdp=2,tensor=2 (axes pipeline, data, fsdp, context, tensor, expert; pipeline "
+                        "splits the layer stack into stages, context the sequence)")  # fmt: skip
     x.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
     x.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
     x.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
@@ -313,6 +314,22 @@ def check_plan_host_memory(plan, devices: int) -> None:
         parser().error(f"--placement auto: {e}")
 
 
+def mesh_share(mesh) -> str:
+    """Where this process's devices sit on ``mesh``: the indices they take on each axis over 1
+    (``pipeline 1, fsdp 0-3``): a multi-host layout is checked at a glance."""
+    import jax
+    import numpy as np
+
+    mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
+    parts = []
+    for i, axis in enumerate(mesh.axis_names):
+        if mine.shape[i] > 1:
+            at = np.flatnonzero(mine.any(axis=tuple(j for j in range(mine.ndim) if j != i))).tolist()
+            contiguous = len(at) > 1 and at == list(range(at[0], at[-1] + 1))
+            parts.append(f"{axis} {at[0]}-{at[-1]}" if contiguous else f"{axis} {','.join(map(str, at))}")
+    return ", ".join(parts)
+
+
 def count(n: int, unit: str) -> str:
     """``n`` things in units that fit: ``3,259 tokens``, ``1.2M tokens``, ``3.4B tokens``."""
     if n < 10**6:
@@ -454,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
             mesh = parallel.make_mesh(args.mesh)
         except zoo.MeshError as e:
             parser().error(f"--mesh: {e}")
+        if jax.process_count() > 1:
+            print(f"process {jax.process_index()} of {jax.process_count()}: its devices at mesh {mesh_share(mesh)}",
+                  flush=True)  # fmt: skip
         try:  # before anything is built: rows and sequences the mesh cannot split
             ztrain.batch.check_batch_layout(args, mesh)
         except ConfigError as e:

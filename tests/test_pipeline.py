@@ -4,6 +4,12 @@ axis, micro-batches passed between stages; loss and every gradient equal one dev
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -19,7 +25,9 @@ from zoo.params import flatten
 from zoo.pipeline import bubble
 from zoo.plan import collectives
 
-from helpers import train_on_a_mesh_like_one_device
+from helpers import free_port, train_on_a_mesh_like_one_device
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _loss(model, ids, **kw):
@@ -268,3 +276,57 @@ def test_the_vocabulary_is_split_over_the_stages():
         r = np.asarray(r)
         np.testing.assert_allclose(np.asarray(flatten(parallel.unpad(grads))[path]), r, rtol=1e-5,
                                    atol=1e-5 * float(np.abs(r).max()), err_msg=path)  # fmt: skip
+
+
+def test_the_recipe_trains_pipelined_across_two_processes_like_one_and_resumes_bit_for_bit(tmp_path):
+    """recipes/train.py on pipeline=2,fsdp=4 with 4 micro-batches: 2 processes x 4 CPU devices
+    (pipeline outermost, so each process holds one stage and every row) log the losses of
+    1 process x 8; the one-process run, its step-4 checkpoint deleted (as if stopped after
+    step 2), resumes from step 2 and logs steps 3 and 4 bit for bit."""
+    text = tmp_path / "corpus.txt"  # bytes: no tokenizer
+    text.write_text((ROOT / "zoo" / "train" / "loop.py").read_text() + (ROOT / "zoo" / "parallel.py").read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+
+    def recipe(run: str, devices: int, *extra: str) -> list[str]:
+        # 16 rows over fsdp=4: 4 per device, one per micro-batch.
+        return [sys.executable, str(ROOT / "recipes" / "train.py"), "--preset", "tiny", "--data", str(text),
+                "--steps", "4", "--batch-size", "16", "--seq-len", "32", "--log-every", "1", "--eval-every", "4",
+                "--checkpoint-every", "2", "--mesh", "pipeline=2,fsdp=4", "--microbatches", "4",
+                "--cpu-devices", str(devices), "--run-dir", str(tmp_path / run),
+                "--data-cache", str(tmp_path / f"cache-{run}"), "--peak-tflops", "1", *extra]  # fmt: skip
+
+    def run(*command: str) -> str:
+        out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return out.stdout
+
+    def losses(name: str) -> list[tuple[int, float]]:
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+    port = free_port()
+    processes = ("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2")
+    two = [subprocess.Popen(recipe("two", 4, *processes, "--process-id", str(i)), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]  # fmt: skip
+    try:
+        run(*recipe("one", 8))
+        first = losses("one")
+        assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) == ["2", "4"]
+        shutil.rmtree(tmp_path / "one" / "checkpoints" / "4")  # the newest: a resume falls back to step 2
+        resumed = run(*recipe("one", 8, "--resume"))  # while the two processes still run
+        assert f"resumed from {tmp_path / 'one' / 'checkpoints'} at step 2\n" in resumed, resumed[-2000:]
+        again = losses("one")
+        assert [s for s, _ in first] == [s for s, _ in again] == [1, 2, 3, 4]
+        np.testing.assert_array_equal([x for _, x in again], [x for _, x in first])  # 1, 2 kept; 3, 4 recomputed
+        for i, p in enumerate(two):
+            out, _ = p.communicate(timeout=600)
+            assert p.returncode == 0, out[-3000:]
+            assert f"process {i} of 2: its devices at mesh pipeline {i}, fsdp 0-3\n" in out, out[-3000:]
+    finally:  # a failure above leaves no process behind
+        for p in two:
+            if p.poll() is None:
+                p.kill()
+    got = losses("two")
+    assert [s for s, _ in got] == [1, 2, 3, 4]
+    np.testing.assert_allclose([x for _, x in got], [x for _, x in first], rtol=1e-5)
