@@ -105,6 +105,27 @@ def test_the_schedule_passes_activations_point_to_point():
     assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(4, 16) == pytest.approx(3 / 19)
 
 
+def test_the_validation_loss_runs_pipelined_not_gathered():
+    """zoo.train's evaluation on a pipeline mesh runs as the step does (zoo.parallel.value):
+    a plain jit of the loss on the placed model made XLA all-gather every layer stack over
+    ``pipeline`` (the whole model on every device); the loss is one device's."""
+    from zoo.train import make_eval
+
+    model = _llama(4)
+    mesh = parallel.make_mesh("pipeline=4,fsdp=2")
+    ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size)
+    sharded = parallel.shard(model, mesh)
+    params = eqx.filter(sharded, eqx.is_inexact_array)
+    evaluate = make_eval(sharded, mesh=mesh, microbatches=2)
+    np.testing.assert_allclose(float(evaluate(params, ids)), float(zoo.lm_loss(model, ids)), rtol=1e-5)
+    hlo = jax.jit(evaluate).lower(params, ids).compile().as_text()
+    traffic = collectives.hlo_traffic(hlo, dict(mesh.shape))
+    assert "collective-permute" in hlo
+    assert not [key for key in traffic if key[0] == "all_gather" and "pipeline" in key[1]], traffic
+    plain = jax.jit(make_eval(sharded)).lower(params, ids).compile().as_text()  # what it was
+    assert [key for key in collectives.hlo_traffic(plain, dict(mesh.shape)) if key[0] == "all_gather" and "pipeline" in key[1]]
+
+
 def test_microbatches_that_do_not_divide_the_rows_are_named():
     model = _llama(2)
     mesh = parallel.make_mesh("pipeline=2,fsdp=4")

@@ -359,7 +359,9 @@ from zoo import parallel
 from zoo.deepseek_v3 import preset
 from zoo.placement import memory_kinds
 deepseek = zoo.DeepseekV3(preset("tiny"), key=jax.random.key(0))
-for model, spec in [(None, "fsdp=4,tensor=2"), (deepseek, "fsdp=2,expert=4")]:
+for model, spec, want in [(None, "fsdp=4,tensor=2", (None, "fsdp", "tensor", None)),
+                          (None, "pipeline=2,fsdp=4", ("pipeline", "fsdp", None, None)),
+                          (deepseek, "fsdp=2,expert=4", (None, "expert", "fsdp", None))]:
     mesh = parallel.make_mesh(spec)
     ref_weights, ref_state, ref_losses = t._steps("device", "device", mesh=mesh, model=model)
     weights, state, losses = t._steps("pinned_host", "pinned_host", mesh=mesh, model=model)
@@ -369,7 +371,6 @@ for model, spec in [(None, "fsdp=4,tensor=2"), (deepseek, "fsdp=2,expert=4")]:
         assert a.sharding.is_equivalent_to(b.sharding.with_memory_kind("pinned_host"), a.ndim), (a.sharding, b.sharding)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     w = weights.layers.attn.wq if model is None else weights.moe_layers.moe.w_gate
-    want = (None, "fsdp", "tensor", None) if model is None else (None, "expert", "fsdp", None)
     assert w.sharding.is_equivalent_to(jax.NamedSharding(mesh, jax.P(*want), memory_kind="pinned_host"), 4), w.sharding
     print(spec, losses)
 print("ok")
@@ -377,8 +378,8 @@ print("ok")
 
 
 def test_params_and_optimizer_state_on_host_under_a_mesh():
-    """Sharded (Llama over fsdp x tensor, DeepSeek-V3 over fsdp x expert) and kept in pinned
-    host memory between steps: the shardings survive the round trip and the steps equal the
+    """Sharded (Llama over fsdp x tensor and in pipeline stages, DeepSeek-V3 over fsdp x expert)
+    and kept in pinned host memory between steps: the shardings survive the round trip and the steps equal the
     all-device sharded steps.
 
     In a fresh process: after any single-device pinned-host program has run in a process,

@@ -520,6 +520,27 @@ def value_and_grad(
     device's rows are cut into ``microbatches`` micro-batches (default: the stage count) that
     flow through the stages; the rows are not split over ``pipeline``.
     """
+    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, differentiate=True)
+
+
+def value(
+    loss_fn: Callable[..., Any],
+    mesh: AnyMesh,
+    *,
+    has_aux: bool = False,
+    batch_axes: Sequence[str] = BATCH_AXES,
+    microbatches: int | None = None,
+) -> Callable[..., Any]:
+    """``f(model, *batch, **static) -> loss[, aux]``: :func:`value_and_grad` without the
+    gradient (an evaluation), the model laid out and run as in the training step: layers
+    gathered over ``fsdp`` one at a time, the vocabulary streamed, the stages pipelined. (A
+    plain ``jax.jit`` of the loss on the placed model leaves the layout to XLA, which gathers
+    a layer stack split over ``pipeline`` whole on every device.)"""
+    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, differentiate=False)
+
+
+def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_axes: Sequence[str],
+             microbatches: int | None, *, differentiate: bool) -> Callable[..., Any]:  # fmt: skip
     batch_axes = tuple(batch_axes)
     for a in batch_axes:
         _check_axis(a, "value_and_grad batch_axes")
@@ -571,17 +592,23 @@ def value_and_grad(
                     over = tuple(a for a in axes if a in varying_axes(loss))
                     return (jax.lax.pmean(loss, over) if over else loss), aux
 
-                (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
+                if differentiate:
+                    (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
+                else:
+                    (loss, aux), grads = objective(params), None
                 missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
                 if missing and _size(mesh, "fsdp") > 1:
                     raise MeshError("the model's forward never called zoo.hooks.gather_layer on a layer stack")
             aux = jax.tree.map(lambda a: _reduce_aux(a, (*axes, CONTEXT)), aux)
-            grads = jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
-            return (loss, aux) if has_aux else loss, grads
+            out = (loss, aux) if has_aux else loss
+            if not differentiate:
+                return out
+            return out, jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
 
         in_specs = (specs, jax.tree.map(lambda _: bspec, arrays), *(jax.tree.map(lambda _: bspec, b) for b in batch))
         value_spec = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
-        fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(value_spec, specs), check_vma=True)
+        out_specs = (value_spec, specs) if differentiate else value_spec
+        fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
         return fn(model, arrays, *batch)
 
     return step
@@ -663,5 +690,5 @@ __all__ = [
     "initialize_distributed",
     "is_padded", "layout_sizes", "make_mesh", "pad", "param_axes", "param_bytes", "param_shardings", "parse_mesh",
     "partition_specs", "remat_policy", "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of",
-    "tensor_psum", "unpad", "validate_mesh", "value_and_grad", "varying_like", "vocab_split_of",
+    "tensor_psum", "unpad", "validate_mesh", "value", "value_and_grad", "varying_like", "vocab_split_of",
 ]  # fmt: skip

@@ -118,12 +118,26 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0, 1), compiler_options=dict(xla_options) if xla_options else None)
 
 
-def make_eval(model: eqx.Module, *, placement: Any = None) -> Callable:
+def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, microbatches: int | None = None
+              ) -> Callable:  # fmt: skip
     """``evaluate(params, batch) -> mean next-token loss`` (the plain LM loss), jitted; ``batch``:
-    token ids ``[B, S]`` or a dict of them with any of :data:`BATCH_FIELDS`."""
+    token ids ``[B, S]`` or a dict of them with any of :data:`BATCH_FIELDS`. With a ``mesh`` of
+    more than one device, the loss runs laid out as the training step runs it
+    (:func:`zoo.parallel.value`: ``microbatches`` through pipeline stages), not as XLA would lay
+    out a plain jit of it (which gathers a pipelined layer stack whole on every device)."""
     from zoo.loss import lm_loss
 
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+    if mesh is not None and mesh.size > 1:
+        from zoo import parallel
+
+        loss = parallel.value(lm_loss, mesh, microbatches=microbatches)
+
+        def sharded(params, batch):
+            b = as_batch(batch)
+            return loss(eqx.combine(params, static), b.pop("input_ids"), placement=placement, **b)
+
+        return sharded
 
     @jax.jit
     def evaluate(params, batch):
