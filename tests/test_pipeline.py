@@ -22,7 +22,7 @@ from zoo import parallel
 from zoo.errors import MeshError
 from zoo.llama import preset
 from zoo.params import flatten
-from zoo.pipeline import bubble
+from zoo.pipeline import bubble, stage_order, to_stage_order
 from zoo.plan import collectives
 
 from helpers import free_port, train_on_a_mesh_like_one_device
@@ -39,11 +39,14 @@ def _llama(layers: int, tied: bool = False) -> zoo.Llama:
     return zoo.Llama(config, key=jr.key(0))
 
 
-def _check(model, mesh, ids, microbatches, **kw):
+def _check(model, mesh, ids, microbatches, virtual=1, **kw):
+    """Loss and every gradient equal one device's; padding layers get zero gradient. With
+    ``virtual`` chunks per stage, the interleaved schedule on the model in stage order."""
     ref_loss, ref_grads = eqx.filter_value_and_grad(_loss)(model, ids, **kw)
-    step = parallel.value_and_grad(_loss, mesh, microbatches=microbatches)
+    step = parallel.value_and_grad(_loss, mesh, microbatches=microbatches, virtual_stages=virtual)
     sharded = parallel.shard(model, mesh)
-    loss, grads = step(sharded, ids, **kw)
+    loss, grads = step(to_stage_order(sharded, mesh, virtual), ids, **kw)
+    grads = to_stage_order(grads, mesh, virtual, inverse=True)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     got, want, padded = flatten(parallel.unpad(grads)), flatten(ref_grads), flatten(grads)
     assert set(got) == set(want)
@@ -105,6 +108,47 @@ def test_the_schedule_passes_activations_point_to_point():
     assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(4, 16) == pytest.approx(3 / 19)
 
 
+@pytest.mark.parametrize(
+    "spec, layers, microbatches, virtual, tied, packed",
+    [("pipeline=2,fsdp=4", 5, 4, 3, False, False),  # 5 layers padded to 6: 3 chunks of 1 per stage
+     ("pipeline=4,fsdp=2", 8, 4, 2, True, True)],  # 2 chunks of 1 per stage; tied; packed rows
+)
+def test_the_interleaved_schedule_equals_one_device(spec, layers, microbatches, virtual, tied, packed):
+    """V chunks per stage, the stacks in stage order (device s holds layers s, s + P, ... in
+    chunks), the micro-batches going round the stages V times: loss and every gradient equal
+    one device's."""
+    model = _llama(layers, tied)
+    mesh = parallel.make_mesh(spec)
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    _check(model, mesh, ids, microbatches, virtual, **(_packed() if packed else {}))
+
+
+def test_stage_order_and_the_interleaved_bubble():
+    np.testing.assert_array_equal(stage_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])  # stage 0: chunks 0, 2
+    np.testing.assert_array_equal(stage_order(8, 4, 2), [0, 4, 1, 5, 2, 6, 3, 7])
+    np.testing.assert_array_equal(stage_order(6, 2, 1), np.arange(6))  # GPipe: contiguous stages
+    assert bubble(4, 8, 2) == pytest.approx(3 / 19) and bubble(4, 8) == pytest.approx(3 / 11)
+    model = _llama(4)
+    mesh = parallel.make_mesh("pipeline=2,fsdp=4")
+    ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size)
+    placed = parallel.shard(model, mesh)
+    there = to_stage_order(placed, mesh, 2)
+    np.testing.assert_array_equal(np.asarray(there.layers.attn.wq), np.asarray(placed.layers.attn.wq)[[0, 2, 1, 3]])
+    back = to_stage_order(there, mesh, 2, inverse=True)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(placed)))
+    with pytest.raises(MeshError, match=r"microbatches \(1\) a multiple of the 2 stages"):
+        parallel.value_and_grad(_loss, mesh, microbatches=1, virtual_stages=2)(there, ids)
+    with pytest.raises(MeshError, match="2 stages x 3 virtual stages do not divide 4 layers"):
+        to_stage_order(placed, mesh, 3)
+    from zoo.qwen3 import preset as qwen3_preset  # two dense layers a repeat: stage order moves single layers
+
+    qwen = zoo.Qwen3(qwen3_preset("tiny", "qwen3_moe", num_layers=12, mlp_only_layers=(), decoder_sparse_step=3), key=jr.key(0))
+    qwen_mesh = parallel.make_mesh("pipeline=2,expert=4")
+    with pytest.raises(MeshError, match=r"needs one dense layer per repeat of the layer pattern"):
+        step = parallel.value_and_grad(_family_loss, qwen_mesh, has_aux=True, microbatches=2, virtual_stages=2)
+        step(to_stage_order(parallel.shard(qwen, qwen_mesh), qwen_mesh, 2), ids)
+
+
 def test_the_validation_loss_runs_pipelined_not_gathered():
     """zoo.train's evaluation on a pipeline mesh runs as the step does (zoo.parallel.value):
     a plain jit of the loss on the placed model made XLA all-gather every layer stack over
@@ -147,13 +191,14 @@ def _family_loss(model, ids, **kw):
     return model.loss(ids, **kw)
 
 
-def _check_with_aux(model, mesh, ids, microbatches, stacks, **kw):
+def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, **kw):
     """Loss, every metric (integers exactly) and every gradient equal one device's; the padding
     layers of the pipelined ``stacks`` (``{root: real layer count}``) get zero gradient."""
     (ref_loss, ref_aux), ref_grads = eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids, **kw)
-    step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches)
+    step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches, virtual_stages=virtual)
     sharded = parallel.shard(model, mesh)
-    (loss, aux), grads = step(sharded, ids, **kw)
+    (loss, aux), grads = step(to_stage_order(sharded, mesh, virtual), ids, **kw)
+    grads = to_stage_order(grads, mesh, virtual, inverse=True)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert set(aux) == set(ref_aux)
     for name, want in ref_aux.items():
@@ -193,22 +238,26 @@ def test_deepseek_v3_pipelined_equals_one_device():
 
 
 @pytest.mark.parametrize(
-    "model_type, overrides, spec, stacks, packed",
+    "model_type, overrides, spec, stacks, packed, virtual",
     [
         # Dense, tied head: 3 layers on 2 stages (one padding layer).
-        ("qwen3", {"num_layers": 3}, "pipeline=2,fsdp=4", {"dense_layers": 3}, False),
+        ("qwen3", {"num_layers": 3}, "pipeline=2,fsdp=4", {"dense_layers": 3}, False, 1),
         # Dense, 6 layers on 4 stages (two padding layers), packed rows.
-        ("qwen3", {"num_layers": 6}, "pipeline=4,fsdp=2", {"dense_layers": 6}, True),
+        ("qwen3", {"num_layers": 6}, "pipeline=4,fsdp=2", {"dense_layers": 6}, True, 1),
         # A dense first layer, then 3 MoE layers: two blocks, each a GPipe pass over its whole stack.
-        ("qwen3_moe", {"num_layers": 4}, "pipeline=2,expert=4", {"dense_layers": 1, "moe_layers": 3}, False),
+        ("qwen3_moe", {"num_layers": 4}, "pipeline=2,expert=4", {"dense_layers": 1, "moe_layers": 3}, False, 1),
         # Dense and MoE alternating: one block of 3 (dense, moe) repeats, both stacks in one pass;
         # heads and expert hidden units split over tensor inside each stage.
         ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,tensor=2,fsdp=2",
-         {"dense_layers": 3, "moe_layers": 3}, False),
+         {"dense_layers": 3, "moe_layers": 3}, False, 1),
+        # The same on the interleaved schedule: 2 chunks of one repeat per stage (4 with padding).
+        ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,expert=4",
+         {"dense_layers": 3, "moe_layers": 3}, False, 2),
     ],
-    ids=["qwen3", "qwen3-4-stages-packed", "qwen3_moe-dense-first", "qwen3_moe-alternating-tensor"],
+    ids=["qwen3", "qwen3-4-stages-packed", "qwen3_moe-dense-first", "qwen3_moe-alternating-tensor",
+         "qwen3_moe-alternating-interleaved"],
 )
-def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks, packed):
+def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks, packed, virtual):
     """Loss, balance loss, expert load (exactly) and every gradient equal one device's, with 4
     micro-batches; the router probabilities' sums and the load come out of the stages as
     per-layer outputs."""
@@ -217,7 +266,7 @@ def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks, 
     model = zoo.Qwen3(qwen3_preset("tiny", model_type, **overrides), key=jr.key(0))
     mesh = parallel.make_mesh(spec)
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    aux = _check_with_aux(model, mesh, ids, 4, stacks, **(_packed() if packed else {}))
+    aux = _check_with_aux(model, mesh, ids, 4, stacks, virtual, **(_packed() if packed else {}))
     if "moe_layers" in stacks:
         assert np.asarray(aux["expert_load"]).shape == (stacks["moe_layers"], model.config.num_experts)
         assert float(aux["balance_loss"]) > 0

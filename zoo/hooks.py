@@ -74,11 +74,13 @@ class PipelineSplit:
     each holding a contiguous block of every pipelined stack's layers (padding last), and
     ``microbatches`` micro-batches of each device's rows passed stage to stage
     (:mod:`zoo.pipeline`). ``layers``: per pipelined stack (by its tree structure), its real
-    layer count (layers past it are padding, skipped)."""
+    layer count (layers past it are padding, skipped). ``virtual``: each stage's layers are
+    that many chunks, the stacks stored in :func:`zoo.pipeline.stage_order`."""
 
     stages: int
     microbatches: int
     layers: dict[Any, int]
+    virtual: int = 1  # chunks per stage (the interleaved schedule): the stacks are in stage order
 
 
 @dataclasses.dataclass

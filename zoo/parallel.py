@@ -427,10 +427,11 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
 
 
-def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None) -> PipelineSplit | None:
+def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_stages: int = 1) -> PipelineSplit | None:
     """How the step pipelines ``model``'s layer stacks on ``mesh`` (``None`` without a
     ``pipeline`` axis): every stack whose layer letter the family maps to ``pipeline``, with its
-    real layer count, and ``microbatches`` (default: one per stage, the fewest that fill it)."""
+    real layer count, and ``microbatches`` (default: one per stage, the fewest that fill it;
+    with ``virtual_stages``, the stacks in :func:`zoo.pipeline.stage_order`)."""
     stages = _size(mesh, PIPELINE)
     if stages == 1:
         return None
@@ -445,7 +446,10 @@ def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None) -> Pipelin
     m = stages if microbatches is None else microbatches
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise MeshError(f"value_and_grad: microbatches must be a positive integer, got {microbatches!r}")
-    return PipelineSplit(stages, m, layers)
+    v = virtual_stages
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise MeshError(f"value_and_grad: virtual_stages must be a positive integer, got {virtual_stages!r}")
+    return PipelineSplit(stages, m, layers, v)
 
 
 def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
@@ -499,6 +503,7 @@ def value_and_grad(
     has_aux: bool = False,
     batch_axes: Sequence[str] = BATCH_AXES,
     microbatches: int | None = None,
+    virtual_stages: int = 1,
 ) -> Callable[..., Any]:
     """``f(model, *batch, **static) -> (loss[, aux]), grads`` computed under ``jax.shard_map``.
 
@@ -518,9 +523,12 @@ def value_and_grad(
 
     With a ``pipeline`` axis the layer stacks run as stages on it (:mod:`zoo.pipeline`): each
     device's rows are cut into ``microbatches`` micro-batches (default: the stage count) that
-    flow through the stages; the rows are not split over ``pipeline``.
+    flow through the stages; the rows are not split over ``pipeline``. ``virtual_stages=V``:
+    the interleaved schedule, each stage's layers in ``V`` chunks that the micro-batches visit
+    in ``V`` rounds of the stages (bubble ``(P-1)/(V·M+P-1)``); the model's pipelined stacks
+    must then be in stage order (:func:`zoo.pipeline.to_stage_order`, which ``zoo.train`` applies).
     """
-    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, differentiate=True)
+    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=True)
 
 
 def value(
@@ -530,17 +538,18 @@ def value(
     has_aux: bool = False,
     batch_axes: Sequence[str] = BATCH_AXES,
     microbatches: int | None = None,
+    virtual_stages: int = 1,
 ) -> Callable[..., Any]:
     """``f(model, *batch, **static) -> loss[, aux]``: :func:`value_and_grad` without the
     gradient (an evaluation), the model laid out and run as in the training step: layers
     gathered over ``fsdp`` one at a time, the vocabulary streamed, the stages pipelined. (A
     plain ``jax.jit`` of the loss on the placed model leaves the layout to XLA, which gathers
     a layer stack split over ``pipeline`` whole on every device.)"""
-    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, differentiate=False)
+    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=False)
 
 
 def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_axes: Sequence[str],
-             microbatches: int | None, *, differentiate: bool) -> Callable[..., Any]:  # fmt: skip
+             microbatches: int | None, virtual_stages: int, *, differentiate: bool) -> Callable[..., Any]:  # fmt: skip
     batch_axes = tuple(batch_axes)
     for a in batch_axes:
         _check_axis(a, "value_and_grad batch_axes")
@@ -569,7 +578,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
 
         vary = tuple(dict.fromkeys(a for a in (*axes, CONTEXT) if _size(mesh, a) > 1))
         split = vocab_split_of(model, mesh)
-        pipelined = pipeline_split_of(model, mesh, microbatches)
+        pipelined = pipeline_split_of(model, mesh, microbatches, virtual_stages)
 
         def body(params, local_arrays, *local_batch):
             with step_context(mesh, plans, split, pipelined) as ctx:

@@ -26,15 +26,40 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PyTree
 
 from zoo.errors import MeshError
 from zoo.hooks import PIPELINE, PipelineSplit, varying_axes
 
 
-def bubble(stages: int, microbatches: int) -> float:
-    """The GPipe schedule's idle fraction: ``(P - 1) / (M + P - 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The schedule's idle fraction: ``(P - 1) / (V·M + P - 1)`` (GPipe: ``V = 1``)."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def stage_order(layers: int, stages: int, virtual: int) -> np.ndarray:
+    """For a stack of ``layers`` (padded: ``stages · virtual`` divides it) in stage order, the
+    layer at each stored position: device ``s`` holds its ``virtual`` chunks of ``c`` layers,
+    chunk ``v`` being layers ``(v·P + s)·c ..``; stored position ``s·V·c + v·c + j`` holds
+    layer ``(v·P + s)·c + j``. ``virtual=1`` is the identity (contiguous stages)."""
+    if layers % (stages * virtual):
+        raise MeshError(f"pipeline: {stages} stages x {virtual} virtual stages do not divide {layers} layers")
+    c = layers // (stages * virtual)
+    r = np.arange(layers)
+    s, v, j = r // (virtual * c), r % (virtual * c) // c, r % c
+    return (v * stages + s) * c + j
+
+
+def _schedule(stages: int, microbatches: int, virtual: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each stage's work, in the order it does it (item ``i`` at tick ``stage + i``): the
+    micro-batch and the chunk of item ``i``. Micro-batches go round the ring in groups of
+    ``P``: group ``g``'s chunk ``v`` of micro-batch ``g·P + r`` is item ``g·V·P + v·P + r``, so
+    the last stage finishes chunk ``v`` of a micro-batch the tick before the first stage starts
+    its chunk ``v + 1``. With ``V = 1``, item ``i`` is micro-batch ``i``."""
+    i = np.arange(microbatches * virtual)
+    g, rem = i // (virtual * stages), i % (virtual * stages)
+    return g * stages + rem % stages, rem // stages
 
 
 def _split_rows(tree: PyTree, m: int, rows: int, what: str) -> PyTree:
@@ -93,8 +118,12 @@ def pipelined_scan(
     ``"sum"`` (counts, sums over rows), ``"mean"`` (means over the rows: exact, the micro-batches
     are equal in size), ``"rows"`` (the leaf leads with the micro-batch's rows: concatenated
     back); ``None``: integer leaves summed, floating leaves averaged. Padding layers' outputs
-    are zeros and cut off."""
-    stages, m = split.stages, split.microbatches
+    are zeros and cut off.
+
+    With ``split.virtual = V > 1`` (the interleaved schedule) ``stacked`` is this stage's block
+    of a stack in :func:`stage_order`, ``V`` chunks, and the micro-batches go round the ring of
+    stages ``V`` times (``split.microbatches`` a multiple of the stages)."""
+    stages, m, virtual = split.stages, split.microbatches, split.virtual
     leaves = jax.tree.leaves(carry)
     if not leaves:
         raise MeshError("pipeline: a pipelined stack needs a carry (the residual stream)")
@@ -104,72 +133,125 @@ def pipelined_scan(
             f"pipeline: microbatches={m} must divide each device's {n_rows} rows (the batch over its batch axes)"
         )
     per_stage = jax.tree.leaves(stacked)[0].shape[0]
+    if virtual > 1 and (m % stages or per_stage % virtual):
+        raise MeshError(
+            f"pipeline: the interleaved schedule (virtual_stages={virtual}) needs microbatches ({m}) a multiple of "
+            f"the {stages} stages and virtual_stages to divide each stage's {per_stage} layers"
+        )
+    chunk = per_stage // virtual
     stage = jax.lax.axis_index(PIPELINE)
     micro = _split_rows(carry, m, n_rows, "carry")
     micro_rows = _split_rows(rows, m, n_rows, "row input")
+    item_batch, item_chunk = (jnp.asarray(a, jnp.int32) for a in _schedule(stages, m, virtual))
 
-    def stage_layers(c, r):
-        """This stage's layers on one micro-batch; padding layers (past ``n_layers``) skipped."""
+    def chunk_layers(c, r, v):
+        """This stage's chunk ``v`` on one micro-batch; padding layers (past ``n_layers``) skipped."""
+        layers = stacked if virtual == 1 else jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, v * chunk, chunk), stacked)
 
-        def one(c, layer_i):
-            layer, i = layer_i
+        def one(c, layer_j):
+            layer, j = layer_j
             new, out = layer_fn(c, layer, r)
-            real = stage * per_stage + i < n_layers
+            real = (v * stages + stage) * chunk + j < n_layers
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
-        return jax.lax.scan(one, c, (stacked, jnp.arange(per_stage)))
+        return jax.lax.scan(one, c, (layers, jnp.arange(chunk)))
 
     # The hand-over buffer and the last stage's outputs vary over the pipeline axis (ppermute
     # and the stage index make them differ) as well as over whatever the rows vary over.
     kinds = jax.tree.map(lambda x: varying_axes(x) | {PIPELINE}, micro)
     first = jax.tree.map(lambda x, k: _typed_like(jnp.zeros_like(x[0]), k), micro, kinds)
     outputs = jax.tree.map(lambda x, k: _typed_like(jnp.zeros_like(x), k), micro, kinds)
-    forward = [(i, i + 1) for i in range(stages - 1)]
+    # Forward to the next stage; interleaved, the last stage's output goes round to the first.
+    ring = [(i, (i + 1) % stages) for i in range(stages if virtual > 1 else stages - 1)]
 
     def tick(state, t):
         received, outputs = state
-        mb = t - stage  # the micro-batch this stage works on at tick t
-        active = (mb >= 0) & (mb < m)
-        at = jnp.clip(mb, 0, m - 1)
-        fed = jax.tree.map(lambda x: x[jnp.clip(t, 0, m - 1)], micro)
-        inputs = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), fed, received)
-        y, outs = stage_layers(inputs, jax.tree.map(lambda x: x[at], micro_rows))
-        keep = active & (stage == stages - 1)
+        i = t - stage  # the item this stage works on at tick t
+        active = (i >= 0) & (i < m * virtual)
+        i = jnp.clip(i, 0, m * virtual - 1)
+        mb, v = item_batch[i], item_chunk[i]
+        fed = jax.tree.map(lambda x: x[mb], micro)
+        inputs = jax.tree.map(lambda a, b: jnp.where((stage == 0) & (v == 0), a, b), fed, received)
+        y, outs = chunk_layers(inputs, jax.tree.map(lambda x: x[mb], micro_rows), v)
+        keep = active & (stage == stages - 1) & (v == virtual - 1)
         outputs = jax.tree.map(
-            lambda o, v: jax.lax.dynamic_update_index_in_dim(o, jnp.where(keep, v, o[at]), at, 0), outputs, y
+            lambda o, new: jax.lax.dynamic_update_index_in_dim(o, jnp.where(keep, new, o[mb]), mb, 0), outputs, y
         )
-        sent = jax.tree.map(lambda v: jax.lax.ppermute(v, PIPELINE, forward), y)
+        sent = jax.tree.map(lambda x: jax.lax.ppermute(x, PIPELINE, ring), y)
         return (sent, outputs), outs
 
-    (_, outputs), per_tick = jax.lax.scan(tick, (first, outputs), jnp.arange(m + stages - 1))
+    (_, outputs), per_tick = jax.lax.scan(tick, (first, outputs), jnp.arange(m * virtual + stages - 1))
     last = stage == stages - 1
     whole = jax.tree.map(lambda o: jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), PIPELINE), outputs)
     carry_out = jax.tree.map(lambda o: o.reshape(n_rows, *o.shape[2:]), whole)
-    return carry_out, _gather_outputs(per_tick, _combine_kinds(combine, per_tick), stage, split, per_stage, n_layers)
+    return carry_out, _gather_outputs(per_tick, _combine_kinds(combine, per_tick), stage, split, chunk, n_layers)
 
 
-def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit, per_stage: int, n_layers: int):
-    """The per-layer outputs of every stage's layers, ``[n_layers, ...]`` on every stage, from
-    this stage's per-tick outputs ``[ticks, per_stage, ...]``: stage ``s`` worked on micro-batch
-    ``j`` at tick ``s + j``; padding layers' outputs zeroed and cut off."""
-    stages, m = split.stages, split.microbatches
-    real = stage * per_stage + jnp.arange(per_stage) < n_layers
+def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit, chunk: int, n_layers: int):
+    """The per-layer outputs of every stage's layers, ``[n_layers, ...]`` on every stage (in
+    layer order), from this stage's per-tick outputs ``[ticks, chunk, ...]``: stage ``s`` did
+    item ``i`` (:func:`_schedule`) at tick ``s + i``; padding layers' outputs zeroed and cut off."""
+    stages, m, virtual = split.stages, split.microbatches, split.virtual
+    item_batch, item_chunk = _schedule(stages, m, virtual)
+    by_chunk = np.zeros((virtual, m), np.int64)  # [v, micro-batch] -> item
+    by_chunk[item_chunk, item_batch] = np.arange(m * virtual)
+    layer = (np.arange(virtual)[:, None] * stages + stage) * chunk + np.arange(chunk)[None, :]  # [V, chunk]
+    real = layer < n_layers
     mine = jnp.arange(stages) == stage
 
     def one(y, kind):
-        y = jax.lax.dynamic_slice_in_dim(y, stage, m, axis=0)  # [m, per_stage, ...]: this stage's micro-batches
+        y = jax.lax.dynamic_slice_in_dim(y, stage, m * virtual, axis=0)[by_chunk]  # [V, M, chunk, ...]
         if kind == "sum":
-            y = jnp.sum(y, axis=0)
+            y = jnp.sum(y, axis=1)
         elif kind == "mean":
-            y = jnp.mean(y, axis=0)
-        else:  # [m, per_stage, rows/m, ...] -> [per_stage, rows, ...]
-            y = jnp.moveaxis(y, 0, 1)
-            y = y.reshape(per_stage, -1, *y.shape[3:])
-        y = jnp.where(real.reshape(-1, *(1,) * (y.ndim - 1)), y, jnp.zeros_like(y))
-        # Each stage's block in its place, the others zeros; a psum (not an all-gather) so the
-        # result is typed the same on every stage, as what follows the stack must be.
-        full = jnp.where(mine.reshape(-1, *(1,) * y.ndim), y[None], jnp.zeros_like(y)[None])
-        full = jax.lax.psum(full.reshape(stages * per_stage, *y.shape[1:]), PIPELINE)
+            y = jnp.mean(y, axis=1)
+        else:  # [V, M, chunk, rows/M, ...] -> [V, chunk, rows, ...]
+            y = jnp.moveaxis(y, 1, 2)
+            y = y.reshape(virtual, chunk, -1, *y.shape[4:])
+        y = jnp.where(real.reshape(virtual, chunk, *(1,) * (y.ndim - 2)), y, jnp.zeros_like(y))
+        # Each stage's chunks in their places ([V, P, chunk]: layer order), the others zeros; a
+        # psum (not an all-gather) so the result is typed the same on every stage, as what
+        # follows the stack must be.
+        full = jnp.where(mine.reshape(1, -1, *(1,) * (y.ndim - 1)), y[:, None], jnp.zeros_like(y)[:, None])
+        full = jax.lax.psum(full.reshape(virtual * stages * chunk, *y.shape[2:]), PIPELINE)
         return full[:n_layers]
 
     return jax.tree.map(one, per_tick, kinds)
+
+
+def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = False) -> PyTree:
+    """Every model in ``tree`` (parameters, an optimizer state's moments) with its pipelined
+    stacks in :func:`stage_order` for ``virtual`` chunks per stage on ``mesh``'s ``pipeline``
+    axis, as the interleaved schedule needs them; ``inverse``: back to layer order. Arrays keep
+    their shardings (one stack at a time crosses the stages once); shape structs pass through.
+    The identity for ``virtual=1`` or without a pipeline axis."""
+    from zoo import parallel
+    from zoo.params import map_params
+    from zoo.registry import family_of, is_model
+
+    stages = int(mesh.shape.get(PIPELINE, 1))
+    if virtual == 1 or stages == 1:
+        return tree
+
+    def reorder(x, order):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, jax.Array):
+            return jax.jit(lambda a: a[order], out_shardings=x.sharding)(x)
+        return np.asarray(x)[order]
+
+    def sub(m):
+        if not is_model(m):
+            return m
+        specs, rules = family_of(m).param_specs(m.config), type(m.config).axis_rules
+
+        def leaf(path, x):
+            p = specs[path]
+            if not (p.names and p.names[0] in p.stacked and parallel.param_axes(p, mesh, rules=rules)[0] == PIPELINE):
+                return x
+            order = stage_order(x.shape[0], stages, virtual)
+            return reorder(x, np.argsort(order) if inverse else order)
+
+        return map_params(leaf, m)
+
+    return jax.tree.map(sub, tree, is_leaf=is_model)

@@ -220,6 +220,13 @@ def block_pipeline(model: Qwen3) -> PipelineSplit | None:
                     f"{config.layer_kinds} (mlp_only_layers={config.mlp_only_layers}, decoder_sparse_step="
                     f"{config.decoder_sparse_step}) split the {kind} layers into runs; use a mesh without pipeline"
                 )
+            if split.virtual > 1 and block.pattern.count(kind) > 1:
+                # zoo.pipeline.stage_order permutes single layers, not repeats of several.
+                raise MeshError(
+                    f"Qwen3Config: the interleaved schedule (virtual_stages={split.virtual}) needs one {kind} layer "
+                    f"per repeat of the layer pattern, but {block.pattern} has {block.pattern.count(kind)}; "
+                    "use virtual_stages=1"
+                )
             local = jax.tree.leaves(stacks[kind])[0].shape[0]
             if local != block.pattern.count(kind) * -(-block.repeats // split.stages):
                 raise MeshError(
