@@ -95,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--microbatches", type=int, default=None,
                    help="with a pipeline mesh axis: micro-batches each device's rows are cut into and passed through "
                         "the stages (default: one per stage; more shrink the bubble (P-1)/(M+P-1))")  # fmt: skip
+    d.add_argument("--virtual-stages", type=int, default=1,
+                   help="with a pipeline mesh axis: the interleaved schedule, each stage's layers in V chunks "
+                        "(bubble (P-1)/(V*M+P-1); --microbatches a multiple of the stages; default 1: GPipe)")  # fmt: skip
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=250)
     o.add_argument("--lr", type=positive, default=None,
@@ -175,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.microbatches is not None and args.microbatches < 1:
         p.error(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.virtual_stages < 1:
+        p.error(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
     if args.seq_len < 2:
         p.error(f"--seq-len must be >= 2 (a next-token loss predicts position t+1 from t), got {args.seq_len}")
     if args.cpu_devices is not None and args.cpu_devices < 1:
@@ -510,7 +515,8 @@ def main(argv: list[str] | None = None) -> None:
     data = load_training_data(args, model.config.vocab_size)
     cfg = ztrain.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,
-        microbatches=args.microbatches, min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+        microbatches=args.microbatches, virtual_stages=args.virtual_stages, min_lr_ratio=args.min_lr_ratio,
+        warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
         seed=args.seed, model_options=training_options(model, args), log_every=args.log_every, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
     )  # fmt: skip

@@ -304,6 +304,54 @@ def test_a_pipelined_run_trains_resumes_and_loads_unpadded(tmp_path):
     assert step == 4 and loaded.layers.attn.wq.shape[0] == 3
 
 
+def test_an_interleaved_run_trains_resumes_and_loads_in_layer_order(tmp_path):
+    """zoo.train with virtual_stages=2 keeps the stacks in stage order (checkpoints too) and
+    follows one device's losses, resumes bit for bit, returns and loads (load_run) the model in
+    layer order; resuming it with other virtual stages is refused before anything runs."""
+    from zoo import train as ztrain
+
+    model = _llama(4)
+    mesh = parallel.make_mesh("pipeline=2,fsdp=4")
+    settings = {"microbatches": 2, "virtual_stages": 2}
+    loaded, step, _ = train_on_a_mesh_like_one_device(model, mesh, tmp_path, **settings)
+    assert step == 4
+    cfg = ztrain.TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=4,
+                             eval_batches=1, checkpoint_every=2, **settings)  # fmt: skip
+    from zoo.data import stdlib_corpus
+
+    trained, _ = ztrain.train(model, stdlib_corpus(max_bytes=2**20), cfg, run_dir=tmp_path / "cut", mesh=mesh,
+                              resume=True)  # fmt: skip  (finished: returns the restored model)
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a)[: np.shape(b)[0]] if np.ndim(a) else a, np.asarray(b))
+    # In layer order: each layer's weights are the one-device run's, not another layer's.
+    one = ztrain.load_run(tmp_path / "one")[0]
+    for path, w in flatten(one).items():
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(flatten(loaded)[path]), w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()),
+                                   err_msg=path)  # fmt: skip
+    other = dataclasses.replace(cfg, virtual_stages=1)
+    with pytest.raises(zoo.ConfigError, match=r"stage order of 2 pipeline stages x 2 virtual stages.*1 x 1"):
+        ztrain.train(model, stdlib_corpus(max_bytes=2**20), other, run_dir=tmp_path / "cut", mesh=mesh, resume=True)
+
+
+def test_the_router_bias_update_follows_the_stage_order():
+    """DeepSeek-V3's after_step adds each layer's load to that layer's router bias, also when
+    the run keeps the MoE stack in stage order (3 layers padded to 4, 2 chunks a stage)."""
+    from zoo.deepseek_v3 import preset as deepseek_preset
+    from zoo.pipeline import stacks_in_stage_order
+
+    model = zoo.DeepseekV3(deepseek_preset("tiny", num_layers=4), key=jr.key(0))
+    mesh = parallel.make_mesh("pipeline=2,expert=4")
+    placed = parallel.shard(model, mesh)
+    load = jr.randint(jr.key(2), (3, model.config.n_routed_experts), 0, 50)
+    want = parallel.unpad(placed.after_step({"expert_load": load}))
+    with stacks_in_stage_order(2, 2):
+        got = to_stage_order(to_stage_order(placed, mesh, 2).after_step({"expert_load": load}), mesh, 2, inverse=True)
+    np.testing.assert_array_equal(np.asarray(parallel.unpad(got).moe_layers.moe.router_bias),
+                                  np.asarray(want.moe_layers.moe.router_bias))  # fmt: skip
+    assert np.any(np.asarray(want.moe_layers.moe.router_bias))
+
+
 def test_a_checkpoint_loads_into_the_padded_stages_and_saves_its_true_shapes(fixtures, tmp_path):
     """The 2-layer fixture on pipeline=4: read straight into 4 stages of one layer (2 of them
     padding, zeros), saved back with 2 layers and the same values."""

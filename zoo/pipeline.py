@@ -21,13 +21,15 @@ as the map says; the backward pass finds all ``M`` micro-batches' saved tensors 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree, Shaped
 
 from zoo.errors import MeshError
 from zoo.hooks import PIPELINE, PipelineSplit, varying_axes
@@ -255,3 +257,27 @@ def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = Fal
         return map_params(leaf, m)
 
     return jax.tree.map(sub, tree, is_leaf=is_model)
+
+
+_LAYOUT: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("zoo_stage_order", default=(1, 1))
+
+
+@contextlib.contextmanager
+def stacks_in_stage_order(stages: int, virtual: int) -> Iterator[None]:
+    """Code that updates a placed model's pipelined stacks from per-layer values (a family's
+    ``after_step``) runs under this where the stacks are in :func:`stage_order` (``zoo.train``
+    with ``virtual_stages``): :func:`per_layer_to_stored` then lays the values out as they are."""
+    token = _LAYOUT.set((stages, virtual))
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def per_layer_to_stored(values: Shaped[Array, "n *rest"], length: int) -> Shaped[Array, "L *rest"]:
+    """Per-layer values ``[n, ...]`` in layer order (a pipelined step's per-layer outputs) laid
+    out like a stored stack of ``length`` layers: zeros for its padding layers, and in stage
+    order under :func:`stacks_in_stage_order`."""
+    values = jnp.pad(values, [(0, length - values.shape[0])] + [(0, 0)] * (values.ndim - 1))
+    stages, virtual = _LAYOUT.get()
+    return values if virtual == 1 else values[stage_order(length, stages, virtual)]

@@ -30,6 +30,7 @@ from zoo.deepseek_v3.moe import MoE, route, sequence_balance_loss
 from zoo.deepseek_v3.placement import DeepseekV3Placement
 from zoo.hooks import context_positions, context_size, gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.pipeline import per_layer_to_stored
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
 from zoo.layers.stack import scan_layers
@@ -450,8 +451,9 @@ class DeepseekV3(CausalLM):
             return self
         rate = options_or_default(self, options).router_bias_rate
         bias, load = self.moe_layers.moe.router_bias, metrics["expert_load"]
-        # A pipelined stack's padding layers (zoo.pipeline) have no load: their bias stays zero.
-        load = jnp.pad(load, [(0, bias.shape[0] - load.shape[0]), (0, 0)])
+        # A pipelined stack's padding layers (zoo.pipeline) have no load: their bias stays zero;
+        # in stage order (the interleaved schedule), the layers' loads are put in it too.
+        load = per_layer_to_stored(load, bias.shape[0])
         bias = update_router_bias(bias, load, rate)
         return eqx.tree_at(lambda m: m.moe_layers.moe.router_bias, self, bias)
 

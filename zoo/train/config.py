@@ -25,6 +25,9 @@ class TrainConfig:
     # With a pipeline mesh axis: micro-batches each device's rows flow through the stages in
     # (zoo.pipeline; None: one per stage). Not gradient accumulation, which grad_accum is.
     microbatches: int | None = None
+    # With a pipeline mesh axis: chunks of each stage's layers for the interleaved schedule
+    # (zoo.pipeline; 1: GPipe). The run keeps the layer stacks in stage order.
+    virtual_stages: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
@@ -49,6 +52,8 @@ class TrainConfig:
                      "keep_checkpoints"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.seq_len < 2:

@@ -153,11 +153,12 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     abstract = jax.eval_shape(lambda: family(config, key=jax.random.key(0), param_dtype=dtype, compute_dtype=compute_dtype))
     settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    mesh = None
     if settings.get("mesh"):  # the arrays as the run laid them out: padded where its mesh did not divide them
         from jax.sharding import AbstractMesh
 
-        sizes = tuple(int(settings["mesh"].get(a, 1)) for a in parallel.AXES)
-        abstract = parallel.pad(abstract, AbstractMesh(sizes, parallel.AXES))
+        mesh = AbstractMesh(tuple(int(settings["mesh"].get(a, 1)) for a in parallel.AXES), parallel.AXES)
+        abstract = parallel.pad(abstract, mesh)
     params = eqx.filter(abstract, is_param)
     opt_state = jax.eval_shape(optimizer(TrainConfig(steps=2, warmup=1), abstract).init, params)
     options = ocp.CheckpointManagerOptions(read_only=True)
@@ -171,7 +172,13 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     if tree is None:
         raise CheckpointError(f"{run_dir / 'checkpoints'}: no checkpoint yet")
     static = eqx.filter(abstract, is_param, inverse=True)
-    return parallel.unpad(eqx.combine(tree["params"], static)), step, settings
+    model = eqx.combine(tree["params"], static)
+    virtual = int((settings.get("train") or {}).get("virtual_stages", 1))
+    if mesh is not None and virtual > 1:  # the run kept its stacks in the interleaved schedule's stage order
+        from zoo.pipeline import to_stage_order
+
+        model = to_stage_order(model, mesh, virtual, inverse=True)
+    return parallel.unpad(model), step, settings
 
 
 def load_model(path: str | Path, *, compute_dtype: Any = None) -> tuple[Any, dict[str, Any]]:

@@ -56,6 +56,7 @@ def make_train_step(
     gives a backend's set; ``None``: XLA's defaults).
     """
     from zoo.causal_lm import options_or_default
+    from zoo.pipeline import stacks_in_stage_order
     from zoo.placement import memory_space, tree_placement
 
     options_or_default(model, cfg.model_options)  # a clear error now if they are another family's
@@ -64,6 +65,7 @@ def make_train_step(
     memory_space(opt_memory, "optimizer state")
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     schedule = learning_rate(cfg)
+    stages = 1 if mesh is None else int(mesh.shape.get("pipeline", 1))
 
     def loss_fn(m, ids, **fields):
         return loss_and_metrics(m, ids, cfg=cfg, placement=placement, **fields)
@@ -71,7 +73,8 @@ def make_train_step(
     if mesh is not None and mesh.size > 1:
         from zoo import parallel
 
-        grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True, microbatches=cfg.microbatches)
+        grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True, microbatches=cfg.microbatches,
+                                          virtual_stages=cfg.virtual_stages)  # fmt: skip
     else:
         grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
 
@@ -107,7 +110,8 @@ def make_train_step(
             updates, opt_state = tx.update(grads, opt_state, params)
             lr = schedule(index)
         params = eqx.apply_updates(params, updates)
-        params = eqx.filter(eqx.combine(params, static).after_step(metrics, cfg.model_options), eqx.is_inexact_array)
+        with stacks_in_stage_order(stages, cfg.virtual_stages):  # the run's stacks' layout
+            params = eqx.filter(eqx.combine(params, static).after_step(metrics, cfg.model_options), eqx.is_inexact_array)
         out = {"loss": loss, "grad_norm": global_norm(grads), "lr": jnp.asarray(lr, jnp.float32), **metrics}
         if param_memory != "device":
             params = tree_placement(params, param_memory)
@@ -118,12 +122,13 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0, 1), compiler_options=dict(xla_options) if xla_options else None)
 
 
-def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, microbatches: int | None = None
-              ) -> Callable:  # fmt: skip
+def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, microbatches: int | None = None,
+              virtual_stages: int = 1) -> Callable:  # fmt: skip
     """``evaluate(params, batch) -> mean next-token loss`` (the plain LM loss), jitted; ``batch``:
     token ids ``[B, S]`` or a dict of them with any of :data:`BATCH_FIELDS`. With a ``mesh`` of
     more than one device, the loss runs laid out as the training step runs it
-    (:func:`zoo.parallel.value`: ``microbatches`` through pipeline stages), not as XLA would lay
+    (:func:`zoo.parallel.value`: ``microbatches`` through pipeline stages, ``virtual_stages``
+    chunks of them, the stacks then in stage order), not as XLA would lay
     out a plain jit of it (which gathers a pipelined layer stack whole on every device)."""
     from zoo.loss import lm_loss
 
@@ -131,7 +136,7 @@ def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, mic
     if mesh is not None and mesh.size > 1:
         from zoo import parallel
 
-        loss = parallel.value(lm_loss, mesh, microbatches=microbatches)
+        loss = parallel.value(lm_loss, mesh, microbatches=microbatches, virtual_stages=virtual_stages)
 
         def sharded(params, batch):
             b = as_batch(batch)
