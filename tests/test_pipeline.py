@@ -4,6 +4,7 @@ axis, micro-batches passed between stages; loss and every gradient equal one dev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -191,10 +192,13 @@ def _family_loss(model, ids, **kw):
     return model.loss(ids, **kw)
 
 
-def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, **kw):
-    """Loss, every metric (integers exactly) and every gradient equal one device's; the padding
-    layers of the pipelined ``stacks`` (``{root: real layer count}``) get zero gradient."""
-    (ref_loss, ref_aux), ref_grads = eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids, **kw)
+def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, reference=None, **kw):
+    """Loss, every metric (integers exactly) and every gradient equal one device's (``reference``:
+    them, computed already); the padding layers of the pipelined ``stacks`` (``{root: real layer
+    count}``) get zero gradient."""
+    if reference is None:
+        reference = eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids, **kw)
+    (ref_loss, ref_aux), ref_grads = reference
     step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches, virtual_stages=virtual)
     sharded = parallel.shard(model, mesh)
     (loss, aux), grads = step(to_stage_order(sharded, mesh, virtual), ids, **kw)
@@ -221,16 +225,25 @@ def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, **kw):
     return aux
 
 
-def test_deepseek_v3_pipelined_equals_one_device():
-    """The MoE stack (3 layers on 2 stages: one padding layer) pipelined, the dense first layer
-    and the MTP block on every stage; the balance loss (a mean over sequences, averaged over
-    micro-batches) and the per-layer expert load (summed) equal one device's."""
+@functools.cache
+def _deepseek_v3_reference():
+    """A DeepSeek-V3 with MTP (a dense layer, 3 MoE layers), its batch and one device's loss,
+    metrics and gradients (computed once for every mesh)."""
     from zoo.deepseek_v3 import preset as deepseek_preset
 
     model = zoo.DeepseekV3(deepseek_preset("tiny", num_layers=4, mtp=True), key=jr.key(0))
-    mesh = parallel.make_mesh("pipeline=2,expert=4")
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3})
+    return model, ids, eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids)
+
+
+@pytest.mark.parametrize("spec", ["pipeline=2,expert=4", "pipeline=4,fsdp=2", "pipeline=2,tensor=2,fsdp=2"])
+def test_deepseek_v3_pipelined_equals_one_device(spec):
+    """The MoE stack (3 layers on 2 stages: one padding layer; on 4, one) pipelined, the dense
+    first layer and the MTP block on every stage; the balance loss (a mean over sequences,
+    averaged over micro-batches) and the per-layer expert load (summed) equal one device's."""
+    model, ids, reference = _deepseek_v3_reference()
+    mesh = parallel.make_mesh(spec)
+    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3}, reference=reference)
     assert np.asarray(aux["expert_load"]).shape == (3, model.config.n_routed_experts)
     sharded = parallel.shard(model, mesh)
     assert sharded.moe_layers.attn.wkv_a.sharding.spec[0] == "pipeline"
