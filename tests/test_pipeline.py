@@ -95,17 +95,23 @@ def test_packed_rows_pipelined():
 
 
 def test_the_schedule_passes_activations_point_to_point():
-    """The compiled step moves activations by collective-permute, and never all-gathers the layer
-    stack over the pipeline axis."""
+    """The compiled step moves activations by collective-permute, never all-gathers the layer
+    stack over the pipeline axis, and all-reduces over it as many bytes whatever the number of
+    micro-batches (the first stage's input gradient was all-reduced whole at every tick:
+    M·(M+P-1) rows for M)."""
     model = _llama(4)
     mesh = parallel.make_mesh("pipeline=4,fsdp=2")
     ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size)
-    step = parallel.value_and_grad(_loss, mesh, microbatches=4)
-    hlo = jax.jit(step).lower(parallel.shard(model, mesh), ids).compile().as_text()
-    assert "collective-permute" in hlo
-    traffic = collectives.hlo_traffic(hlo, dict(mesh.shape))
-    assert ("all_gather", ("fsdp",)) in traffic  # the layers' FSDP gathers, within a stage
-    assert not [key for key in traffic if key[0] == "all_gather" and "pipeline" in key[1]], traffic
+    reduced = []
+    for m in (2, 4):
+        step = parallel.value_and_grad(_loss, mesh, microbatches=m)
+        hlo = jax.jit(step).lower(parallel.shard(model, mesh), ids).compile().as_text()
+        assert "collective-permute" in hlo
+        traffic = collectives.hlo_traffic(hlo, dict(mesh.shape))
+        assert ("all_gather", ("fsdp",)) in traffic  # the layers' FSDP gathers, within a stage
+        assert not [key for key in traffic if key[0] == "all_gather" and "pipeline" in key[1]], traffic
+        reduced.append(traffic[("all_reduce", ("pipeline",))])
+    assert reduced[0] == reduced[1], reduced
     assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(4, 16) == pytest.approx(3 / 19)
 
 

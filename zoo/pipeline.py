@@ -161,6 +161,10 @@ def pipelined_scan(
     # The hand-over buffer and the last stage's outputs vary over the pipeline axis (ppermute
     # and the stage index make them differ) as well as over whatever the rows vary over.
     kinds = jax.tree.map(lambda x: varying_axes(x) | {PIPELINE}, micro)
+    # The micro-batches, read by the first stage at every tick, typed as varying over the
+    # stages here, once: the transpose of that cast (a psum of their gradient over the stages)
+    # then runs once after the loop, not on every tick's whole [M, ...] gradient inside it.
+    micro = jax.tree.map(_typed_like, micro, kinds)
     first = jax.tree.map(lambda x, k: _typed_like(jnp.zeros_like(x[0]), k), micro, kinds)
     outputs = jax.tree.map(lambda x, k: _typed_like(jnp.zeros_like(x), k), micro, kinds)
     # Forward to the next stage; interleaved, the last stage's output goes round to the first.
