@@ -242,14 +242,17 @@ def _deepseek_v3_reference():
     return model, ids, eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids)
 
 
-@pytest.mark.parametrize("spec", ["pipeline=2,expert=4", "pipeline=4,fsdp=2", "pipeline=2,tensor=2,fsdp=2"])
-def test_deepseek_v3_pipelined_equals_one_device(spec):
+@pytest.mark.parametrize(
+    "spec, virtual", [("pipeline=2,expert=4", 1), ("pipeline=4,fsdp=2", 1), ("pipeline=2,tensor=2,fsdp=2", 1),
+                      ("pipeline=2,expert=4", 2)],  # the last interleaved: 2 chunks of one MoE layer a stage
+)
+def test_deepseek_v3_pipelined_equals_one_device(spec, virtual):
     """The MoE stack (3 layers on 2 stages: one padding layer; on 4, one) pipelined, the dense
     first layer and the MTP block on every stage; the balance loss (a mean over sequences,
     averaged over micro-batches) and the per-layer expert load (summed) equal one device's."""
     model, ids, reference = _deepseek_v3_reference()
     mesh = parallel.make_mesh(spec)
-    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3}, reference=reference)
+    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3}, virtual, reference=reference)
     assert np.asarray(aux["expert_load"]).shape == (3, model.config.n_routed_experts)
     sharded = parallel.shard(model, mesh)
     assert sharded.moe_layers.attn.wkv_a.sharding.spec[0] == "pipeline"
@@ -263,8 +266,12 @@ def test_deepseek_v3_pipelined_equals_one_device(spec):
         ("qwen3", {"num_layers": 3}, "pipeline=2,fsdp=4", {"dense_layers": 3}, False, 1),
         # Dense, 6 layers on 4 stages (two padding layers), packed rows.
         ("qwen3", {"num_layers": 6}, "pipeline=4,fsdp=2", {"dense_layers": 6}, True, 1),
+        # Dense, heads split over tensor inside each stage, packed rows.
+        ("qwen3", {"num_layers": 4}, "pipeline=2,tensor=2,fsdp=2", {"dense_layers": 4}, True, 1),
         # A dense first layer, then 3 MoE layers: two blocks, each a GPipe pass over its whole stack.
         ("qwen3_moe", {"num_layers": 4}, "pipeline=2,expert=4", {"dense_layers": 1, "moe_layers": 3}, False, 1),
+        # The same on 4 stages with FSDP (experts whole on each device), packed rows.
+        ("qwen3_moe", {"num_layers": 4}, "pipeline=4,fsdp=2", {"dense_layers": 1, "moe_layers": 3}, True, 1),
         # Dense and MoE alternating: one block of 3 (dense, moe) repeats, both stacks in one pass;
         # heads and expert hidden units split over tensor inside each stage.
         ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,tensor=2,fsdp=2",
@@ -273,8 +280,8 @@ def test_deepseek_v3_pipelined_equals_one_device(spec):
         ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,expert=4",
          {"dense_layers": 3, "moe_layers": 3}, False, 2),
     ],
-    ids=["qwen3", "qwen3-4-stages-packed", "qwen3_moe-dense-first", "qwen3_moe-alternating-tensor",
-         "qwen3_moe-alternating-interleaved"],
+    ids=["qwen3", "qwen3-4-stages-packed", "qwen3-tensor-packed", "qwen3_moe-dense-first", "qwen3_moe-4-stages-packed",
+         "qwen3_moe-alternating-tensor", "qwen3_moe-alternating-interleaved"],
 )
 def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks, packed, virtual):
     """Loss, balance loss, expert load (exactly) and every gradient equal one device's, with 4
