@@ -94,6 +94,9 @@ class Step:
     placement: PlacementMap | None
     param_memory: str
     opt_memory: str
+    # With a pipeline axis: the micro-batches each device's rows flow through the stages in
+    # (zoo.pipeline; None: zoo's default, one per stage). Ignored without one.
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         memory_space(self.param_memory, "parameters")
@@ -116,8 +119,19 @@ class Step:
         if limit is not None and self.seq_len > limit:
             raise ConfigError(f"seq_len {self.seq_len} is beyond the model's max_position_embeddings {limit}")
         self.local_batch = self.batch_size // shards
+        self.stages = self.sizes[parallel.PIPELINE]
+        if self.stages > 1:
+            m = self.stages if self.microbatches is None else self.microbatches
+            if not isinstance(m, int) or m < 1 or self.local_batch % m:
+                raise MeshError(
+                    f"microbatches={m} must be a positive integer dividing each device's {self.local_batch} rows "
+                    f"(batch {self.batch_size} over the batch axes; pipeline={self.stages})"
+                )
+        else:
+            self.microbatches = None
         self.skeleton = jax.tree.map(lambda s: np.zeros((), s.dtype) if _is_sds(s) else s, self.model, is_leaf=_is_sds)
-        self.tc = train.TrainConfig(steps=2, batch_size=self.batch_size, seq_len=self.seq_len, warmup=0)
+        self.tc = train.TrainConfig(steps=2, batch_size=self.batch_size, seq_len=self.seq_len, warmup=0,
+                                    microbatches=self.microbatches)  # fmt: skip
         self.tx = train.optimizer(self.tc, self.skeleton)
         self.params = eqx.filter(self.model, _is_sds, is_leaf=_is_sds)
         self.opt = jax.eval_shape(self.tx.init, self.params)
@@ -250,6 +264,7 @@ class StepOptions(TypedDict, total=False):
     param_memory: str  # where parameters live between steps: "device" (default) or "pinned_host"
     opt_memory: str  # the same for the optimizer state
     compute_dtype: Any  # a config is built abstractly in this dtype (default float32)
+    microbatches: int  # with a pipeline axis: micro-batches per device's rows (default: one per stage)
 
 
 def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options: Unpack[StepOptions]) -> Step:
@@ -262,7 +277,8 @@ def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options:
     if placement is not None:
         placement = resolve(placement, model)
     return Step(model, mesh_sizes(options.get("mesh")), int(batch_size), int(seq_len), placement,
-                options.get("param_memory", "device"), options.get("opt_memory", "device"))  # fmt: skip
+                options.get("param_memory", "device"), options.get("opt_memory", "device"),
+                options.get("microbatches"))  # fmt: skip
 
 
 # -- reading the traced program -------------------------------------------------------------------
@@ -271,10 +287,37 @@ def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options:
 @dataclass(frozen=True)
 class Stack:
     """The named tensors of one layer stack (a scanned body run ``length`` times, or a block
-    outside any scan: ``length`` 1): name -> (occurrences per body, per-device shape)."""
+    outside any scan: ``length`` 1): name -> (occurrences per body, per-device shape).
+
+    A pipelined stack (:mod:`zoo.pipeline`) is a scan over ``ticks`` ticks of the GPipe
+    schedule, each running this stage's ``length`` layers on one micro-batch (the shapes are a
+    micro-batch's): every tick's tensors are saved, the bubble's too."""
 
     length: int
     names: dict[str, tuple[int, SDS]]
+    ticks: int = 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.ticks > 1
+
+
+def is_tick_scan(body: Any) -> bool:
+    """Whether a scan's ``body`` is the pipeline's tick loop (:func:`zoo.pipeline.pipelined_scan`):
+    it hands activations to the next stage with a ``ppermute`` over ``"pipeline"``, outside any
+    scan nested in it."""
+
+    def has(j: Any) -> bool:
+        for eqn in j.eqns:
+            if eqn.primitive.name == "ppermute":
+                names = eqn.params.get("axis_name", ())
+                if parallel.PIPELINE in (names if isinstance(names, tuple) else (names,)):
+                    return True
+            elif eqn.primitive.name != "scan" and any(has(sub) for sub in _subjaxprs(eqn)):
+                return True
+        return False
+
+    return has(body.jaxpr if hasattr(body, "jaxpr") and hasattr(body.jaxpr, "eqns") else body)
 
 
 def layer_stacks(jaxpr: Any) -> list[Stack]:
@@ -283,12 +326,13 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
     After autodiff the forward scans come first, then the backward ones, whose remat bodies
     recompute a subset of the same names: a scan whose names are a subset of an earlier scan
     of the same length is a backward copy, and named tensors outside any scan are counted
-    only before the first backward scan."""
-    scans: list[tuple[int, collections.Counter, dict]] = []
+    only before the first backward scan. A pipeline's tick loop is one stack: its length is the
+    stage's layer scan nested in it, its ``ticks`` the loop's."""
+    scans: list[list] = []  # [(ticks, length), names Counter, shapes, position]
     outside: list[tuple[int, str, SDS]] = []  # (position, name, shape)
     counter = [0]
 
-    def walk(j: Any, scan: tuple | None) -> None:
+    def walk(j: Any, scan: list | None) -> None:
         for eqn in j.eqns:
             counter[0] += 1
             if eqn.primitive.name == "name":
@@ -300,9 +344,16 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
                     scan[1][eqn.params["name"]] += 1
                     scan[2][eqn.params["name"]] = s
             inner = scan
-            if scan is None and eqn.primitive.name == "scan" and eqn.params["length"] > 1:
-                inner = (eqn.params["length"], collections.Counter(), {}, counter[0])
-                scans.append(inner)
+            if eqn.primitive.name == "scan":
+                n = eqn.params["length"]
+                if scan is None and is_tick_scan(eqn.params["jaxpr"]):
+                    inner = [(n, 1), collections.Counter(), {}, counter[0]]
+                    scans.append(inner)
+                elif scan is None and n > 1:
+                    inner = [(1, n), collections.Counter(), {}, counter[0]]
+                    scans.append(inner)
+                elif scan is not None and scan[0][0] > 1 and scan[0][1] == 1:
+                    scan[0] = (scan[0][0], n)  # the stage's layers inside a tick
             for sub in _subjaxprs(eqn):
                 walk(sub, inner)
 
@@ -320,8 +371,8 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
                 first_backward = min(first_backward, sc[3])
                 continue
             forward.append(sc)
-    for length, names, shapes, _ in forward:
-        stacks.append(Stack(length, {n: (c, shapes[n]) for n, c in names.items()}))
+    for (ticks, length), names, shapes, _ in forward:
+        stacks.append(Stack(length, {n: (c, shapes[n]) for n, c in names.items()}, ticks))
     block: dict[str, list] = {}
     for position, name, shape in outside:
         if position < first_backward:
@@ -337,9 +388,9 @@ def stack_bytes(stacks: list[Stack]) -> dict[str, int]:
     out: dict[str, int] = {}
     for st in stacks:
         for name, (count, shape) in st.names.items():
-            out[name] = out.get(name, 0) + st.length * count * _nbytes(shape)
+            out[name] = out.get(name, 0) + st.ticks * st.length * count * _nbytes(shape)
     return out
 
 
-__all__ = ["SDS", "Stack", "Step", "StepOptions", "abstract_mesh", "abstract_model", "layer_stacks", "make_step", "mesh_sizes",
-           "mesh_spec", "stack_bytes"]  # fmt: skip
+__all__ = ["SDS", "Stack", "Step", "StepOptions", "abstract_mesh", "abstract_model", "is_tick_scan", "layer_stacks", "make_step",
+           "mesh_sizes", "mesh_spec", "stack_bytes"]  # fmt: skip

@@ -40,7 +40,8 @@ _PRIMITIVES = {
 class Collective:
     """Collectives of one kind over ``axes``: per-device ``nbytes`` of each buffer (the gathered
     or unscattered side), run ``count`` times a step; ``layer``: inside a scanned layer stack;
-    ``backward``: in a scan that also reduce-scatters (FSDP's backward pass)."""
+    ``backward``: in a scan that also reduce-scatters (FSDP's backward pass); ``overlap``: the
+    loop around it also computes (a loop of gathers alone has nothing to hide them behind)."""
 
     kind: str
     axes: tuple[str, ...]
@@ -48,6 +49,7 @@ class Collective:
     count: int
     layer: bool
     backward: bool = False
+    overlap: bool = True
 
     @property
     def total(self) -> int:
@@ -69,7 +71,10 @@ def _buffer(kind: str, eqn: core.JaxprEqn) -> int:
 def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
     """Every collective of a traced step over axes of size > 1, merged by (kind, axes, bytes,
     scope). Scans multiply what they hold by their length; the outermost is the step's loop over
-    micro-batches, a layer scan one of length > 1 inside it."""
+    micro-batches, a layer scan one of length > 1 inside it, or the pipeline's tick loop
+    (:func:`zoo.plan._step.is_tick_scan`) and the stage's layer scan inside that."""
+    from zoo.plan._step import is_tick_scan
+
     found: dict[tuple, int] = {}
 
     def has_scatter(j: core.Jaxpr) -> bool:
@@ -80,7 +85,12 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
                 return True
         return False
 
-    def walk(j: core.Jaxpr, times: int, depth: int, layer: bool, backward: bool, inlined: bool) -> None:
+    def has_dot(j: core.Jaxpr) -> bool:
+        return any(e.primitive.name in ("dot_general", "ragged_dot", "ragged_dot_general")
+                   or any(has_dot(_closed(s)) for s in _subs(e)) for e in j.eqns)  # fmt: skip
+
+    def walk(j: core.Jaxpr, times: int, depth: int, layer: bool, backward: bool, inlined: bool, tick: bool,
+             dots: bool) -> None:  # fmt: skip
         for e in j.eqns:
             name = e.primitive.name
             kind = _PRIMITIVES.get(name)
@@ -90,27 +100,30 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
                 if inlined and kind == "all_gather" and axes == ("fsdp",):
                     continue  # the re-gather of a stack XLA inlines is the forward gather, CSE'd
                 if axes and size:
-                    key = (kind, axes, size, layer, backward)
+                    key = (kind, axes, size, layer, backward, dots)
                     found[key] = found.get(key, 0) + times
                 continue
             if name == "scan":
                 body = _closed(e.params["jaxpr"])
                 n = e.params["length"]
                 if depth == 0:  # make_train_step's loop over micro-batches
-                    walk(body, times * n, 1, layer, backward, inlined)
+                    walk(body, times * n, 1, layer, backward, inlined, False, dots)
                     continue
                 inner = layer or n > 1
                 back = has_scatter(body)
                 # A stack of one layer is inlined by XLA: its backward pass's FSDP re-gathers
-                # repeat the forward pass's gathers of the same weights, and XLA keeps one.
+                # repeat the forward pass's gathers of the same weights, and XLA keeps one. A
+                # stage of one layer inside the pipeline's tick loop likewise: its weights are
+                # the same at every tick, and XLA hoists the re-gather out of the loop.
+                one = n == 1 and back and (not inner or tick)
                 walk(body, times * n, depth + 1, inner, backward or (inner and not layer and back),
-                     inlined or (not inner and back))  # fmt: skip
+                     inlined or one, is_tick_scan(body), has_dot(body))  # fmt: skip
                 continue
             for sub in _subs(e):
-                walk(_closed(sub), times, depth, layer, backward, inlined)
+                walk(_closed(sub), times, depth, layer, backward, inlined, tick, dots)
 
-    walk(_closed(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr), 1, 0, False, False, False)
-    return [Collective(k, a, s, c, lay, bw) for (k, a, s, lay, bw), c in found.items()]
+    walk(_closed(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr), 1, 0, False, False, False, False, True)
+    return [Collective(k, a, s, c, lay, bw, ov) for (k, a, s, lay, bw, ov), c in found.items()]
 
 
 def _subs(eqn: core.JaxprEqn) -> list[Any]:
@@ -157,6 +170,12 @@ def _groups(line: str, n_devices: int) -> list[list[int]]:
     return [list(range(n_devices))]
 
 
+def _pairs(line: str) -> list[list[int]]:
+    """A collective-permute's (source, target) device pairs."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))] if m else [[0]]
+
+
 def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tuple[str, tuple[str, ...]], int]:
     """Per-device bytes per step by (kind, mesh axes) of a compiled SPMD program's collectives
     (``compiled.as_text()``), each buffer times the trip counts of the ``while`` loops around
@@ -194,7 +213,7 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
             base = op.removesuffix("-start")
             if base in _HLO_KIND:
                 kind = _HLO_KIND[base]
-                groups = _groups(line, n)
+                groups = _pairs(line) if kind == "permute" else _groups(line, n)
                 # Sizes from the result: an all-reduce or all-to-all keeps its operand's shape
                 # (a tuple: one buffer per element), a reduce-scatter's operand is its result
                 # times the group.
@@ -203,7 +222,7 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                 # A combined all-reduce holds separate buffers; an all-to-all's tuple is one
                 # buffer cut in a chunk per peer.
                 size = sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
-                axes = axes_of(groups[0])
+                axes = tuple(a for a in AXES if any(a in axes_of(g) for g in groups)) if kind == "permute" else axes_of(groups[0])
                 if axes and size:
                     out[(kind, axes)] = out.get((kind, axes), 0) + size * times
                 continue
@@ -269,7 +288,7 @@ def seconds(kind: str, nbytes: int | float, n: int, bandwidth: int | float) -> f
 def _weights(c: Collective) -> bool:
     """FSDP's per-layer weight gathers and gradient reduce-scatters: XLA's latency-hiding
     scheduler runs them behind the neighbouring layer's compute."""
-    return c.layer and c.axes == ("fsdp",) and c.kind in ("all_gather", "reduce_scatter")
+    return c.layer and c.overlap and c.axes == ("fsdp",) and c.kind in ("all_gather", "reduce_scatter")
 
 
 @dataclass
@@ -310,6 +329,10 @@ class Traffic:
         # The scheduler gathers the next layer while this one computes: two layers' weights live.
         prefetch = 0.0 if hw.unified else max(per_layer.values(), default=0.0)
         return cls(lines, bandwidth, dict(sizes), prefetch)
+
+    def bytes(self, b: int, kind: str, axes: tuple[str, ...]) -> float:
+        """Per-device bytes per step at local batch ``b`` of the collectives of ``kind`` over ``axes``."""
+        return float(sum(max(a + slope * b, 0.0) for (k, x, _), (a, slope) in self.lines.items() if (k, x) == (kind, axes)))
 
     def seconds(self, b: int) -> dict[str, float]:
         """Seconds per step at local batch ``b``: ``forward`` and ``backward`` weight traffic,

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.errors import ConfigError
+from zoo.hooks import PIPELINE
 from zoo.placement import PlacementMap
 from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, make_step, mesh_spec
@@ -46,6 +47,11 @@ from zoo.plan.hardware import Hardware
 from zoo.plan.hardware import hardware as lookup
 
 TREE_PLACES = ("device", "pinned_host")
+# With a pipeline axis, the planner's micro-batches are of one row (Megatron's usual micro-batch
+# size): for b rows per device, M = b micro-batches, the fewest bubble ticks ((P - 1) / (b + P - 1))
+# and the fewest saved rows (b + P - 1 ticks of one) GPipe allows; what it costs, FSDP's
+# re-gathers of the stage's weights at every tick of the backward pass, is priced.
+MICROBATCH_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,13 @@ class Plan:
     # (each row a mesh's best candidate, the chosen mesh first; empty for a given mesh).
     comm_time: float = 0.0
     meshes: tuple[Any, ...] = ()
+    # With a pipeline axis: the micro-batches per device (TrainConfig.microbatches), the bubble's
+    # share of the ticks, and per device per step the point-to-point bytes and those all-reduced
+    # over the pipeline axis (CostModel.pipeline_bytes); None / 0 without one.
+    microbatches: int | None = None
+    bubble: float = 0.0
+    p2p_bytes: float = 0.0
+    pipeline_reduce_bytes: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -122,6 +135,12 @@ class Plan:
                 f"{self.comm_time:.3g} s), MFU {self.mfu:.1%}, {self.tokens_per_s / self.devices:.4g} tokens/s per device"
             ),
         ]
+        if self.microbatches:
+            lines.append(
+                f"  pipeline: microbatches={self.microbatches} (TrainConfig.microbatches), bubble {self.bubble:.1%} of "
+                f"the ticks; per device per step {_size(self.p2p_bytes)} handed stage to stage, "
+                f"{_size(self.pipeline_reduce_bytes)} all-reduced over pipeline"
+            )
         if self.offloaded_verified:
             lines.append(f"  offloaded, checked in the CUDA export: {', '.join(self.offloaded_verified)}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -199,11 +218,26 @@ class _Where:
 
 
 class CostModel:
-    """Memory and step time of any map, batch and tree placement, from a few traces."""
+    """Memory and step time of any map, batch and tree placement, from a few traces.
+
+    With a ``pipeline`` axis of ``P`` stages the traces are of one row per micro-batch
+    (``microbatches`` = the local batch ``b``: :data:`MICROBATCH_ROWS`), so the GPipe schedule
+    runs ``b + P - 1`` ticks, each stage's layers on one row per tick; the pipelined layers'
+    compute, recompute, offload and saved tensors scale with those ``b + P - 1`` rows (the
+    bubble's ticks compute and save as the others do), the rest of the model (embedding, head,
+    loss, DeepSeek-V3's dense-first layers and MTP block) runs whole on every stage, and the
+    point-to-point hand-overs and the broadcast of the last stage's output are collectives of the
+    traced step, priced on the link the pipeline axis crosses."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
                  jaxpr2: Any = None, bodies: list[_flops.Body] | None = None):  # fmt: skip
         self.base, self.hw, self.seq_len = base, hw, seq_len
+        self.stages = base.sizes[PIPELINE]
+        if self.stages > 1 and base.microbatches != base.local_batch:
+            raise ConfigError(
+                f"cost model: a pipeline step is traced at one row per micro-batch (microbatches = the local batch "
+                f"{base.local_batch}), got microbatches={base.microbatches}"
+            )
         # Collectives at local batches 1 and b2 (the second trace, where given): a line in the batch.
         one = collectives.traced(jaxpr, base.sizes)
         two = collectives.traced(jaxpr2, base.sizes) if jaxpr2 is not None else one
@@ -219,12 +253,19 @@ class CostModel:
         self.update = max(e1.update, e2.update)
         fields = set(self.map_cls.names())
         self.stacks = [s for s in layer_stacks(jaxpr) if set(s.names) & fields]
-        # Per name: bytes per unit of local batch, and per stack per layer.
+        # Per name: bytes per unit of local batch (per_b) and fixed (per_0) over every stack. A
+        # pipelined stack saves b + P - 1 ticks of one row (the bubble's ticks too), and the
+        # backward pass's tick reads its tick's saved tensors, the stage's layers of one row, as
+        # a copied slice (the liveness walk's rule for a scan's slice a matmul reads): P rows fixed.
         self.per_b: dict[str, float] = collections.Counter()
+        self.per_0: dict[str, float] = collections.Counter()
         for st in self.stacks:
             for n, (count, shape) in st.names.items():
                 if n in fields:
-                    self.per_b[n] += float(st.length * count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize)
+                    nb = float(st.length * count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize)
+                    self.per_b[n] += nb  # traced at one row (per micro-batch)
+                    if st.pipelined:
+                        self.per_0[n] += nb * self.stages
         self.names = [n for n in self.map_cls.names() if self.per_b.get(n)]
         remat = self.map_cls.preset("remat")
         self.base_device = {n for n in self.names if getattr(remat, n) == "device"}
@@ -236,34 +277,73 @@ class CostModel:
         self._times: dict[tuple, tuple[float, float]] = {}
         self.comm: dict[tuple, float] = {}  # (map, batch, pm, om) -> exposed collective seconds
         self._stack_for = {id(b): self._stack_of(b) for b in self.bodies}
+        # The pipelined layers' share of a sequence's training FLOPs (3 x forward): the rest runs
+        # on every stage.
+        self.pipelined_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if self._pipelined(b))
+
+    # -- the pipeline ------------------------------------------------------------------------
+    def _pipelined(self, body: _flops.Body) -> bool:
+        st = self._stack_for[id(body)]
+        return st is not None and st.pipelined
+
+    def _work(self, body: _flops.Body, b: int) -> tuple[int, int]:
+        """(layers, rows) of ``body`` one device runs per step at local batch ``b``: a pipelined
+        stack's stage (its layers split over the stages, padding included) on ``b + P - 1`` rows,
+        one per tick; any other stack whole on ``b`` rows."""
+        if self._pipelined(body):
+            return -(-body.layers // self.stages), b + MICROBATCH_ROWS * (self.stages - 1)
+        return body.layers, b
+
+    def microbatches(self, b: int) -> int | None:
+        """The micro-batches of a pipelined step at local batch ``b`` (None without a pipeline)."""
+        return b // MICROBATCH_ROWS if self.stages > 1 else None
+
+    def bubble(self, b: int) -> float:
+        """The GPipe bubble's share of the pipelined layers' ticks at local batch ``b``."""
+        if self.stages == 1:
+            return 0.0
+        from zoo.pipeline import bubble
+
+        return bubble(self.stages, self.microbatches(b))
+
+    def pipeline_bytes(self, b: int) -> tuple[float, float]:
+        """Per device per step at local batch ``b``: (point-to-point bytes the stages hand on,
+        bytes all-reduced over the pipeline axis: the last stage's output broadcast, and the
+        backward pass's per-tick sum of the fed micro-batch's gradient)."""
+        return self.traffic.bytes(b, "permute", (PIPELINE,)), self.traffic.bytes(b, "all_reduce", (PIPELINE,))
 
     # -- memory ------------------------------------------------------------------------
-    def _named(self, placement: Any, where: str) -> float:
-        return float(sum(self.per_b[n] for n in self.names if placement.get(n) == where))
+    def _named(self, placement: Any, where: str, b: int) -> float:
+        return float(sum(self.per_b[n] * b + self.per_0[n] for n in self.names if placement.get(n) == where))
 
     def memory(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
         """(device, host) bytes per device at local batch ``b``."""
         placement = _Where.of(placement)
+        base = sum(self.per_b[n] * b + self.per_0[n] for n in self.base_device)
         if placement is None:  # no map: XLA keeps at least every named tensor
-            extra = sum(self.per_b[n] for n in self.names) - sum(self.per_b[n] for n in self.base_device)
+            extra = sum(self.per_b[n] * b + self.per_0[n] for n in self.names) - base
             host_res = 0.0
         else:
-            extra = self._named(placement, "device") - sum(self.per_b[n] for n in self.base_device)
-            host_res = self._named(placement, "pinned_host")
-        passes = self.passes_base + self.passes_slope * b + extra * b
+            extra = self._named(placement, "device", b) - base
+            host_res = self._named(placement, "pinned_host", b)
+        passes = self.passes_base + self.passes_slope * b + extra
         p_host, o_host = pm == "pinned_host", om == "pinned_host"
         temps = max(passes + p_host * self.params, self.update + p_host * self.params + o_host * self.opt)
         device = (not p_host) * self.params + (not o_host) * self.opt + self.batch_bytes * b + temps
         device += self.traffic.prefetch
-        host = p_host * self.params + o_host * self.opt + host_res * b
+        host = p_host * self.params + o_host * self.opt + host_res
         return float(device), float(host)
 
     # -- time ------------------------------------------------------------------------------
     def _stack_of(self, body: _flops.Body) -> Any:
+        """The traced stack a layer body runs in: one of its length sharing its names, else the
+        pipeline's tick loop sharing the most of them."""
         for st in self.stacks:
-            if st.length == body.layers and body.names & set(st.names):
+            if not st.pipelined and st.length == body.layers and body.names & set(st.names):
                 return st
-        return None
+        shared = [(len(body.names & set(st.names)), i) for i, st in enumerate(self.stacks) if st.pipelined]
+        best = max(shared, default=(0, -1))
+        return self.stacks[best[1]] if best[0] else None
 
     def time(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
         """(step seconds, model FLOPs per device) at local batch ``b``."""
@@ -276,15 +356,25 @@ class CostModel:
     def _time(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
         rate = self.peak * self.hw.efficiency
         model = self.flops_model * b
+        # What one device computes: its share of the model's FLOPs where nothing is pipelined;
+        # pipelined, the rest of the model whole on every stage and its stage's layers on b + P - 1 rows.
+        executed = model
+        if self.stages > 1:
+            split = self.base.devices / self.shards / self.stages  # tensor x context
+            rest = max(self.flops_model * self.base.devices / self.shards - self.pipelined_flops, 0.0)
+            executed = rest * b / split + sum(
+                3 * body.forward_flops() * math.prod(self._work(body, b)) for body in self.bodies if self._pipelined(body)
+            ) / split  # fmt: skip
         recompute = exposed = 0.0
         layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
         for body in self.bodies:
-            fwd = body.forward_flops() * b / self.tensor
+            layers, rows = self._work(body, b)
+            fwd = body.forward_flops() * rows / self.tensor
             remat = () if placement is None else [n for n in body.names if placement.get(n) == "remat"]
-            rec = body.recompute_flops(remat) * b / self.tensor
-            recompute += body.layers * rec
-            layer_fwd += body.layers * fwd / rate
-            layer_bwd += body.layers * (2 * fwd + rec) / rate
+            rec = body.recompute_flops(remat) * rows / self.tensor
+            recompute += layers * rec
+            layer_fwd += layers * fwd / rate
+            layer_bwd += layers * (2 * fwd + rec) / rate
             if placement is None or not self.can_offload:
                 continue
             st = self._stack_for[id(body)]
@@ -292,10 +382,10 @@ class CostModel:
             if st is not None:
                 for n, (count, shape) in st.names.items():
                     if placement.get(n) == "pinned_host":
-                        moved += count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize * b
+                        moved += count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize * rows
             link = moved / self.hw.host_link
-            exposed += body.layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
-        compute = (model + recompute) / rate
+            exposed += layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
+        compute = (executed + recompute) / rate
         comm = self.traffic.seconds(b)
         # XLA's latency-hiding scheduler gathers the next layer's weights (and scatters the last
         # layer's gradients) behind this layer's compute; tensor all-reduces, all-to-alls and
@@ -523,8 +613,8 @@ def plan_mesh(
     host_budget = float(hw.host_bytes if host_budget is None else host_budget)
     if hw.unified:
         host_budget = 0.0
-    probe = make_step(model_or_config, batch_size=_shards(mesh), seq_len=seq_len,
-                      placement="remat", mesh=mesh, compute_dtype=compute_dtype)  # fmt: skip
+    probe = make_step(model_or_config, batch_size=_shards(mesh), seq_len=seq_len, placement="remat", mesh=mesh,
+                      compute_dtype=compute_dtype, microbatches=MICROBATCH_ROWS)  # fmt: skip
     shards = probe.batch_size
     if batch_size is not None and batch_size % shards:
         from zoo.errors import MeshError
@@ -536,7 +626,8 @@ def plan_mesh(
     e1 = _from_step(probe, unified=hw.unified, jaxpr=j1)
     # The second point of the line: the requested batch itself, where one is given.
     second = batch_size // shards if batch_size is not None and batch_size > shards else 2
-    probe2 = make_step(probe.model, batch_size=second * shards, seq_len=seq_len, placement="remat", mesh=mesh)
+    probe2 = make_step(probe.model, batch_size=second * shards, seq_len=seq_len, placement="remat", mesh=mesh,
+                       microbatches=second // MICROBATCH_ROWS)  # fmt: skip
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
     cm = CostModel(probe, e1, e2, j1, hw, seq_len, second, jaxpr2=j2, bodies=bodies)
@@ -552,7 +643,7 @@ def plan_mesh(
             _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
         placement, b, pm, om = best
         step = make_step(probe.model, batch_size=b * shards, seq_len=seq_len, placement=placement, mesh=mesh,
-                         param_memory=pm, opt_memory=om)  # fmt: skip
+                         param_memory=pm, opt_memory=om, microbatches=cm.microbatches(b))  # fmt: skip
         est = _from_step(step, unified=hw.unified)
         if est.device_bytes <= usable[0] and est.host_bytes <= usable[1]:
             break
@@ -571,6 +662,8 @@ def plan_mesh(
         candidates=candidates, hardware=hw, device_budget=device_budget, host_budget=host_budget,
         seq_len=seq_len, mesh=mesh_spec(probe.sizes), offloaded_verified=verified,
         notes=tuple(n for n in (hw.note,) if n), comm_time=cm.comm[(_Where.of(placement), b, pm, om)],
+        microbatches=cm.microbatches(b), bubble=cm.bubble(b), p2p_bytes=cm.pipeline_bytes(b)[0],
+        pipeline_reduce_bytes=cm.pipeline_bytes(b)[1],
     )  # fmt: skip
 
 
@@ -615,10 +708,11 @@ def cost_model(
     hw = lookup(hardware if hardware is not None else "cpu")
     shards = _shards(mesh)
     probe = make_step(model_or_config, batch_size=shards, seq_len=seq_len, placement="remat", mesh=mesh,
-                      compute_dtype=compute_dtype)  # fmt: skip
+                      compute_dtype=compute_dtype, microbatches=MICROBATCH_ROWS)  # fmt: skip
     j1 = probe.trace()
     e1 = _from_step(probe, unified=hw.unified, jaxpr=j1)
-    probe2 = make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh)
+    probe2 = make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh,
+                       microbatches=2 // MICROBATCH_ROWS)  # fmt: skip
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
     return CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2)

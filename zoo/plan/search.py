@@ -3,15 +3,19 @@
 1. **Enumerate** every assignment of the device count to ``zoo.parallel.AXES`` that the model
    accepts (``zoo.parallel.validate_mesh`` is the divisibility oracle: when a layout change
    lets a dimension split further, the search sees it) and whose context axis cuts the
-   sequence into equal chunks.
+   sequence into equal chunks; a pipeline of ``P`` stages where each stage holds a real layer,
+   and ``P`` is at most the number of fast domains or shards the state further than any mesh
+   within that (:func:`worth_pipelining`).
 2. **Prune by memory**: the parameters, gradients and AdamW moments per device under the mesh's
    layout (exact, from the parameter description) must fit the device and host budgets
    together, the gradients the device alone.
-3. **Rank** by a quick model of the step at one sequence per device (:func:`quick_time`: compute
-   at the hardware's efficiency, FSDP weight traffic beyond it, the gradient all-reduce over the
-   axes that do not split a weight, tensor all-reduces and the all-to-alls' padded buffers, each on
-   its link), then **plan in full** (:func:`zoo.plan.planner.plan_mesh`: traced memory, the map,
-   the batch, collectives counted on the traced step) the ``top`` best, and keep the fastest.
+3. **Rank** by a quick model of the step at one sequence per device, or with a pipeline at
+   :func:`quick_rows` one-row micro-batches (:func:`quick_time`: compute at the hardware's
+   efficiency, the bubble's ticks included, FSDP weight traffic beyond it, the gradient
+   all-reduce over the axes that do not split a weight, tensor all-reduces, the all-to-alls'
+   padded buffers and the pipeline's hand-overs, each on its link), then **plan in full**
+   (:func:`zoo.plan.planner.plan_mesh`: traced memory, the map, the batch, collectives counted
+   on the traced step) the ``top`` best, and keep the fastest.
 """
 
 from __future__ import annotations
@@ -58,23 +62,50 @@ def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
 
 
+def pipelined_layers(config: Any) -> list[int]:
+    """The layer counts of ``config``'s stacks that a ``pipeline`` axis splits into stages (the
+    dimension letters its family maps to ``pipeline``); empty where none is."""
+    return [config.sizes[letter] for letter, rule in type(config).axis_rules.items() if rule.mesh_axis == PIPELINE]
+
+
+def pipeline_sizes(config: Any, devices: int) -> list[int]:
+    """1, and each pipeline size ``P > 1`` dividing ``devices`` that leaves every stage a real
+    layer of each of ``config``'s pipelined stacks."""
+    counts = pipelined_layers(config)
+    return [1] + [p for p in range(2, devices + 1)
+                  if counts and not devices % p and all((p - 1) * -(-n // p) < n for n in counts)]  # fmt: skip
+
+
 def meshes(config: Any, devices: int, seq_len: int) -> list[dict[str, int]]:
-    """Every mesh of ``devices`` that ``config`` accepts (``validate_mesh``) and whose context
-    axis divides the sequence into its ``2 x context`` equal chunks (``pipeline=1``)."""
+    """Every mesh of ``devices`` that ``config`` accepts (``validate_mesh``), with a pipeline
+    size of :func:`pipeline_sizes`, and whose context axis divides the sequence into its
+    ``2 x context`` equal chunks."""
     out = []
-    # The pipeline axis is not searched yet: the quick model and the cost model do not price its
-    # bubble and point-to-point traffic (a given mesh= with pipeline is traced as any other).
     searched = tuple(a for a in parallel.AXES if a != PIPELINE)
-    for shape in factorizations(devices, len(searched)):
-        sizes = {PIPELINE: 1, **dict(zip(searched, shape))}
-        if seq_len % (2 * sizes["context"]) and sizes["context"] > 1:
-            continue
-        try:
-            parallel.validate_mesh(abstract_mesh(sizes), config)
-        except MeshError:
-            continue
-        out.append(sizes)
+    for stages in pipeline_sizes(config, devices):
+        for shape in factorizations(devices // stages, len(searched)):
+            sizes = {PIPELINE: stages, **dict(zip(searched, shape))}
+            if seq_len % (2 * sizes["context"]) and sizes["context"] > 1:
+                continue
+            try:
+                parallel.validate_mesh(abstract_mesh(sizes), config)
+            except MeshError:
+                continue
+            out.append(sizes)
     return out
+
+
+def worth_pipelining(found: list[dict[str, int]], states: list[float], devices: int, domain: int) -> list[bool]:
+    """Which of the meshes ``found`` (their state bytes per device ``states``) the search keeps: every
+    mesh without a pipeline; one with ``P`` stages where ``P`` is at most the number of fast domains
+    (a pipeline's bubble is pure loss, paid only where its hand-overs replace FSDP or
+    data-parallel traffic on the slow link between domains: inside one, that traffic hides
+    behind the compute), or where its state per device is below every such mesh's (the
+    pipeline shards what no other axis can: 126 layers over 9 stages where no dimension divides by 9)."""
+    domains = -(-devices // max(domain, 1))
+    within = [sizes[PIPELINE] <= domains for sizes in found]
+    least = min((st for st, w in zip(states, within) if w), default=math.inf)
+    return [w or st < least * (1 - 1e-9) for w, st in zip(within, states)]
 
 
 def _state(config: Any, sizes: dict[str, int]) -> tuple[float, float, float]:
@@ -96,32 +127,71 @@ def _state(config: Any, sizes: dict[str, int]) -> tuple[float, float, float]:
     return params, layer, reduced
 
 
-def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, dtype: Any) -> float:
-    """Seconds of one step at one sequence per batch shard, by the quick model (see the module)."""
+def quick_rows(config: Any, sizes: dict[str, int], seq_len: int, budget: float, dtype: Any) -> int:
+    """Rows per device the quick model prices a mesh at: as many as the layer inputs full remat
+    saves (the stage's on ``b + P - 1`` rows, one per tick, with a pipeline of ``P`` stages) fit
+    in ``budget`` beside the state (a pipeline also holds a tick's gradients of its stage), at
+    least one. (At one row an FSDP mesh's weight traffic looks exposed that a batch hides.)"""
+    stages = sizes[PIPELINE]
+    per_row = seq_len // sizes["context"] * config.sizes["D"] * jnp.dtype(dtype).itemsize
+    counts = pipelined_layers(config) if stages > 1 else []
+    stage = sum(-(-n // stages) for n in counts)
+    rest = getattr(config, "num_layers", 1) - sum(counts)
+    p_bytes = _state(config, sizes)[0]
+    room = budget - 4 * p_bytes - (p_bytes if stages > 1 else 0.0) - per_row * stage * (stages - 1)
+    return int(max(1, min(room // (per_row * (stage + max(rest, 0))), 1 << 10)))
+
+
+def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, dtype: Any, rows: int = 1) -> float:
+    """Seconds of one step at ``rows`` sequences per batch shard, by the quick model (see the
+    module); with a pipeline, ``rows`` micro-batches of one row on the GPipe schedule."""
     p_bytes, layer_bytes, reduced = _state(config, sizes)
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     devices = math.prod(sizes.values())
-    compute = config.flops_per_token(seq_len) * seq_len * shards / devices * 4 / 3  # full remat: +1 forward
+    stages = sizes[PIPELINE]
+    flops = config.flops_per_token(seq_len) * seq_len * 4 / 3  # a sequence's; full remat: +1 forward
+    layers = getattr(config, "num_layers", 1)
+    counts = pipelined_layers(config) if stages > 1 else []
+    # Pipelined: the stage's layers run on rows + P - 1 rows (the bubble), the rest of the model
+    # (head, loss, layers kept whole) on every stage; each layer's share of the FLOPs taken alike.
+    d, v = config.sizes["D"], config.vocab_size
+    per_layer = max(flops - 8 * v * d * seq_len, 0.0) / layers
+    ticks = rows + stages - 1
+    stage_layers = sum(-(-n // stages) for n in counts)
+    pipe = per_layer * sum(counts)
+    compute = ((flops - pipe) * rows + per_layer * stage_layers * ticks) * shards * stages / devices
     compute /= hw.peak_for(dtype) * hw.efficiency
 
     def t(kind: str, nbytes: int | float, axes: tuple[str, ...]) -> float:  # noqa: PYI041
         n = math.prod(sizes[a] for a in axes)
         return collectives.seconds(kind, nbytes, n, collectives.link(hw, sizes, axes)) if n > 1 else 0.0
 
-    fsdp = 3 * t("all_gather", layer_bytes, ("fsdp",))
+    # FSDP: each layer gathered forward, re-gathered and its gradient reduce-scattered backward;
+    # pipelined, the forward gathers of the stage run once, in a loop of their own (nothing to
+    # hide behind), the backward's at every tick.
+    if stages == 1:
+        fsdp, exposed_fsdp = 3 * t("all_gather", layer_bytes, ("fsdp",)), 0.0
+    else:
+        fsdp, exposed_fsdp = 2 * ticks * t("all_gather", layer_bytes, ("fsdp",)), t("all_gather", layer_bytes, ("fsdp",))
     over = tuple(a for a in ("data", "fsdp", "context", "expert") if sizes[a] > 1)
     grads = t("all_reduce", reduced, over) if over else 0.0
-    d = config.sizes["D"]
-    layers = getattr(config, "num_layers", 1)
     tokens = seq_len // sizes["context"]
     item = jnp.dtype(dtype).itemsize
-    tensor = 6 * layers * t("all_reduce", tokens * d * item, ("tensor",))
+    layer_rows = stage_layers * ticks + (layers - sum(counts)) * rows if stages > 1 else layers * rows
+    tensor = 6 * layer_rows * t("all_reduce", tokens * d * item, ("tensor",))
     a2a = 0.0
     k = getattr(config, "num_experts_per_tok", 0) or 0
     if sizes["expert"] > 1 and k:
-        moe_layers = layers - (getattr(config, "first_k_dense_replace", 0) or 0)
-        a2a = 6 * moe_layers * t("all_to_all", sizes["expert"] * tokens * k * d * item, ("expert",))
-    return compute + max(0.0, fsdp - compute) + grads + tensor + a2a
+        dense = getattr(config, "first_k_dense_replace", 0) or 0
+        moe_rows = (stage_layers * ticks if stages > 1 else (layers - dense) * rows)
+        a2a = 6 * moe_rows * t("all_to_all", sizes["expert"] * tokens * k * d * item, ("expert",))
+    # The pipeline: a row handed on forward and its gradient back at every tick; the last
+    # stage's output broadcast, and the fed rows' gradients summed over the stages per tick.
+    p2p = 0.0
+    if stages > 1:
+        row = tokens * d * item
+        p2p = 2 * ticks * t("permute", row, (PIPELINE,)) + t("all_reduce", (rows + ticks) * row, (PIPELINE,))
+    return compute + max(0.0, fsdp - compute) + exposed_fsdp + grads + tensor + a2a + p2p
 
 
 def search(
@@ -144,18 +214,22 @@ def search(
         sizes = {r.field: config.sizes[letter] for letter, r in type(config).axis_rules.items()}
         raise MeshError(
             f"no mesh of {devices} devices divides {type(config).__name__} at seq_len {seq_len}: every way of "
-            f"writing {devices} as data x fsdp x context x tensor x expert splits some dimension unevenly "
+            f"writing {devices} as pipeline x data x fsdp x context x tensor x expert splits some dimension unevenly "
             f"({', '.join(f'{k} = {v}' for k, v in sizes.items())}); use a device count these divide"
         )
     margin = plan_kw.get("margin", 0.1)
     budget_d = float(hw.hbm_bytes if plan_kw.get("device_budget") is None else plan_kw["device_budget"]) * (1 - margin)
     budget_h = 0.0 if hw.unified else float(hw.host_bytes if plan_kw.get("host_budget") is None
                                             else plan_kw["host_budget"]) * (1 - margin)  # fmt: skip
+    states = [_state(config, sizes)[0] for sizes in found]
+    keep = worth_pipelining(found, [4 * p for p in states], devices, hw.domain)
+    found = [sizes for sizes, k in zip(found, keep) if k]
+    states = [st for st, k in zip(states, keep) if k]
     rows: list[MeshRow] = []
-    for sizes in found:
-        p_bytes = _state(config, sizes)[0]
+    for sizes, p_bytes in zip(found, states):
         state = 4 * p_bytes
-        quick = quick_time(config, sizes, seq_len, hw, dtype)
+        b = quick_rows(config, sizes, seq_len, budget_d + budget_h, dtype)
+        quick = quick_time(config, sizes, seq_len, hw, dtype, rows=b) / b
         why = ""
         if p_bytes > budget_d or state > budget_d + budget_h:
             why = f"state {state / 2**30:.0f} GiB per device"
@@ -167,13 +241,21 @@ def search(
 
     live = sorted((r for r in rows if not r.why), key=per_token)
     bodies = _flops.layer_bodies(model, seq_len)
-    planned, best = [], None
-    for r in live[:top]:
+    planned, best, tried = [], None, []
+    # The top meshes that plan: one whose activations do not fit (the quick model sees only the
+    # state) gives its place to the next, up to twice top tries.
+    for r in live[: 2 * top]:
+        if sum(1 for x in planned if x.batch_size) >= top:
+            break
+        tried.append(r)
         try:
             p = plan_mesh(model, mesh=r.mesh or None, seq_len=seq_len, hardware=hw, bodies=bodies,
                           **{**plan_kw, "verify": False})  # fmt: skip
         except NothingFits as e:
             planned.append(dataclasses.replace(r, why=str(e).split(":")[0] + " (activations)"))
+            continue
+        except MeshError as e:  # a pipeline the family cannot stage (Qwen3's blocks must line up)
+            planned.append(dataclasses.replace(r, why=str(e)[:120]))
             continue
         row = dataclasses.replace(
             r, batch_size=p.batch_size, device_bytes=float(p.estimate.device_bytes), host_bytes=float(p.estimate.host_bytes),
@@ -183,7 +265,7 @@ def search(
         planned.append(row)
         if best is None or p.tokens_per_s > best.tokens_per_s:
             best = p
-    others = [r for r in rows if r not in live[:top]]
+    others = [r for r in rows if r not in tried]
     if best is None:
         table = mesh_table(planned + sorted(others, key=lambda r: r.state_bytes)[:5])
         smallest = min(rows, key=lambda r: r.state_bytes)
