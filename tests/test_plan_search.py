@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from zoo import plan, registry
+from zoo import parallel, plan, registry
 from zoo.errors import ConfigError, MeshError
 from zoo.plan import search
 
@@ -16,14 +16,36 @@ def config(model_type: str, name: str = "small"):
 
 def test_meshes_are_those_the_model_accepts():
     """validate_mesh is the oracle: 405B's hidden size 16384 and vocabulary 128256 = 2^8 x 501
-    admit fsdp up to 256; no axis takes a factor 9 (72 = 8 x 9 leaves data=9)."""
+    admit fsdp up to 256; no axis but pipeline takes a factor 9 (72 = 8 x 9 leaves data=9, or 9
+    stages of 14 of its 126 layers); a pipeline leaves every stage a real layer."""
     cfg = config("llama", "llama3.1-405b")
     found = search.meshes(cfg, 72, 8192)
-    assert found and all(m["data"] % 9 == 0 for m in found)
+    assert found and all(m["data"] % 9 == 0 for m in found if m["pipeline"] == 1)
     assert {"pipeline": 1, "data": 9, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1} in found
+    assert {"pipeline": 9, "data": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1} in found
+    assert all(m["data"] * m["pipeline"] % 9 == 0 for m in found)
+    # 36 stages of ceil(126 / 36) = 4 layers leave the last none: not a mesh.
+    assert search.pipeline_sizes(cfg, 72) == [1, 2, 3, 4, 6, 8, 9, 12, 18]
     assert all(m["tensor"] <= 8 for m in search.meshes(cfg, 128, 8192))  # 8 KV heads
     assert any(m["fsdp"] == 128 for m in search.meshes(cfg, 128, 8192))
     assert len(search.factorizations(12, 3)) == 18
+
+
+def test_pipelines_are_searched_across_fast_domains_or_where_they_shard_more():
+    """A pipeline of P stages is kept where P is at most the number of fast domains, or where it
+    holds less state per device than every mesh kept without it (72 = 8 x 9 GB200s: 9 stages)."""
+    cfg = config("llama", "llama3.1-405b")
+    found = search.meshes(cfg, 128, 8192)
+    states = [4 * search._state(cfg, m)[0] for m in found]
+    h100 = search.worth_pipelining(found, states, 128, plan.hardware("h100").domain)  # 16 nodes of 8
+    gb200 = search.worth_pipelining(found, states, 128, plan.hardware("gb200").domain)  # 2 racks of 72
+    assert {m["pipeline"] for m, k in zip(found, h100) if k} == {1, 2, 4, 8, 16}
+    assert {m["pipeline"] for m, k in zip(found, gb200) if k} == {1, 2}
+    found = search.meshes(cfg, 72, 8192)
+    states = [4 * search._state(cfg, m)[0] for m in found]
+    kept = [m for m, k in zip(found, search.worth_pipelining(found, states, 72, 72)) if k]
+    # Stage counts with a factor 3 shard what data=9 replicates; 2, 4 and 8 stages still leave it.
+    assert {m["pipeline"] for m in kept} == {1, 3, 6, 9, 12, 18}
 
 
 def test_search_plans_the_fastest_mesh_and_lists_the_others():
@@ -40,11 +62,23 @@ def test_search_plans_the_fastest_mesh_and_lists_the_others():
     assert "meshes of 128 devices" in text and "tokens/s per device" in text
 
 
-def test_nothing_fits_on_72_says_why():
-    with pytest.raises(plan.NothingFits, match=r"no mesh of 72 gb200 fits: the smallest state is 756\.0 GiB per "
-                       r"device .* on data=9,fsdp=8.*72 = 8 x 9 and no dimension of the model divides by 9"):  # fmt: skip
+def test_on_72_gpus_only_a_pipeline_fits():
+    """405B on 72 GB200s: without a pipeline every mesh keeps 9 data-parallel replicas of the
+    state (756 GiB per GPU); 9 stages of 14 layers shard it 72 ways, and the search plans them."""
+    p = plan.plan(config("llama", "llama3.1-405b"), devices=72, hardware="gb200", seq_len=8192,
+                  compute_dtype=jnp.bfloat16, verify=False, top=1)  # fmt: skip
+    sizes = parallel.parse_mesh(p.mesh)
+    assert sizes["pipeline"] == 9 and p.microbatches == p.batch_size // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    assert 0 < p.bubble == 8 / (p.microbatches + 8) and p.p2p_bytes > 0
+    assert p.estimate.device_bytes <= p.device_budget and "pipeline: microbatches=" in str(p)
+    assert any(r.mesh == "data=9,fsdp=8" and "state 756 GiB" in r.why for r in p.meshes)
+
+
+def test_nothing_fits_names_the_smallest_state():
+    with pytest.raises(plan.NothingFits, match=r"no mesh of 72 gb200 fits: the smallest state is 91\.0 GiB per "
+                       r"device .* on pipeline=\d+"):  # fmt: skip
         plan.plan(config("llama", "llama3.1-405b"), devices=72, hardware="gb200", seq_len=8192,
-                  compute_dtype=jnp.bfloat16)  # fmt: skip
+                  compute_dtype=jnp.bfloat16, device_budget=60 * 2**30, host_budget=0)  # fmt: skip
 
 
 def test_errors_name_the_culprit():

@@ -317,17 +317,18 @@ def names_in(jaxpr: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
 
 
 def _subjaxprs(eqn: Any) -> Iterator[Any]:
-    def visit(v: Any) -> Iterator[Any]:
+    """The jaxprs ``eqn`` holds (a scan's body, a call's, a cond's branches), in parameter order.
+    A loop, not a nested function: called on every equation of a traced step, a nested def is
+    re-instrumented per call under the test suite's jaxtyping import hook (seconds per trace)."""
+    todo = list(reversed(eqn.params.values()))
+    while todo:
+        v = todo.pop()
         if hasattr(v, "eqns") and hasattr(v, "outvars"):
             yield v
         elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
             yield v.jaxpr
         elif isinstance(v, (tuple, list)):
-            for x in v:
-                yield from visit(x)
-
-    for v in eqn.params.values():
-        yield from visit(v)
+            todo.extend(reversed(v))
 
 
 # -- parameters and optimizer state --------------------------------------------------

@@ -306,18 +306,16 @@ def is_tick_scan(body: Any) -> bool:
     """Whether a scan's ``body`` is the pipeline's tick loop (:func:`zoo.pipeline.pipelined_scan`):
     it hands activations to the next stage with a ``ppermute`` over ``"pipeline"``, outside any
     scan nested in it."""
-
-    def has(j: Any) -> bool:
-        for eqn in j.eqns:
+    todo = [body.jaxpr if hasattr(body, "jaxpr") and hasattr(body.jaxpr, "eqns") else body]
+    while todo:
+        for eqn in todo.pop().eqns:
             if eqn.primitive.name == "ppermute":
                 names = eqn.params.get("axis_name", ())
                 if parallel.PIPELINE in (names if isinstance(names, tuple) else (names,)):
                     return True
-            elif eqn.primitive.name != "scan" and any(has(sub) for sub in _subjaxprs(eqn)):
-                return True
-        return False
-
-    return has(body.jaxpr if hasattr(body, "jaxpr") and hasattr(body.jaxpr, "eqns") else body)
+            elif eqn.primitive.name != "scan":
+                todo.extend(_subjaxprs(eqn))
+    return False
 
 
 def layer_stacks(jaxpr: Any) -> list[Stack]:

@@ -86,8 +86,13 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
         return False
 
     def has_dot(j: core.Jaxpr) -> bool:
-        return any(e.primitive.name in ("dot_general", "ragged_dot", "ragged_dot_general")
-                   or any(has_dot(_closed(s)) for s in _subs(e)) for e in j.eqns)  # fmt: skip
+        todo = [j]
+        while todo:
+            for e in todo.pop().eqns:
+                if e.primitive.name in ("dot_general", "ragged_dot", "ragged_dot_general"):
+                    return True
+                todo.extend(_closed(s) for s in _subs(e))
+        return False
 
     def walk(j: core.Jaxpr, times: int, depth: int, layer: bool, backward: bool, inlined: bool, tick: bool,
              dots: bool) -> None:  # fmt: skip

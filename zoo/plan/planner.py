@@ -312,6 +312,19 @@ class CostModel:
         backward pass's per-tick sum of the fed micro-batch's gradient)."""
         return self.traffic.bytes(b, "permute", (PIPELINE,)), self.traffic.bytes(b, "all_reduce", (PIPELINE,))
 
+    def compute_flops(self, b: int) -> float:
+        """The model's FLOPs one device runs per step at local batch ``b`` (recomputation not
+        included): its share of the global batch's where nothing is pipelined; pipelined, the
+        rest of the model whole on every stage and its stage's layers on ``b + P - 1`` rows (the
+        bubble's ticks compute too, masked): the pipelined layers' share times ``(M + P - 1) / M``."""
+        if self.stages == 1:
+            return self.flops_model * b
+        split = self.base.devices / self.shards / self.stages  # tensor x context
+        rest = max(self.flops_model * self.base.devices / self.shards - self.pipelined_flops, 0.0)
+        stages = sum(3 * body.forward_flops() * math.prod(self._work(body, b)) for body in self.bodies
+                     if self._pipelined(body))  # fmt: skip
+        return (rest * b + stages) / split
+
     # -- memory ------------------------------------------------------------------------
     def _named(self, placement: Any, where: str, b: int) -> float:
         return float(sum(self.per_b[n] * b + self.per_0[n] for n in self.names if placement.get(n) == where))
@@ -356,15 +369,7 @@ class CostModel:
     def _time(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
         rate = self.peak * self.hw.efficiency
         model = self.flops_model * b
-        # What one device computes: its share of the model's FLOPs where nothing is pipelined;
-        # pipelined, the rest of the model whole on every stage and its stage's layers on b + P - 1 rows.
-        executed = model
-        if self.stages > 1:
-            split = self.base.devices / self.shards / self.stages  # tensor x context
-            rest = max(self.flops_model * self.base.devices / self.shards - self.pipelined_flops, 0.0)
-            executed = rest * b / split + sum(
-                3 * body.forward_flops() * math.prod(self._work(body, b)) for body in self.bodies if self._pipelined(body)
-            ) / split  # fmt: skip
+        executed = self.compute_flops(b)
         recompute = exposed = 0.0
         layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
         for body in self.bodies:

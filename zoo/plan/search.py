@@ -228,7 +228,9 @@ def search(
     rows: list[MeshRow] = []
     for sizes, p_bytes in zip(found, states):
         state = 4 * p_bytes
-        b = quick_rows(config, sizes, seq_len, budget_d + budget_h, dtype)
+        shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        given = plan_kw.get("batch_size")
+        b = max(given // shards, 1) if given else quick_rows(config, sizes, seq_len, budget_d + budget_h, dtype)
         quick = quick_time(config, sizes, seq_len, hw, dtype, rows=b) / b
         why = ""
         if p_bytes > budget_d or state > budget_d + budget_h:
