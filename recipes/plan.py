@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", default="", help="axis=size pairs: pipeline, data, fsdp, context, tensor, expert "
                    "(default: one device, or searched with --devices)")
     p.add_argument("--devices", type=int, default=None, help="device count: search the mesh (or check --mesh's size)")
+    p.add_argument("--no-pipeline", action="store_true", help="with --devices: search no mesh with a pipeline axis")
     p.add_argument("--hardware", default="cpu", help=f"one of {', '.join(HARDWARE)}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the largest that fits)")
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             compute_dtype=getattr(jnp, args.compute_dtype),
             verify=not args.no_verify,
             devices=args.devices,
+            pipeline=not args.no_pipeline,
         )
     except planning.NothingFits as e:
         if e.candidates:

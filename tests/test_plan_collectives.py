@@ -22,6 +22,13 @@ CASES = [  # (model type, mesh, the collectives it must have)
     ("deepseek_v3", "fsdp=2,expert=4", {("all_to_all", ("expert",)), ("all_gather", ("fsdp",))}),
     ("llama", "fsdp=4,context=2", {("all_gather", ("context",)), ("reduce_scatter", ("context",))}),
     ("qwen3_moe", "data=2,tensor=2,expert=2", {("all_to_all", ("expert",)), ("all_reduce", ("tensor",))}),
+    # The pipeline: hand-overs (collective-permutes), the broadcast of the last stage's output;
+    # FSDP's gathers once forward (hoisted out of the tick loop), at every tick backward. A stage
+    # of one layer (tiny: 2 layers, 2 stages) and of two (small: 4 layers).
+    ("llama", "pipeline=2,data=2,fsdp=2", {("permute", ("pipeline",)), ("all_reduce", ("pipeline",)),
+                                           ("all_gather", ("fsdp",)), ("reduce_scatter", ("fsdp",))}),
+    ("llama", "pipeline=2,fsdp=2,tensor=2", {("permute", ("pipeline",)), ("all_gather", ("fsdp",)),
+                                             ("all_reduce", ("tensor",))}, "small"),
 ]  # fmt: skip
 
 
@@ -32,11 +39,11 @@ def config(model_type: str, name: str = "tiny"):
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_traced_collective_bytes_equal_the_compiled_hlo(case):
     """FSDP gathers and reduce-scatters, tensor all-reduces, expert all-to-alls, context K/V
-    gathers and the batch axes' gradient all-reduce: per kind and mesh axes, the bytes counted
-    on the traced step (scans times their length) are the bytes XLA's program moves (its while
-    loops times their trip counts)."""
-    model_type, mesh, expected = case
-    step = make_step(config(model_type), batch_size=8, seq_len=64, mesh=mesh, placement="remat")
+    gathers, the batch axes' gradient all-reduce and the pipeline's hand-overs: per kind and
+    mesh axes, the bytes counted on the traced step (scans times their length) are the bytes
+    XLA's program moves (its while loops times their trip counts)."""
+    model_type, mesh, expected, *preset = case
+    step = make_step(config(model_type, *preset), batch_size=8, seq_len=64, mesh=mesh, placement="remat")
     jaxpr, compiled = step.compile()
     counted = collectives.totals(collectives.traced(jaxpr, step.sizes), floor=FLOOR)
     hlo = collectives.hlo_traffic(compiled.as_text(), step.sizes, floor=FLOOR)

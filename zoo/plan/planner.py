@@ -566,6 +566,7 @@ def plan(
     margin: float = 0.1,
     devices: int | None = None,
     top: int = 5,
+    pipeline: bool = True,
 ) -> Plan:
     """The placement map, parameter and optimizer-state memory, and (``batch_size=None``) the
     largest global batch that maximise estimated tokens per second within ``device_budget``
@@ -573,7 +574,8 @@ def plan(
 
     ``devices`` without ``mesh``: the mesh too, searched over zoo's axes
     (:func:`zoo.plan.search.search`: every mesh of ``devices`` that divides the model, pruned by
-    memory, the ``top`` most promising planned in full); the plan's ``meshes`` hold the table.
+    memory, the ``top`` most promising planned in full; ``pipeline=False``: no pipeline axis);
+    the plan's ``meshes`` hold the table.
     ``hardware``: a name of :data:`zoo.plan.hardware.HARDWARE` (default ``"cpu"``, one memory:
     nothing is offloaded). ``margin``: the fraction of each budget kept free for the
     estimate's own error (10% is the worst measured against XLA:CPU on the test grid). Raises :class:`~zoo.errors.MeshError` for a mesh that does not divide
@@ -588,7 +590,8 @@ def plan(
         if mesh is None:
             return search.search(model_or_config, devices=devices, seq_len=seq_len, device_budget=device_budget,
                                  batch_size=batch_size, host_budget=host_budget, hardware=hardware,
-                                 compute_dtype=compute_dtype, verify=verify, margin=margin, top=top)  # fmt: skip
+                                 compute_dtype=compute_dtype, verify=verify, margin=margin, top=top,
+                                 pipeline=pipeline)  # fmt: skip
         n = math.prod(_mesh_sizes(mesh).values())
         if n != devices:
             raise ConfigError(f"plan: mesh {mesh_spec(_mesh_sizes(mesh))} has {n} devices, not devices={devices}")

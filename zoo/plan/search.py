@@ -196,10 +196,11 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
 
 def search(
     model_or_config: Any, *, devices: int, seq_len: int, hardware: str | Hardware | None, top: int = 5,
-    compute_dtype: Any = None, **plan_kw: Any,
+    compute_dtype: Any = None, pipeline: bool = True, **plan_kw: Any,
 ) -> Any:
-    """The fastest plan over the meshes of ``devices`` (see the module); ``plan_kw``: the
-    budgets, batch, margin and verification of :func:`zoo.plan.plan`. Raises
+    """The fastest plan over the meshes of ``devices`` (see the module; ``pipeline=False``: none
+    with a pipeline axis); ``plan_kw``: the budgets, batch, margin and verification of
+    :func:`zoo.plan.plan`. Raises
     :class:`~zoo.errors.MeshError` naming the dimensions when no mesh of ``devices`` divides
     the model, and :class:`~zoo.plan.NothingFits` (the table of meshes in its message) when
     none fits the budgets."""
@@ -209,7 +210,7 @@ def search(
     model = abstract_model(model_or_config, compute_dtype)
     config = model.config
     dtype = model.compute_dtype
-    found = meshes(config, devices, seq_len)
+    found = [m for m in meshes(config, devices, seq_len) if pipeline or m[PIPELINE] == 1]
     if not found:
         sizes = {r.field: config.sizes[letter] for letter, r in type(config).axis_rules.items()}
         raise MeshError(
