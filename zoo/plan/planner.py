@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zoo import parallel
 from zoo.errors import ConfigError
 from zoo.hooks import PIPELINE
 from zoo.placement import PlacementMap
@@ -224,10 +225,10 @@ class CostModel:
     (``microbatches`` = the local batch ``b``: :data:`MICROBATCH_ROWS`), so the GPipe schedule
     runs ``b + P - 1`` ticks, each stage's layers on one row per tick; the pipelined layers'
     compute, recompute, offload and saved tensors scale with those ``b + P - 1`` rows (the
-    bubble's ticks compute and save as the others do), the rest of the model (embedding, head,
-    loss, DeepSeek-V3's dense-first layers and MTP block) runs whole on every stage, and the
-    point-to-point hand-overs and the broadcast of the last stage's output are collectives of the
-    traced step, priced on the link the pipeline axis crosses."""
+    bubble's ticks compute and save as the others do), the head's work is split over the stages
+    with the vocabulary, the layers kept whole (DeepSeek-V3's dense-first layers and MTP block)
+    run on every stage, and the point-to-point hand-overs and the broadcast of the last stage's
+    output are collectives of the traced step, priced on the link the pipeline axis crosses."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
                  jaxpr2: Any = None, bodies: list[_flops.Body] | None = None):  # fmt: skip
@@ -277,9 +278,14 @@ class CostModel:
         self._times: dict[tuple, tuple[float, float]] = {}
         self.comm: dict[tuple, float] = {}  # (map, batch, pm, om) -> exposed collective seconds
         self._stack_for = {id(b): self._stack_of(b) for b in self.bodies}
-        # The pipelined layers' share of a sequence's training FLOPs (3 x forward): the rest runs
-        # on every stage.
+        # A sequence's training FLOPs (3 x forward) in the pipelined layers, in the layers kept
+        # whole (run on every stage), and outside the layers (the head, split over the stages
+        # with the vocabulary where zoo.vocab_parallel splits it over them; else on every stage).
         self.pipelined_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if self._pipelined(b))
+        self.whole_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if not self._pipelined(b))
+        self.head_flops = max(self.flops_model * base.devices / self.shards - self.pipelined_flops - self.whole_flops, 0)
+        vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
+        self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
 
     # -- the pipeline ------------------------------------------------------------------------
     def _pipelined(self, body: _flops.Body) -> bool:
@@ -308,22 +314,23 @@ class CostModel:
 
     def pipeline_bytes(self, b: int) -> tuple[float, float]:
         """Per device per step at local batch ``b``: (point-to-point bytes the stages hand on,
-        bytes all-reduced over the pipeline axis: the last stage's output broadcast, and the
-        backward pass's per-tick sum of the fed micro-batch's gradient)."""
+        bytes all-reduced over the pipeline axis: the last stage's output broadcast, the backward
+        pass's per-tick sum of the fed micro-batch's gradient and, with the vocabulary split over
+        the stages, the embedding's lookups and the head's feature gradients summed)."""
         return self.traffic.bytes(b, "permute", (PIPELINE,)), self.traffic.bytes(b, "all_reduce", (PIPELINE,))
 
     def compute_flops(self, b: int) -> float:
         """The model's FLOPs one device runs per step at local batch ``b`` (recomputation not
-        included): its share of the global batch's where nothing is pipelined; pipelined, the
-        rest of the model whole on every stage and its stage's layers on ``b + P - 1`` rows (the
-        bubble's ticks compute too, masked): the pipelined layers' share times ``(M + P - 1) / M``."""
+        included): its share of the global batch's where nothing is pipelined; pipelined, its
+        stage's layers on ``b + P - 1`` rows (the bubble's ticks compute too, masked: the
+        pipelined layers' share times ``(M + P - 1) / M``), the head's share of the stages, and
+        the layers kept whole (DeepSeek-V3's dense-first layers and MTP block) on every stage."""
         if self.stages == 1:
             return self.flops_model * b
         split = self.base.devices / self.shards / self.stages  # tensor x context
-        rest = max(self.flops_model * self.base.devices / self.shards - self.pipelined_flops, 0.0)
         stages = sum(3 * body.forward_flops() * math.prod(self._work(body, b)) for body in self.bodies
                      if self._pipelined(body))  # fmt: skip
-        return (rest * b + stages) / split
+        return (self.head_flops / self.head_stages * b + self.whole_flops * b + stages) / split
 
     # -- memory ------------------------------------------------------------------------
     def _named(self, placement: Any, where: str, b: int) -> float:

@@ -65,7 +65,8 @@ def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
 def pipelined_layers(config: Any) -> list[int]:
     """The layer counts of ``config``'s stacks that a ``pipeline`` axis splits into stages (the
     dimension letters its family maps to ``pipeline``); empty where none is."""
-    return [config.sizes[letter] for letter, rule in type(config).axis_rules.items() if rule.mesh_axis == PIPELINE]
+    rules = type(config).axis_rules.items()
+    return [config.sizes[letter] for letter, rule in rules if parallel.axis_names(rule.mesh_axis) == (PIPELINE,)]
 
 
 def pipeline_sizes(config: Any, devices: int) -> list[int]:
@@ -113,10 +114,11 @@ def _state(config: Any, sizes: dict[str, int]) -> tuple[float, float, float]:
     gradient bytes all-reduced over the batch axes that do not split them), float32 parameters."""
     mesh = abstract_mesh(sizes)
     rules = type(config).axis_rules
+    laid_out = parallel.layout_sizes(config, mesh)  # padded: a pipeline's padding layers, the vocabulary
     params = layer = reduced = 0.0
     for p in family_of(config).param_specs(config).values():
-        n = math.prod(p.shape(config.sizes))
-        axes = [a for a in parallel.param_axes(p, mesh, rules=rules) if a]
+        n = math.prod(p.shape(laid_out))
+        axes = [a for entry in parallel.param_axes(p, mesh, rules=rules) for a in parallel.axis_names(entry)]
         split = math.prod(sizes[a] for a in axes)
         params += 4 * n / split
         if p.names and p.names[0].startswith("L") and p.names[0] in p.stacked:
@@ -152,14 +154,16 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
     flops = config.flops_per_token(seq_len) * seq_len * 4 / 3  # a sequence's; full remat: +1 forward
     layers = getattr(config, "num_layers", 1)
     counts = pipelined_layers(config) if stages > 1 else []
-    # Pipelined: the stage's layers run on rows + P - 1 rows (the bubble), the rest of the model
-    # (head, loss, layers kept whole) on every stage; each layer's share of the FLOPs taken alike.
+    # Pipelined: the stage's layers run on rows + P - 1 rows (the bubble), the head's work is split
+    # over the stages with the vocabulary, layers kept whole run on every stage; each layer's
+    # share of the FLOPs taken alike.
     d, v = config.sizes["D"], config.vocab_size
-    per_layer = max(flops - 8 * v * d * seq_len, 0.0) / layers
+    head = min(8 * v * d * seq_len, flops)
+    per_layer = (flops - head) / layers
     ticks = rows + stages - 1
     stage_layers = sum(-(-n // stages) for n in counts)
-    pipe = per_layer * sum(counts)
-    compute = ((flops - pipe) * rows + per_layer * stage_layers * ticks) * shards * stages / devices
+    whole = per_layer * (layers - sum(counts))
+    compute = (head * rows / stages + whole * rows + per_layer * stage_layers * ticks) * shards * stages / devices
     compute /= hw.peak_for(dtype) * hw.efficiency
 
     def t(kind: str, nbytes: int | float, axes: tuple[str, ...]) -> float:  # noqa: PYI041
@@ -246,8 +250,8 @@ def search(
     bodies = _flops.layer_bodies(model, seq_len)
     planned, best, tried = [], None, []
     # The top meshes that plan: one whose activations do not fit (the quick model sees only the
-    # state) gives its place to the next, up to twice top tries.
-    for r in live[: 2 * top]:
+    # state) gives its place to the next, up to top + 4 tries (a failed try traces, no more).
+    for r in live[: top + 4]:
         if sum(1 for x in planned if x.batch_size) >= top:
             break
         tried.append(r)
