@@ -39,6 +39,9 @@ GRID = [
     # overflow's weight gradients in place into the batched pass's (30% over before that was
     # modelled). (The tile-loop kernel, `grouped`, is within 5% here too: docs/planning.md.)
     ("qwen3_moe", 8, 64, "remat", "fsdp=8", "device", "pinned_host"),
+    # A pipeline: every tick of the GPipe schedule keeps its named tensors (4 stages, 4
+    # micro-batches: 7 ticks of 1 row, the bubble's included), the liveness walk sees them all.
+    ("llama", 8, 128, "device", "pipeline=4,data=2", "device", "device"),
 ]
 
 
