@@ -298,19 +298,25 @@ def _weights(c: Collective) -> bool:
 
 @dataclass
 class Traffic:
-    """A step's collectives as lines in the local batch (traced at local batches 1 and ``b2``),
-    priced on ``hw`` for the mesh ``sizes``: seconds of FSDP weight traffic in the forward and
-    the backward layer loops (hidden behind those loops' compute where it fits), and seconds of
-    everything else (tensor all-reduces, all-to-alls, context gathers, the gradient all-reduce
-    over the batch axes, gathers outside the layer loops), exposed."""
+    """A step's collectives as polynomials in the local batch: lines through the traces at local
+    batches 1 and ``b2``, or through three traces a parabola (a pipelined step, whose per-tick
+    collectives can grow with the micro-batches times the ticks), priced on ``hw`` for the mesh
+    ``sizes``: seconds of FSDP weight traffic in the forward and the backward layer loops
+    (hidden behind those loops' compute where it fits), and seconds of everything else (tensor
+    all-reduces, all-to-alls, context gathers, the gradient all-reduce over the batch axes,
+    gathers outside the layer loops, a pipeline's hand-overs and all-reduces), exposed."""
 
-    lines: dict[tuple[str, tuple[str, ...], str], tuple[float, float]]  # (kind, axes, scope) -> (a, slope)
+    lines: dict[tuple[str, tuple[str, ...], str], tuple[float, ...]]  # (kind, axes, scope) -> coefficients
     bandwidth: dict[tuple[str, ...], float]
     sizes: dict[str, int]
     prefetch: float  # bytes: one more layer of gathered weights, the scheduler's prefetch buffer
 
     @classmethod
-    def of(cls, one: list[Collective], two: list[Collective], b2: int, sizes: Mapping[str, int], hw: Any) -> Traffic:
+    def of(cls, one: list[Collective], two: list[Collective], b2: int, sizes: Mapping[str, int], hw: Any,
+           three: tuple[int, list[Collective]] | None = None) -> Traffic:  # fmt: skip
+        """From the collectives traced at local batch 1 (``one``), ``b2`` (``two``) and, where
+        given, ``three = (b3, collectives)``."""
+
         def scope(c: Collective) -> str:
             return ("backward" if c.backward else "forward") if _weights(c) else "exposed"
 
@@ -321,11 +327,17 @@ class Traffic:
                 out[key] = out.get(key, 0.0) + c.total
             return out
 
-        s1, s2 = sums(one), sums(two)
+        points = [(1, sums(one)), (b2, sums(two))] + ([(three[0], sums(three[1]))] if three else [])
+        xs = np.array([float(b) for b, _ in points])
+        if len(set(xs.tolist())) < len(xs):
+            raise ConfigError(f"Traffic: the traces' local batches {xs.tolist()} must differ")
+        # Coefficients, lowest power first, of the polynomial through the points (exact: as
+        # many coefficients as points).
+        vander = np.vander(xs, len(xs), increasing=True)
         lines = {}
-        for key in set(s1) | set(s2):
-            slope = (s2.get(key, 0.0) - s1.get(key, 0.0)) / max(b2 - 1, 1)
-            lines[key] = (s1.get(key, 0.0) - slope, slope)
+        for key in set().union(*(s for _, s in points)):
+            ys = np.array([s.get(key, 0.0) for _, s in points])
+            lines[key] = tuple(float(c) for c in np.linalg.solve(vander, ys))
         bandwidth = {axes: link(hw, sizes, axes) for _, axes, _ in lines}
         per_layer: dict[int, float] = {}
         for c in one:
@@ -335,15 +347,19 @@ class Traffic:
         prefetch = 0.0 if hw.unified else max(per_layer.values(), default=0.0)
         return cls(lines, bandwidth, dict(sizes), prefetch)
 
+    @staticmethod
+    def _at(coefficients: tuple[float, ...], b: int) -> float:
+        return max(sum(c * b**i for i, c in enumerate(coefficients)), 0.0)
+
     def bytes(self, b: int, kind: str, axes: tuple[str, ...]) -> float:
         """Per-device bytes per step at local batch ``b`` of the collectives of ``kind`` over ``axes``."""
-        return float(sum(max(a + slope * b, 0.0) for (k, x, _), (a, slope) in self.lines.items() if (k, x) == (kind, axes)))
+        return float(sum(self._at(cs, b) for (k, x, _), cs in self.lines.items() if (k, x) == (kind, axes)))
 
     def seconds(self, b: int) -> dict[str, float]:
         """Seconds per step at local batch ``b``: ``forward`` and ``backward`` weight traffic,
         ``exposed`` the rest."""
         out = {"forward": 0.0, "backward": 0.0, "exposed": 0.0}
-        for (kind, axes, where), (a, slope) in self.lines.items():
+        for (kind, axes, where), cs in self.lines.items():
             n = math.prod(self.sizes[x] for x in axes)
-            out[where] += seconds(kind, max(a + slope * b, 0.0), n, self.bandwidth[axes])
+            out[where] += seconds(kind, self._at(cs, b), n, self.bandwidth[axes])
         return out

@@ -231,7 +231,7 @@ class CostModel:
     output are collectives of the traced step, priced on the link the pipeline axis crosses."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
-                 jaxpr2: Any = None, bodies: list[_flops.Body] | None = None):  # fmt: skip
+                 jaxpr2: Any = None, bodies: list[_flops.Body] | None = None, third: tuple[int, Any] | None = None):  # fmt: skip
         self.base, self.hw, self.seq_len = base, hw, seq_len
         self.stages = base.sizes[PIPELINE]
         if self.stages > 1 and base.microbatches != base.local_batch:
@@ -239,10 +239,12 @@ class CostModel:
                 f"cost model: a pipeline step is traced at one row per micro-batch (microbatches = the local batch "
                 f"{base.local_batch}), got microbatches={base.microbatches}"
             )
-        # Collectives at local batches 1 and b2 (the second trace, where given): a line in the batch.
+        # Collectives at local batches 1 and b2 (the second trace, where given): a line in the batch;
+        # with a third trace (b3, jaxpr: a pipeline's), a parabola.
         one = collectives.traced(jaxpr, base.sizes)
         two = collectives.traced(jaxpr2, base.sizes) if jaxpr2 is not None else one
-        self.traffic = collectives.Traffic.of(one, two, b2 if jaxpr2 is not None else 2, base.sizes, hw)
+        three = None if third is None else (third[0], collectives.traced(third[1], base.sizes))
+        self.traffic = collectives.Traffic.of(one, two, b2 if jaxpr2 is not None else 2, base.sizes, hw, three)
         self.peak = hw.peak_for(base.model.compute_dtype)
         self.map_cls = type(base.model).placement_map
         self.shards = base.batch_size // base.local_batch
@@ -645,7 +647,8 @@ def plan_mesh(
                        microbatches=second // MICROBATCH_ROWS)  # fmt: skip
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
-    cm = CostModel(probe, e1, e2, j1, hw, seq_len, second, jaxpr2=j2, bodies=bodies)
+    cm = CostModel(probe, e1, e2, j1, hw, seq_len, second, jaxpr2=j2, bodies=bodies,
+                   third=_third_trace(probe, second, seq_len, mesh))  # fmt: skip
 
     if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
         raise ConfigError(f"plan: margin is the fraction of each budget kept free, in [0, 1); got {margin!r}")
@@ -730,7 +733,18 @@ def cost_model(
                        microbatches=2 // MICROBATCH_ROWS)  # fmt: skip
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
-    return CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2)
+    return CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2, third=_third_trace(probe, 2, seq_len, mesh))
+
+
+def _third_trace(probe: Step, second: int, seq_len: int, mesh: Any) -> tuple[int, Any] | None:
+    """A pipelined step traced at a third local batch: its collectives per tick may grow with
+    the micro-batches (the batch) times the ticks, a parabola in the batch (None without a pipeline)."""
+    if probe.stages == 1:
+        return None
+    b3 = second + 1
+    step = make_step(probe.model, batch_size=b3 * probe.batch_size, seq_len=seq_len, placement="remat", mesh=mesh,
+                     microbatches=b3 // MICROBATCH_ROWS)  # fmt: skip
+    return b3, step.trace()
 
 
 def _shards(mesh: Any) -> int:

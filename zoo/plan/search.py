@@ -189,12 +189,14 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
         dense = getattr(config, "first_k_dense_replace", 0) or 0
         moe_rows = (stage_layers * ticks if stages > 1 else (layers - dense) * rows)
         a2a = 6 * moe_rows * t("all_to_all", sizes["expert"] * tokens * k * d * item, ("expert",))
-    # The pipeline: a row handed on forward and its gradient back at every tick; the last
-    # stage's output broadcast, and the fed rows' gradients summed over the stages per tick.
+    # The pipeline: a row handed on forward and its gradient back at every tick; all-reduced over
+    # the stages, the last stage's output, the embedding's lookups and the head's feature
+    # gradients (a row each per row), and at every tick the gradient of the stages' shared input,
+    # every micro-batch of it as zoo.pipeline runs now (collectives.traced counts it on the step).
     p2p = 0.0
     if stages > 1:
         row = tokens * d * item
-        p2p = 2 * ticks * t("permute", row, (PIPELINE,)) + t("all_reduce", (rows + ticks) * row, (PIPELINE,))
+        p2p = 2 * ticks * t("permute", row, (PIPELINE,)) + t("all_reduce", (3 * rows + rows * ticks) * row, (PIPELINE,))
     return compute + max(0.0, fsdp - compute) + exposed_fsdp + grads + tensor + a2a + p2p
 
 
