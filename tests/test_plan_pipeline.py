@@ -98,7 +98,7 @@ def test_the_search_pipelines_over_a_slow_link():
     sends weights or gradients over it; 2 stages send only one-row activations, and win."""
     hw = dataclasses.replace(plan.hardware("cpu"), name="cpu-two-domains", domain=4, cross_link=1e6)
     kw = {"seq_len": 32, "hardware": hw, "batch_size": 4, "device_budget": 0.2 * 2**30}
-    p = plan.plan(config("llama", "small"), devices=8, top=2, **kw)
+    p = plan.plan(config("llama", "small"), devices=8, top=1, **kw)
     sizes = parallel.parse_mesh(p.mesh)
     m = 4 // (sizes["data"] * sizes["fsdp"] * sizes["expert"])  # one-row micro-batches: the device's rows
     assert sizes["pipeline"] == 2 and p.microbatches == m and p.bubble == pytest.approx(1 / (m + 1))
