@@ -222,7 +222,8 @@ class CostModel:
     """Memory and step time of any map, batch and tree placement, from a few traces.
 
     With a ``pipeline`` axis of ``P`` stages the traces are of one row per micro-batch
-    (``microbatches`` = the local batch ``b``: :data:`MICROBATCH_ROWS`), so the GPipe schedule
+    (``microbatches`` = the local batch ``b``: :data:`MICROBATCH_ROWS`; a third trace, ``third``,
+    makes the collectives a parabola in ``b``), so the GPipe schedule
     runs ``b + P - 1`` ticks, each stage's layers on one row per tick; the pipelined layers'
     compute, recompute, offload and saved tensors scale with those ``b + P - 1`` rows (the
     bubble's ticks compute and save as the others do), the head's work is split over the stages
