@@ -390,5 +390,5 @@ def stack_bytes(stacks: list[Stack]) -> dict[str, int]:
     return out
 
 
-__all__ = ["SDS", "Stack", "Step", "StepOptions", "abstract_mesh", "abstract_model", "is_tick_scan", "layer_stacks", "make_step",
-           "mesh_sizes", "mesh_spec", "stack_bytes"]  # fmt: skip
+__all__ = ["SDS", "Stack", "Step", "StepOptions", "abstract_mesh", "abstract_model", "is_tick_scan", "layer_stacks",
+           "make_step", "mesh_sizes", "mesh_spec", "stack_bytes"]  # fmt: skip

@@ -227,7 +227,10 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                 # A combined all-reduce holds separate buffers; an all-to-all's tuple is one
                 # buffer cut in a chunk per peer.
                 size = sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
-                axes = tuple(a for a in AXES if any(a in axes_of(g) for g in groups)) if kind == "permute" else axes_of(groups[0])
+                if kind == "permute":  # the axes any (source, target) pair differs along
+                    axes = tuple(a for a in AXES if any(a in axes_of(g) for g in groups))
+                else:
+                    axes = axes_of(groups[0])
                 if axes and size:
                     out[(kind, axes)] = out.get((kind, axes), 0) + size * times
                 continue

@@ -232,7 +232,8 @@ class CostModel:
     output are collectives of the traced step, priced on the link the pipeline axis crosses."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
-                 jaxpr2: Any = None, bodies: list[_flops.Body] | None = None, third: tuple[int, Any] | None = None):  # fmt: skip
+                 jaxpr2: Any = None, bodies: list[_flops.Body] | None = None,
+                 third: tuple[int, Any] | None = None):  # fmt: skip
         self.base, self.hw, self.seq_len = base, hw, seq_len
         self.stages = base.sizes[PIPELINE]
         if self.stages > 1 and base.microbatches != base.local_batch:
@@ -286,7 +287,8 @@ class CostModel:
         # with the vocabulary where zoo.vocab_parallel splits it over them; else on every stage).
         self.pipelined_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if self._pipelined(b))
         self.whole_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if not self._pipelined(b))
-        self.head_flops = max(self.flops_model * base.devices / self.shards - self.pipelined_flops - self.whole_flops, 0)
+        per_sequence = self.flops_model * base.devices / self.shards
+        self.head_flops = max(per_sequence - self.pipelined_flops - self.whole_flops, 0.0)
         vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
 

@@ -176,7 +176,8 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
     if stages == 1:
         fsdp, exposed_fsdp = 3 * t("all_gather", layer_bytes, ("fsdp",)), 0.0
     else:
-        fsdp, exposed_fsdp = 2 * ticks * t("all_gather", layer_bytes, ("fsdp",)), t("all_gather", layer_bytes, ("fsdp",))
+        gather = t("all_gather", layer_bytes, ("fsdp",))
+        fsdp, exposed_fsdp = 2 * ticks * gather, gather
     over = tuple(a for a in ("data", "fsdp", "context", "expert") if sizes[a] > 1)
     grads = t("all_reduce", reduced, over) if over else 0.0
     tokens = seq_len // sizes["context"]
