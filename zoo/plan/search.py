@@ -191,13 +191,12 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
         moe_rows = (stage_layers * ticks if stages > 1 else (layers - dense) * rows)
         a2a = 6 * moe_rows * t("all_to_all", sizes["expert"] * tokens * k * d * item, ("expert",))
     # The pipeline: a row handed on forward and its gradient back at every tick; all-reduced over
-    # the stages, the last stage's output, the embedding's lookups and the head's feature
-    # gradients (a row each per row), and at every tick the gradient of the stages' shared input,
-    # every micro-batch of it as zoo.pipeline runs now (collectives.traced counts it on the step).
+    # the stages, a row per row each for the last stage's output, the embedding's lookups, the
+    # head's feature gradients and the stages' shared input's gradient.
     p2p = 0.0
     if stages > 1:
         row = tokens * d * item
-        p2p = 2 * ticks * t("permute", row, (PIPELINE,)) + t("all_reduce", (3 * rows + rows * ticks) * row, (PIPELINE,))
+        p2p = 2 * ticks * t("permute", row, (PIPELINE,)) + t("all_reduce", 4 * rows * row, (PIPELINE,))
     return compute + max(0.0, fsdp - compute) + exposed_fsdp + grads + tensor + a2a + p2p
 
 
