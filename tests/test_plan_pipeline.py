@@ -50,10 +50,10 @@ def test_dense_first_layers_and_mtp_are_not_pipelined():
 def test_the_hand_overs_are_two_rows_per_tick_on_the_link_the_pipeline_crosses():
     """Per device per step: 2 (M + P - 1) one-row activations handed on (forward, and their
     gradients back). All-reduced over pipeline: b rows each for the last stage's output (the
-    broadcast), the embedding's lookups and the head's feature gradients (the stages split the
-    vocabulary), and per tick the stages' shared input's gradient; the cost model's parabola
-    through three traces gives the traced step's bytes at batches it did not trace. On 16
-    H100s the pipeline axis (outermost) crosses nodes."""
+    broadcast), the embedding's lookups, the head's feature gradients (the stages split the
+    vocabulary) and the stages' shared input's gradient; the cost model's curve through three
+    traces gives the traced step's bytes at batches it did not trace. On 16 H100s the pipeline
+    axis (outermost) crosses nodes."""
     seq, d, item, stages = 64, 64, 4, 2  # Llama tiny: hidden 64, float32
     mesh = "pipeline=2,data=8"
     cm = cost_model(config("llama"), seq_len=seq, mesh=mesh, hardware="h100")
@@ -62,7 +62,7 @@ def test_the_hand_overs_are_two_rows_per_tick_on_the_link_the_pipeline_crosses()
         ticks = cm.microbatches(b) + stages - 1
         p2p, reduced = cm.pipeline_bytes(b)
         assert p2p == 2 * ticks * row, (b, p2p)
-        assert reduced >= (3 * b + ticks) * row, (b, reduced)
+        assert 0 <= reduced - 4 * b * row < row / 4, (b, reduced)  # and the log-sum-exp merges
         step = make_step(config("llama"), batch_size=8 * b, seq_len=seq, mesh=mesh, placement="remat", microbatches=b)
         traced = collectives.totals(collectives.traced(step.trace(), step.sizes))
         assert p2p == traced[("permute", ("pipeline",))]
