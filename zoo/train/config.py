@@ -1,10 +1,11 @@
 """Optimisation settings and what they build: ``TrainConfig``, the learning-rate schedule and
 the optimizer (AdamW, clipping, weight decay and frozen buffers decided by the parameter
-description)."""
+description), and the warning that a run's learning rate is too high (``RisingLoss``)."""
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,3 +96,23 @@ def optimizer(cfg: TrainConfig, model: eqx.Module) -> optax.GradientTransformati
     )
     # The trees are models, which are callable: optax would call them; hand it functions instead.
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, lambda _: labels)
+
+
+class RisingLoss:
+    """Warns, once, when the training loss rises sharply early in a run: by a fifth over the
+    first logged loss within the first quarter of the steps, the mark of a learning rate too
+    high for the model (a pretrained checkpoint fine-tuned at a pretraining rate)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg, self.first, self.warned = cfg, None, False
+
+    def check(self, step: int, loss: float) -> None:
+        if self.first is None:
+            self.first = (step, loss)
+            return
+        if self.warned or step > max(self.cfg.steps // 4, 2 * self.first[0]) or loss <= 1.2 * self.first[1]:
+            return
+        self.warned = True
+        print(f"warning: the loss rose from {self.first[1]:.3f} at step {self.first[0]} to {loss:.3f} at step {step}: "
+              f"the learning rate ({self.cfg.lr:g}) may be too high for this model (a pretrained checkpoint is "
+              "usually fine-tuned at 1e-5 to 1e-4: --lr)", file=sys.stderr, flush=True)  # fmt: skip

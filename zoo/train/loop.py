@@ -5,7 +5,6 @@ batches of (seed, step), logs, evaluates, saves, and stops on anything non-finit
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,11 +18,10 @@ import numpy as np
 import optax
 
 from zoo.errors import ConfigError
-from zoo.pipeline import to_stage_order
 from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
-from zoo.train.config import TrainConfig, optimizer
+from zoo.train.config import RisingLoss, TrainConfig, optimizer
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
 from zoo.train.profile import CheckedStep, check_window
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
@@ -91,26 +89,6 @@ def train(
         return _train(run)
 
 
-class RisingLoss:
-    """Warns, once, when the training loss rises sharply early in a run: by a fifth over the
-    first logged loss within the first quarter of the steps, the mark of a learning rate too
-    high for the model (a pretrained checkpoint fine-tuned at a pretraining rate)."""
-
-    def __init__(self, cfg: TrainConfig):
-        self.cfg, self.first, self.warned = cfg, None, False
-
-    def check(self, step: int, loss: float) -> None:
-        if self.first is None:
-            self.first = (step, loss)
-            return
-        if self.warned or step > max(self.cfg.steps // 4, 2 * self.first[0]) or loss <= 1.2 * self.first[1]:
-            return
-        self.warned = True
-        print(f"warning: the loss rose from {self.first[1]:.3f} at step {self.first[0]} to {loss:.3f} at step {step}: "
-              f"the learning rate ({self.cfg.lr:g}) may be too high for this model (a pretrained checkpoint is "
-              "usually fine-tuned at 1e-5 to 1e-4: --lr)", file=sys.stderr, flush=True)  # fmt: skip
-
-
 @dataclass(frozen=True)
 class _Run:
     """``train``'s arguments, as the loop's parts read them."""
@@ -134,6 +112,9 @@ class _Run:
     xla_defaults: bool
     profile: tuple[int, int] | None
 
+    def in_layer_order(self, params: Any) -> Any:
+        return restore.in_layer_order(params, self.mesh, self.cfg.virtual_stages, self.param_memory)
+
     def settings(self) -> dict[str, Any]:
         return run_settings(self.model, self.cfg, placement=self.placement, mesh=self.mesh,
                             param_memory=self.param_memory, opt_memory=self.opt_memory, sources=self.sources)  # fmt: skip
@@ -154,9 +135,8 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
 
         # A no-op for a model made or loaded on the mesh (Family(..., mesh=), from_pretrained(mesh=)).
         params = parallel.shard(params, run.mesh)
-        # The interleaved schedule's layout: checkpoints hold it too; the model returned is in
-        # layer order again (_in_layer_order).
-        params = to_stage_order(params, run.mesh, cfg.virtual_stages)
+        # The interleaved schedule's stage order (checkpoints too; returned in layer order).
+        params = restore.to_stage_order(params, run.mesh, cfg.virtual_stages)
         opt_state = parallel.init_optimizer(tx, params, run.mesh)
     else:
         opt_state = tx.init(params)
@@ -169,7 +149,7 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
             # A checkpoint of another model is refused as such first, by the restore.
             start, restored = restore.restore_latest(manager, run_dir, abstract, to_device=False)
-            _check_stage_order(run_dir, run.settings())  # before check_resume: its refusal is the plainer
+            restore.check_stage_order(run_dir, run.settings())  # before check_resume: its refusal is the plainer
             changed = check_resume(run_dir, run.settings(), run.allow_change)
             if changed:
                 print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
@@ -183,7 +163,7 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
                 previous = truncate_metrics(run_dir / "metrics.jsonl", start)
             if start >= cfg.steps:
                 print(f"run in {run_dir} already finished at step {start}; nothing to do", flush=True)
-                result = eqx.combine(_in_layer_order(run, params), static), []
+                result = eqx.combine(run.in_layer_order(params), static), []
         if result is None:
             result = _loop(run, manager, start, previous, tx, params, opt_state, static)
     except BaseException:
@@ -193,41 +173,6 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
     if manager is not None:
         checkpoints.close(manager, run_dir, quietly=False)
     return result
-
-
-def _in_layer_order(run: _Run, params: Any) -> Any:
-    """The run's parameters with their layer stacks in layer order (the run holds them in stage
-    order for the interleaved schedule)."""
-    if run.mesh is None or run.cfg.virtual_stages == 1:
-        return params
-    if run.param_memory != "device":  # reordering computes: on device
-        from zoo.placement import tree_placement
-
-        params = tree_placement(params, "device")
-    return to_stage_order(params, run.mesh, run.cfg.virtual_stages, inverse=True)
-
-
-def _check_stage_order(run_dir: Path, settings: Mapping[str, Any]) -> None:
-    """A checkpoint in stage order holds its stacks in the saving run's order: resuming it with
-    other virtual stages, or with any on another pipeline size, would put layers out of order."""
-    import json
-
-    def layout(s: Mapping[str, Any]) -> tuple[int, int]:
-        virtual = int((s.get("train") or {}).get("virtual_stages", 1))
-        stages = int((s.get("mesh") or {}).get("pipeline", 1))
-        return (stages, virtual) if virtual > 1 and stages > 1 else (1, 1)
-
-    try:
-        before = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return  # check_resume says what is wrong with run.json
-    if layout(before) != layout(settings):
-        (p0, v0), (p1, v1) = layout(before), layout(settings)
-        raise ConfigError(
-            f"--resume: {run_dir}'s checkpoints hold the layer stacks in the stage order of {p0} pipeline stages x "
-            f"{v0} virtual stages, this run would read them as {p1} x {v1}; resume with the saving run's mesh and "
-            "virtual_stages (or continue from a --save-hf export)"
-        )
 
 
 def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], tx: optax.GradientTransformation,
@@ -324,7 +269,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
             if run.stop_after is not None and done - start >= run.stop_after:
                 if manager is not None:
                     checkpoints.wait(manager, run_dir)
-                return eqx.combine(_in_layer_order(run, params), static), log.history
+                return eqx.combine(run.in_layer_order(params), static), log.history
         if manager is not None:
             save(done)
             checkpoints.wait(manager, run_dir)
@@ -338,4 +283,4 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
         plot_losses(previous + log.history, run_dir / "loss.png")
     if param_memory != "device":
         params = tree_placement(params, "device")
-    return eqx.combine(_in_layer_order(run, params), static), log.history
+    return eqx.combine(run.in_layer_order(params), static), log.history

@@ -5,6 +5,7 @@ checkpoint (``load_run``, ``load_model``: what eval and generate read)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from collections.abc import Mapping
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.errors import CheckpointError
+from zoo.errors import CheckpointError, ConfigError
+from zoo.pipeline import to_stage_order
 from zoo.train.checkpoints import _describe, _key_name, _params_first, _short, audit, first_non_finite, named_leaves
 
 
@@ -192,3 +194,40 @@ def load_model(path: str | Path, *, compute_dtype: Any = None) -> tuple[Any, dic
         print(f"{path}: training run, its checkpoint of step {step}", flush=True)
         return model, settings
     return zoo.from_pretrained(path, compute_dtype=compute_dtype), {}
+
+
+# -- the interleaved schedule's stage order ------------------------------------------------------
+
+
+def in_layer_order(params: Any, mesh: Any, virtual: int, memory: str) -> Any:
+    """A run's parameters (kept in ``memory``) with their layer stacks in layer order: a run with
+    ``virtual`` stages a pipeline stage holds them in stage order (:mod:`zoo.pipeline`)."""
+    if mesh is None or virtual == 1:
+        return params
+    if memory != "device":  # reordering computes: on device
+        from zoo.placement import tree_placement
+
+        params = tree_placement(params, "device")
+    return to_stage_order(params, mesh, virtual, inverse=True)
+
+
+def check_stage_order(run_dir: Path, settings: Mapping[str, Any]) -> None:
+    """A checkpoint in stage order holds its stacks in the saving run's order: resuming it with
+    other virtual stages, or with any on another pipeline size, would put layers out of order."""
+
+    def layout(s: Mapping[str, Any]) -> tuple[int, int]:
+        virtual = int((s.get("train") or {}).get("virtual_stages", 1))
+        stages = int((s.get("mesh") or {}).get("pipeline", 1))
+        return (stages, virtual) if virtual > 1 and stages > 1 else (1, 1)
+
+    try:
+        before = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return  # check_resume says what is wrong with run.json
+    if layout(before) != layout(settings):
+        (p0, v0), (p1, v1) = layout(before), layout(settings)
+        raise ConfigError(
+            f"--resume: {run_dir}'s checkpoints hold the layer stacks in the stage order of {p0} pipeline stages x "
+            f"{v0} virtual stages, this run would read them as {p1} x {v1}; resume with the saving run's mesh and "
+            "virtual_stages (or continue from a --save-hf export)"
+        )
