@@ -28,7 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from zoo import parallel
-from zoo.errors import ConfigError, MeshError
+from zoo.errors import MeshError
 from zoo.hooks import PIPELINE
 from zoo.plan import _flops, collectives
 from zoo.plan._step import abstract_mesh, abstract_model, mesh_spec
