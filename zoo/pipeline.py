@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, PyTree, Shaped
+from jaxtyping import Array, Int, PyTree, Shaped
 
 from zoo.errors import MeshError
 from zoo.hooks import PIPELINE, PipelineSplit, varying_axes
@@ -40,7 +40,7 @@ def bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
-def stage_order(layers: int, stages: int, virtual: int) -> np.ndarray:
+def stage_order(layers: int, stages: int, virtual: int) -> Int[np.ndarray, " L"]:
     """For a stack of ``layers`` (padded: ``stages · virtual`` divides it) in stage order, the
     layer at each stored position: device ``s`` holds its ``virtual`` chunks of ``c`` layers,
     chunk ``v`` being layers ``(v·P + s)·c ..``; stored position ``s·V·c + v·c + j`` holds
@@ -255,7 +255,10 @@ def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = Fal
             p = specs[path]
             if not (p.names and p.names[0] in p.stacked and parallel.param_axes(p, mesh, rules=rules)[0] == PIPELINE):
                 return x
-            order = stage_order(x.shape[0], stages, virtual)
+            try:
+                order = stage_order(x.shape[0], stages, virtual)
+            except MeshError as e:  # which stack: the model's own name for it
+                raise MeshError(f"{type(m).__name__}.{path} ({p.names[0]} = {x.shape[0]} as laid out): {e}") from None
             return reorder(x, np.argsort(order) if inverse else order)
 
         return map_params(leaf, m)
