@@ -40,10 +40,16 @@ def _llama(layers: int, tied: bool = False) -> zoo.Llama:
     return zoo.Llama(config, key=jr.key(0))
 
 
+def _reference(fn, model, ids, has_aux=False, **kw):
+    """One device's value and gradients, compiled: run op by op, a DeepSeek-V3 reference took
+    3x as long as the pipelined step it checks."""
+    return eqx.filter_jit(eqx.filter_value_and_grad(fn, has_aux=has_aux))(model, ids, **kw)
+
+
 def _check(model, mesh, ids, microbatches, virtual=1, **kw):
     """Loss and every gradient equal one device's; padding layers get zero gradient. With
     ``virtual`` chunks per stage, the interleaved schedule on the model in stage order."""
-    ref_loss, ref_grads = eqx.filter_value_and_grad(_loss)(model, ids, **kw)
+    ref_loss, ref_grads = _reference(_loss, model, ids, **kw)
     step = parallel.value_and_grad(_loss, mesh, microbatches=microbatches, virtual_stages=virtual)
     sharded = parallel.shard(model, mesh)
     loss, grads = step(to_stage_order(sharded, mesh, virtual), ids, **kw)
@@ -202,7 +208,7 @@ def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, reference
     them, computed already); the padding layers of the pipelined ``stacks`` (``{root: real layer
     count}``) get zero gradient."""
     if reference is None:
-        reference = eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids, **kw)
+        reference = _reference(_family_loss, model, ids, has_aux=True, **kw)
     (ref_loss, ref_aux), ref_grads = reference
     step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches, virtual_stages=virtual)
     sharded = parallel.shard(model, mesh)
@@ -238,7 +244,7 @@ def _deepseek_v3_reference():
 
     model = zoo.DeepseekV3(deepseek_preset("tiny", num_layers=4, mtp=True), key=jr.key(0))
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    return model, ids, eqx.filter_value_and_grad(_family_loss, has_aux=True)(model, ids)
+    return model, ids, _reference(_family_loss, model, ids, has_aux=True)
 
 
 @pytest.mark.parametrize(
@@ -307,7 +313,7 @@ def test_per_layer_outputs_leading_with_rows_come_back_in_row_order():
     model = _llama(3)
     mesh = parallel.make_mesh("pipeline=2,fsdp=4")
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    (ref_loss, ref_probe), ref_grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, ids)
+    (ref_loss, ref_probe), ref_grads = _reference(loss, model, ids, has_aux=True)
     (got_loss, probe), grads = parallel.value_and_grad(loss, mesh, has_aux=True, microbatches=2)(parallel.shard(model, mesh), ids)
     np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-5)
     assert probe.shape == (4,)
@@ -401,7 +407,7 @@ def test_the_vocabulary_is_split_over_the_stages():
         logp = jax.nn.log_softmax(m(ids[:, :-1]), axis=-1)
         return -jax.numpy.mean(jax.numpy.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
-    ref_loss, ref_grads = eqx.filter_value_and_grad(logits_loss)(model, ids)
+    ref_loss, ref_grads = _reference(logits_loss, model, ids)
     loss, grads = parallel.value_and_grad(logits_loss, mesh, microbatches=2)(sharded, ids)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for path, r in flatten(ref_grads).items():
