@@ -248,7 +248,8 @@ def _deepseek_v3_reference():
 
 
 @pytest.mark.parametrize(
-    "spec, virtual", [("pipeline=2,expert=4", 1), ("pipeline=4,fsdp=2", 1),
+    "spec, virtual", [("pipeline=2,expert=4", 1), ("pipeline=2,fsdp=4", 1), ("pipeline=4,fsdp=2", 1),
+                      ("pipeline=2,tensor=2,fsdp=2", 1),
                       ("pipeline=2,expert=4", 2)],  # the last interleaved: 2 chunks of one MoE layer a stage
 )
 def test_deepseek_v3_pipelined_equals_one_device(spec, virtual):
@@ -264,16 +265,30 @@ def test_deepseek_v3_pipelined_equals_one_device(spec, virtual):
     assert sharded.dense_layers.attn.wkv_a.sharding.spec[0] is None  # kept whole on every stage
 
 
+@functools.cache
+def _qwen3_reference(model_type: str, overrides: tuple, packed: bool):
+    """A Qwen3 of ``model_type`` with ``overrides``, its batch and one device's loss, metrics and
+    gradients (computed once for the meshes that share them)."""
+    from zoo.qwen3 import preset as qwen3_preset
+
+    model = zoo.Qwen3(qwen3_preset("tiny", model_type, **dict(overrides)), key=jr.key(0))
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    return model, ids, _reference(_family_loss, model, ids, has_aux=True, **(_packed() if packed else {}))
+
+
 @pytest.mark.parametrize(
     "model_type, overrides, spec, stacks, packed, virtual",
     [
+        # Dense, untied head, 3 layers on 2 stages (one padding layer), FSDP inside each stage.
+        ("qwen3", {"num_layers": 3, "tie_word_embeddings": False}, "pipeline=2,fsdp=4", {"dense_layers": 3}, False, 1),
         # Dense, tied head, 6 layers on 4 stages (two padding layers), packed rows.
         ("qwen3", {"num_layers": 6}, "pipeline=4,fsdp=2", {"dense_layers": 6}, True, 1),
         # Dense, heads split over tensor inside each stage, packed rows.
         ("qwen3", {"num_layers": 4}, "pipeline=2,tensor=2,fsdp=2", {"dense_layers": 4}, True, 1),
         # A dense first layer, then 3 MoE layers: two blocks, each a GPipe pass over its whole stack.
         ("qwen3_moe", {"num_layers": 4}, "pipeline=2,expert=4", {"dense_layers": 1, "moe_layers": 3}, False, 1),
-        # The same on 4 stages with FSDP (experts whole on each device), packed rows.
+        # The same on 2 and on 4 stages with FSDP (experts whole on each device), packed rows on 4.
+        ("qwen3_moe", {"num_layers": 4}, "pipeline=2,fsdp=4", {"dense_layers": 1, "moe_layers": 3}, False, 1),
         ("qwen3_moe", {"num_layers": 4}, "pipeline=4,fsdp=2", {"dense_layers": 1, "moe_layers": 3}, True, 1),
         # Dense and MoE alternating: one block of 3 (dense, moe) repeats, both stacks in one pass;
         # heads and expert hidden units split over tensor inside each stage.
@@ -283,19 +298,17 @@ def test_deepseek_v3_pipelined_equals_one_device(spec, virtual):
         ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,expert=4",
          {"dense_layers": 3, "moe_layers": 3}, False, 2),
     ],
-    ids=["qwen3-4-stages-packed", "qwen3-tensor-packed", "qwen3_moe-dense-first", "qwen3_moe-4-stages-packed",
+    ids=["qwen3-untied", "qwen3-4-stages-packed", "qwen3-tensor-packed", "qwen3_moe-dense-first", "qwen3_moe-fsdp",
+         "qwen3_moe-4-stages-packed",
          "qwen3_moe-alternating-tensor", "qwen3_moe-alternating-interleaved"],
 )
 def test_qwen3_pipelined_equals_one_device(model_type, overrides, spec, stacks, packed, virtual):
     """Loss, balance loss, expert load (exactly) and every gradient equal one device's, with 4
     micro-batches; the router probabilities' sums and the load come out of the stages as
     per-layer outputs."""
-    from zoo.qwen3 import preset as qwen3_preset
-
-    model = zoo.Qwen3(qwen3_preset("tiny", model_type, **overrides), key=jr.key(0))
+    model, ids, reference = _qwen3_reference(model_type, tuple(overrides.items()), packed)
     mesh = parallel.make_mesh(spec)
-    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    aux = _check_with_aux(model, mesh, ids, 4, stacks, virtual, **(_packed() if packed else {}))
+    aux = _check_with_aux(model, mesh, ids, 4, stacks, virtual, reference=reference, **(_packed() if packed else {}))
     if "moe_layers" in stacks:
         assert np.asarray(aux["expert_load"]).shape == (stacks["moe_layers"], model.config.num_experts)
         assert float(aux["balance_loss"]) > 0
