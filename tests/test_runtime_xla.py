@@ -160,6 +160,34 @@ def test_recipe_sizes_the_pool_from_the_placements(fresh_backend, capsys):
     assert "more than the machine's 0.0 GiB" in capsys.readouterr().err
 
 
+def test_recipe_placement_auto_caps_the_pool_at_the_machine_and_checks_the_plan(fresh_backend, capsys):
+    """``--placement auto`` plans after the backend starts, so the pool is capped at the machine's
+    memory beforehand; the plan's host bytes for this process's devices are then checked against
+    the machine and against a cap the user set lower, each a usage error naming the figures."""
+    import os
+    import types
+
+    recipe = _recipe()
+    fresh_backend.delenv("JAX_PLATFORMS", raising=False)
+    recipe.size_host_pool(recipe.parse_args(["--preset", "tiny", "--placement", "auto"]))
+    assert os.environ[runtime.HOST_POOL_ENV] == "100"  # the 100 GiB machine, over XLA's 64 GiB default
+
+    def plan(host_gib: float):
+        return types.SimpleNamespace(estimate=types.SimpleNamespace(host_bytes=host_gib * GiB))
+
+    recipe.check_plan_host_memory(plan(40), devices=2)  # 80 GiB of 100: fits
+    recipe.check_plan_host_memory(plan(0), devices=8)  # nothing on host: nothing to check
+    with pytest.raises(SystemExit):
+        recipe.check_plan_host_memory(plan(30), devices=4)
+    err = capsys.readouterr().err
+    assert ("--placement auto: the plan needs 120.0 GiB of pinned host memory on this process, more than the "
+            "machine's 100.0 GiB") in err
+    fresh_backend.setenv(runtime.HOST_POOL_ENV, "32")  # the user's own, lower cap
+    with pytest.raises(SystemExit):
+        recipe.check_plan_host_memory(plan(40), devices=1)
+    assert f"{runtime.HOST_POOL_ENV}=32 caps XLA's pool at 32 GiB: set {runtime.HOST_POOL_ENV}=45" in capsys.readouterr().err
+
+
 @pytest.mark.host_memory
 def test_measure_host_link_times_both_directions():
     from zoo.plan.hardware import measure_host_link
