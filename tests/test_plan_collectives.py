@@ -70,6 +70,32 @@ def test_links_follow_the_device_order():
     assert collectives.seconds("all_reduce", 8e9, 8, 1e9) == pytest.approx(14.0)
 
 
+def test_collectives_across_tpu_slices_are_hierarchical():
+    """XLA runs a multislice all-gather, reduce-scatter or all-reduce in two stages: the ring in
+    the slice on ICI over all the bytes, the ring across slices on DCN over 1/(chips in the
+    slice) of them. A flat ring at DCN priced 405B's fsdp=512 on 2 x v6e-256 at 0.28 of its
+    published step. GPUs keep one ring at the cross link (NCCL's rings cross the nodes), and an
+    all-to-all or a permute is never split."""
+    v6e, h100 = plan.hardware("tpu-v6e"), plan.hardware("h100")
+    sizes = mesh_sizes("fsdp=512")
+    assert collectives.spans(sizes, ("fsdp",), v6e.domain) == 2
+    assert collectives.spans(mesh_sizes("fsdp=128,tensor=4"), ("tensor",), v6e.domain) == 1
+    nbytes = 2.56e9
+    two_stage = 255 / 256 * nbytes / v6e.domain_link + 1 / 2 * nbytes / 256 / v6e.cross_link
+    assert collectives.collective_seconds("all_gather", nbytes, v6e, sizes, ("fsdp",)) == pytest.approx(two_stage)
+    assert collectives.collective_seconds("all_reduce", nbytes, v6e, sizes, ("fsdp",)) == pytest.approx(2 * two_stage)
+    flat = collectives.seconds("all_gather", nbytes, 512, v6e.cross_link)
+    assert flat > 25 * two_stage
+    assert collectives.collective_seconds("all_to_all", nbytes, v6e, sizes, ("fsdp",)) == pytest.approx(
+        collectives.seconds("all_to_all", nbytes, 512, v6e.cross_link))
+    h100_sizes = mesh_sizes("fsdp=16")
+    assert collectives.collective_seconds("all_gather", nbytes, h100, h100_sizes, ("fsdp",)) == pytest.approx(
+        collectives.seconds("all_gather", nbytes, 16, h100.cross_link))
+    # Inside one slice: one ring on ICI.
+    assert collectives.collective_seconds("all_gather", nbytes, v6e, mesh_sizes("fsdp=256"), ("fsdp",)) == pytest.approx(
+        collectives.seconds("all_gather", nbytes, 256, v6e.domain_link))
+
+
 def test_a_hardware_without_link_figures_is_refused():
     bare = dataclasses.replace(plan.hardware("h100"), name="h100-no-ib", cross_link=0.0)
     with pytest.raises(ConfigError, match=r"'h100-no-ib' has no link figure across its fast domains \(cross_link"):

@@ -257,14 +257,20 @@ def device_ids(sizes: Mapping[str, int]) -> np.ndarray:
     return np.arange(math.prod(sizes[a] for a in AXES)).reshape([sizes[a] for a in AXES])
 
 
-def crosses(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> bool:
-    """Whether some group of devices that differ only along ``axes`` spans two fast domains of
-    ``domain`` consecutive devices."""
+def spans(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> int:
+    """How many fast domains of ``domain`` consecutive devices the widest group of devices that
+    differ only along ``axes`` spans."""
     ids = device_ids(sizes)
     idx = [AXES.index(a) for a in axes]
     rest = [i for i in range(len(AXES)) if i not in idx]
-    groups = ids.transpose(rest + idx).reshape(-1, math.prod(sizes[a] for a in axes)) // max(domain, 1)
-    return bool((groups != groups[:, :1]).any())
+    groups = np.sort(ids.transpose(rest + idx).reshape(-1, math.prod(sizes[a] for a in axes)) // max(domain, 1), axis=1)
+    return int(1 + (np.diff(groups, axis=1) != 0).sum(axis=1).max())
+
+
+def crosses(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> bool:
+    """Whether some group of devices that differ only along ``axes`` spans two fast domains of
+    ``domain`` consecutive devices."""
+    return spans(sizes, axes, domain) > 1
 
 
 def link(hw: Any, sizes: Mapping[str, int], axes: tuple[str, ...]) -> float:
@@ -290,6 +296,25 @@ def seconds(kind: str, nbytes: int | float, n: int, bandwidth: int | float) -> f
     return (2.0 if kind == "all_reduce" else 1.0) * share * nbytes / bandwidth
 
 
+def collective_seconds(kind: str, nbytes: int | float, hw: Any, sizes: Mapping[str, int],  # noqa: PYI041
+                       axes: tuple[str, ...]) -> float:  # fmt: skip
+    """A collective of ``kind`` over ``axes`` on hardware ``hw``: one ring on the link it crosses
+    (:func:`link`), or, on hierarchical hardware (TPU multislice) where the group spans k domains of
+    ``inside`` devices each, a ring inside the domain on all the bytes and one across the k
+    domains on ``1/inside`` of them (an all-gather's: each slice first gathers the other slices'
+    shards of its share over DCN, then the slice-local ring on ICI)."""
+    n = math.prod(sizes[a] for a in axes)
+    if n <= 1:
+        return 0.0
+    bandwidth = link(hw, sizes, axes)
+    k = spans(sizes, axes, hw.domain)
+    if k == 1 or not getattr(hw, "hierarchical", False) or kind not in ("all_gather", "reduce_scatter", "all_reduce") \
+            or n % k:  # fmt: skip
+        return seconds(kind, nbytes, n, bandwidth)
+    inside = n // k
+    return seconds(kind, nbytes, inside, hw.domain_link) + seconds(kind, nbytes / inside, k, bandwidth)
+
+
 # -- a step's collectives as the planner prices them ------------------------------------------
 
 
@@ -313,6 +338,7 @@ class Traffic:
     bandwidth: dict[tuple[str, ...], float]
     sizes: dict[str, int]
     prefetch: float  # bytes: one more layer of gathered weights, the scheduler's prefetch buffer
+    hw: Any = None  # the hardware priced on (None: every collective one ring at ``bandwidth``)
 
     @classmethod
     def of(cls, one: list[Collective], two: list[Collective], b2: int, sizes: Mapping[str, int], hw: Any,
@@ -348,7 +374,7 @@ class Traffic:
                 per_layer[c.count] = per_layer.get(c.count, 0.0) + c.nbytes
         # The scheduler gathers the next layer while this one computes: two layers' weights live.
         prefetch = 0.0 if hw.unified else max(per_layer.values(), default=0.0)
-        return cls(lines, bandwidth, dict(sizes), prefetch)
+        return cls(lines, bandwidth, dict(sizes), prefetch, hw)
 
     @staticmethod
     def _at(coefficients: tuple[float, ...], b: int) -> float:
@@ -363,6 +389,8 @@ class Traffic:
         ``exposed`` the rest."""
         out = {"forward": 0.0, "backward": 0.0, "exposed": 0.0}
         for (kind, axes, where), cs in self.lines.items():
-            n = math.prod(self.sizes[x] for x in axes)
-            out[where] += seconds(kind, self._at(cs, b), n, self.bandwidth[axes])
+            if self.hw is not None:
+                out[where] += collective_seconds(kind, self._at(cs, b), self.hw, self.sizes, axes)
+            else:
+                out[where] += seconds(kind, self._at(cs, b), math.prod(self.sizes[x] for x in axes), self.bandwidth[axes])
         return out

@@ -9,7 +9,9 @@ come back in the backward pass, one direction at a time.
 The network (``zoo.plan.collectives`` prices collectives on it): devices come in fast domains of
 ``domain`` devices (an NVLink domain, a TPU slice's ICI), each device with ``domain_link`` bytes/s
 per direction into it; a collective whose group spans two domains runs at ``cross_link`` per
-device (InfiniBand / RoCE per GPU, TPU DCN per chip) for all of its bytes, as a ring does.
+device (InfiniBand / RoCE per GPU, TPU DCN per chip) for all of its bytes, as NCCL's rings do;
+on TPUs (``hierarchical``) XLA runs such an all-gather, reduce-scatter or all-reduce in two
+stages, the slice-local part on ICI and only a 1/(devices in the slice) share over DCN.
 ``link_source`` says where each figure comes from.
 """
 
@@ -49,6 +51,9 @@ class Hardware:
     domain_link: float = 0.0
     cross_link: float = 0.0
     link_source: str = ""
+    # A collective spanning domains runs in two stages (XLA on TPU multislice: within the slice,
+    # then across slices on 1/(devices in the slice) of the bytes); False: one ring at cross_link.
+    hierarchical: bool = False
     # float32 matmuls run at this fraction of the bf16 peak (TF32 on NVIDIA, bf16 passes on TPU).
     f32_ratio: float = 0.5
 
@@ -145,6 +150,7 @@ HARDWARE: dict[str, Hardware] = {
             domain=6144, domain_link=1200 * GB / 2, cross_link=50e9 / 8,
             link_source="Cloud TPU v5p documentation: ICI 1,200 GB/s per chip (both directions, 3D torus), the "
             "largest slice 6,144 chips; data center network (DCN) 50 Gbps per chip between slices",
+            hierarchical=True,
         ),
         Hardware(
             "tpu-v6e",
@@ -160,6 +166,7 @@ HARDWARE: dict[str, Hardware] = {
             domain=256, domain_link=800 * GB / 2, cross_link=100e9 / 8,
             link_source="Cloud TPU v6e documentation: ICI 800 GB/s per chip (both directions, 4 ports, 2D torus), "
             "256-chip pods",
+            hierarchical=True,
         ),
         Hardware(
             "cpu",
@@ -184,7 +191,7 @@ HARDWARE: dict[str, Hardware] = {
 # half of zoo.plan.published.RUNS only (MaxText's measured steps; one constant per hardware, none
 # per run) and checked on the held-out half: docs/planning.md, "Against published runs". H200
 # keeps 0.6: no published H200 run was fitted, though it is the same Hopper chip as the H100.
-CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.615, "tpu-v5p": 0.775, "tpu-v6e": 0.505}
+CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.62, "tpu-v5p": 0.775, "tpu-v6e": 0.495}
 HARDWARE.update({n: dataclasses.replace(HARDWARE[n], efficiency=e) for n, e in CALIBRATED_EFFICIENCY.items()})
 
 

@@ -167,8 +167,7 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
     compute /= hw.peak_for(dtype) * hw.efficiency
 
     def t(kind: str, nbytes: int | float, axes: tuple[str, ...]) -> float:  # noqa: PYI041
-        n = math.prod(sizes[a] for a in axes)
-        return collectives.seconds(kind, nbytes, n, collectives.link(hw, sizes, axes)) if n > 1 else 0.0
+        return collectives.collective_seconds(kind, nbytes, hw, sizes, axes)
 
     # FSDP: each layer gathered forward, re-gathered and its gradient reduce-scattered backward;
     # pipelined, the forward gathers of the stage run once, in a loop of their own (nothing to
