@@ -21,7 +21,9 @@ T = TypeVar("T", bound=PyTree)
 
 def named(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` computed under the scope ``name``, its result named ``name`` for the
-    placement map. Pass the computation as ``fn``: an argument is computed before the scope opens."""
+    placement map. Pass the computation as ``fn``: an argument is computed before the scope opens.
+    A value computed elsewhere (the layer input) is ``named(name, lambda: x)``: its scope then
+    holds only what its placement adds (a saved copy's rounding, an offload's copies)."""
     with jax.named_scope(name):
         return checkpoint_name(fn(*args, **kwargs), name)
 
