@@ -23,7 +23,7 @@ def named(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` computed under the scope ``name``, its result named ``name`` for the
     placement map. Pass the computation as ``fn``: an argument is computed before the scope opens.
     A value computed elsewhere (the layer input) is ``named(name, lambda: x)``: its scope then
-    holds only what its placement adds (a saved copy's rounding, an offload's copies)."""
+    holds only what its placement adds (under a remat policy, the rounding JAX puts on a saved value)."""
     with jax.named_scope(name):
         return checkpoint_name(fn(*args, **kwargs), name)
 
