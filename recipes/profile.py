@@ -1,7 +1,8 @@
 """Report a run's profile (``recipes/train.py --profile START:STOP``): per step the wall time, the
 device's compute and collectives, host<->device copies each way (count, MB, achieved GB/s) and
 how much copy time compute hid versus how much was exposed; then time by region (decoder layers
-forward and backward, the rest, the update) and the top ops with their source.
+forward and backward, the rest, the update), time by named tensor (the ops under each named
+tensor's scope: forward, recomputed, backward) and the top ops with their source.
 
     python recipes/train.py --steps 6 --profile 3:5 --run-dir runs/p
     python recipes/profile.py runs/p

@@ -1,6 +1,7 @@
 """Profiles and placements proven in the run: ``--profile START:STOP`` writes a trace that
-``recipes/profile.py`` reports per step (layer scopes named); the report's arithmetic on a
-GPU-shaped trace; a placement map whose offload cannot happen stops the run naming the tensor."""
+``recipes/profile.py`` reports per step (layer and named-tensor scopes named); the report's
+arithmetic on a GPU-shaped trace; every named tensor's ops under its scope in the step's HLO; a
+placement map whose offload cannot happen stops the run naming the tensor."""
 
 import json
 import os
@@ -8,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 import pytest
+from families import tiny, tiny_ids
 
 import zoo
 import zoo.placement
@@ -42,8 +46,9 @@ def test_report_of_a_gpu_trace_splits_hidden_and_exposed_copies():
         _event("XLA Ops", "fusion.1", 0, 400),  # a derived line: not counted twice
         _event("Stream #7(Compute)", "late", 1500, 1600),  # after the step's window
     ]  # fmt: skip
-    sources = {"fusion.1": "jit(step)/jvp()/while/body/decoder_layer/dot_general",
-               "custom-call.2": "jit(step)/transpose(jvp())/while/body/decoder_layer/dot_general"}  # fmt: skip
+    sources = {"fusion.1": "jit(step)/jvp()/while/body/decoder_layer/query/bsd,dhk->bshk/dot_general",
+               "custom-call.2": "jit(step)/transpose(jvp(decoder_layer))/context/attn_lse/dot_general",
+               "all-gather-start": "jit(step)/jvp()/while/body/decoder_layer/fsdp_gathered/all_gather"}  # fmt: skip
     report = trace_report.analyse(events, sources)
     assert report.device == "GPU:0" and len(report.steps) == 1
     s = report.steps[0]
@@ -52,10 +57,58 @@ def test_report_of_a_gpu_trace_splits_hidden_and_exposed_copies():
     assert (s.d2h.count, s.d2h.nbytes, s.h2d.count, s.h2d.nbytes) == (1, 3_000_000, 1, 1_000_000)
     assert s.d2h.rate() == pytest.approx(10.0) and s.h2d.rate() == pytest.approx(10.0)  # GB/s
     assert s.hidden == pytest.approx(200e-6) and s.exposed == pytest.approx(200e-6)
-    assert report.regions["decoder layers, forward"] == pytest.approx(400e-6)
+    assert report.regions["decoder layers, forward"] == pytest.approx(500e-6)  # the fusion and the all-gather
     assert report.regions["decoder layers, backward"] == pytest.approx(200e-6)
+    # The innermost named tensor's scope: attn_lse inside context; the copies are under none.
+    assert list(report.named) == ["query", "attn_lse", "fsdp_gathered", trace_report.NO_SOURCE]
+    assert report.named["query"]["forward"] == pytest.approx(400e-6) and sum(report.named["query"].values()) == pytest.approx(400e-6)
+    assert report.named["attn_lse"]["backward"] == pytest.approx(200e-6) and "context" not in report.named
+    assert report.named["fsdp_gathered"]["forward"] == pytest.approx(100e-6)
+    assert report.named[trace_report.NO_SOURCE]["other"] == pytest.approx(400e-6)  # the copies' 300 + 100 us
     text = trace_report.format_report(report)
     assert "20.0%" in text and "decoder layers, backward" in text
+    assert any(line.split()[:2] == ["query", "0.40"] for line in text.splitlines())
+
+
+def test_named_regions_and_phases_of_op_names():
+    """The innermost named tensor of an op's source, whatever the transforms wrapped around the
+    scopes; the pass from the transforms (recompute inside the backward pass counted apart)."""
+    names = frozenset({"kv_a", "kv_latent", "query", "context", "attn_lse"})
+    cases = {
+        "jit(step)/jvp(decoder_layer)/kv_latent/kv_a/slice": ("kv_a", "forward"),
+        "jit(step)/transpose(jvp())/while/body/checkpoint/decoder_layer/kv_latent/mul": ("kv_latent", "backward"),
+        "jit(step)/transpose(jvp())/while/body/checkpoint/rematted_computation/decoder_layer/query/sin": ("query", "recompute"),
+        "jit(step)/jvp()/while/body/decoder_layer/tf,fd->td/dot_general": (trace_report.UNNAMED, "forward"),
+        "jit(step)/jvp()/cv,cd->vd/dot_general": (trace_report.OUTSIDE, "forward"),
+        "jit(step)/adam/mul": (trace_report.OUTSIDE, "other"),
+        "jit(step)/jvp()/decoder_layer/query": (trace_report.UNNAMED, "forward"),  # an op named like a tensor
+        "": (trace_report.NO_SOURCE, "other"),
+    }  # fmt: skip
+    for source, (name, phase) in cases.items():
+        assert (trace_report.named_region(source, names), trace_report.phase(source)) == (name, phase), source
+    assert {"query", "mlp_hidden", "router_logits", "kv_latent", "q_proj", "fsdp_gathered"} <= trace_report.tensor_names()
+
+
+def test_every_named_tensor_s_ops_run_under_its_scope():
+    """A Llama train step under the ``remat`` map: in its lowered HLO every named tensor but the
+    layer input (a name on the carry, computing nothing) is a scope of some op's ``op_name``
+    ("decoder_layer/query/..."); in the compiled HLO the report finds each of query's and the
+    MLP's named tensors forward, recomputed and backward."""
+    model, ids = tiny("llama"), tiny_ids("llama")
+    cfg = ztrain.TrainConfig(steps=2, batch_size=ids.shape[0], seq_len=ids.shape[1], warmup=1)
+    tx = ztrain.optimizer(cfg, model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    step = ztrain.make_train_step(model, cfg, tx, placement="remat")
+    lowered = step.lower(params, tx.init(params), ids[None], jnp.int32(0))
+    text = lowered.as_text(dialect="hlo", debug_info=True)
+    assert 'op_name="decoder_layer/query/bsd,dhk->bshk/dot_general"' in text  # the query projection
+    scopes = {trace_report.named_region(s) for s in trace_report.hlo_sources(text).values()}
+    names = set(zoo.LlamaPlacement.names())
+    assert names - scopes <= {"layer_input"} and len(names) == 12
+    sources = trace_report.hlo_sources(lowered.compile().as_text())
+    found = {(trace_report.named_region(s), trace_report.phase(s)) for s in sources.values()}
+    for name in ("query", "mlp_gate", "mlp_up", "mlp_hidden", "mlp_norm"):
+        assert {(name, "forward"), (name, "recompute"), (name, "backward")} <= found, name
 
 
 def test_hlo_sources_and_self_times():
@@ -97,6 +150,14 @@ def test_recipe_profile_then_report(tmp_path):
     assert "no host<->device copies" in report.stdout
     assert "decoder layers, forward" in report.stdout and "decoder layers, backward" in report.stdout
     assert any("decoder_layer" in line for line in lines[lines.index(next(x for x in lines if x.startswith("top"))):])
+    # The named tensors' table: attention's and the MLP's, each with forward and backward time.
+    start = lines.index(next(x for x in lines if x.startswith("time by named tensor")))
+    table = {r.split()[0]: [float(x) for x in r.split()[1:6]] for r in lines[start + 2 : lines.index("", start)]
+             if not r.strip().startswith("(")}  # fmt: skip
+    for name in ("query", "key", "value", "context", "attn_out", "mlp_gate", "mlp_up", "mlp_hidden"):
+        forward, recompute, backward, other, total = table[name]
+        assert forward > 0 and backward > 0 and recompute == 0 and total == pytest.approx(forward + backward + other, abs=0.02)
+    assert "(unnamed, decoder layers)" in report.stdout and "(outside the layers)" in report.stdout
     empty = subprocess.run([sys.executable, str(ROOT / "recipes" / "profile.py"), str(tmp_path)], env=env,
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert empty.returncode == 2 and "holds no trace" in empty.stderr

@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int, PyTree, Shaped
 
@@ -142,7 +141,9 @@ def gather_layer(tree: PyTree) -> PyTree:
     if plan is None:
         raise MeshError(f"gather_layer: {type(tree).__name__} is not a layer stack of the model in this step")
     step.gathered.add(treedef)
-    return jax.tree.unflatten(treedef, [checkpoint_name(gather_fsdp(x, d), GATHERED) for x, d in zip(leaves, plan)])
+    from zoo.layers.named import named  # here: zoo.layers imports this module
+
+    return jax.tree.unflatten(treedef, [named(GATHERED, gather_fsdp, x, d) for x, d in zip(leaves, plan)])
 
 
 def gather_fsdp(x, dims: Sequence[int]):

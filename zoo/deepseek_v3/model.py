@@ -20,7 +20,6 @@ from typing import Any, ClassVar, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.causal_lm import CausalLM, positions_for
@@ -33,6 +32,7 @@ from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_s
 from zoo.pipeline import per_layer_to_stored
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
+from zoo.layers.named import named
 from zoo.layers.stack import scan_layers
 from zoo.loss import shifted_targets
 from zoo.params import Param, build, flatten, init_arrays, init_with_stacks
@@ -155,7 +155,8 @@ def mla(
     q, kv_latent, k_rope = mla_project(config, p, h, cos, sin)
     k, v = mla_expand(config, p, kv_latent, k_rope)
     ctx = causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids, implementation=config.attention)
-    return tensor_psum(jnp.einsum("bshu,hud->bsd", ctx, p.wo))
+    # The projection only feeds the residual add, but the add's result feeds the MLP norm.
+    return named("attn_out", lambda: tensor_psum(jnp.einsum("bshu,hud->bsd", ctx, p.wo)))
 
 
 def mla_project(
@@ -169,19 +170,25 @@ def mla_project(
     rotated rope key shared by all heads. The latent and the rope key are all that a
     compressed generation cache keeps (``zoo.generate``)."""
     eps, n, c = config.rms_norm_eps, config.qk_nope_head_dim, config.kv_lora_rank
-    if p.wq is not None:
-        q = jnp.einsum("bsd,dhk->bshk", h, p.wq)
-    else:
+    if p.wq is None:
         # RMSNorm's backward needs its input: naming it spares recomputing the projection.
-        q_a = checkpoint_name(jnp.einsum("bsd,dq->bsq", h, p.wq_a), "q_a")
-        q_latent = checkpoint_name(rms_norm(q_a, p.q_norm, eps), "q_latent")
-        q = jnp.einsum("bsq,qhk->bshk", q_latent, p.wq_b)
+        q_a = named("q_a", jnp.einsum, "bsd,dq->bsq", h, p.wq_a)
+        q_latent = named("q_latent", rms_norm, q_a, p.q_norm, eps)
+
+    def query() -> Float[Array, "B S H K"]:
+        if p.wq is not None:
+            q = jnp.einsum("bsd,dhk->bshk", h, p.wq)
+        else:
+            q = jnp.einsum("bsq,qhk->bshk", q_latent, p.wq_b)
+        q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
+        return jnp.concatenate([q[..., :n], q_rope], axis=-1)
+
+    # The down projection's columns are kv_a's and the rope key's: it runs outside both scopes.
     kv = jnp.einsum("bsd,da->bsa", h, p.wkv_a)
-    kv_latent = checkpoint_name(rms_norm(checkpoint_name(kv[..., :c], "kv_a"), p.kv_norm, eps), "kv_latent")
+    kv_a = named("kv_a", lambda: kv[..., :c])
+    kv_latent = named("kv_latent", rms_norm, kv_a, p.kv_norm, eps)
     k_rope = apply_rope(kv[..., None, c:], cos, sin, interleaved=config.rope_interleave)[..., 0, :]
-    q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
-    q = checkpoint_name(jnp.concatenate([q[..., :n], q_rope], axis=-1), "query")
-    return q, kv_latent, k_rope
+    return named("query", query), kv_latent, k_rope
 
 
 def mla_expand(
@@ -190,11 +197,15 @@ def mla_expand(
     """Per-head keys and values from the latent through ``wkv_b`` (its first N columns per
     head make the keys' no-rope part, the last U the values); the rope key is shared."""
     n = config.qk_nope_head_dim
+    # The up projection's columns are the keys' and the values': it runs outside both scopes.
     expanded = jnp.einsum("bsc,chw->bshw", kv_latent, p.wkv_b)
-    k_nope, v = expanded[..., :n], expanded[..., n:]
-    k_rope = jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:-1], k_rope.shape[-1]))
-    k = jnp.concatenate([k_nope, k_rope], axis=-1)
-    return checkpoint_name(k, "key"), checkpoint_name(v, "value")
+
+    def key() -> Float[Array, "B T H K"]:
+        k_nope = expanded[..., :n]
+        shared = jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:-1], k_rope.shape[-1]))
+        return jnp.concatenate([k_nope, shared], axis=-1)
+
+    return named("key", key), named("value", lambda: expanded[..., n:])
 
 
 def moe_ffn(
@@ -218,24 +229,23 @@ def moe_ffn(
 
 def dense_layer(config, layer: DenseLayer, x, cos, sin, segment_ids):
     """Pre-norm MLA then pre-norm SwiGLU, each added to the residual stream."""
-    x = checkpoint_name(x, "layer_input")
-    h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
-    # The projection only feeds the residual add, but the add's result feeds the MLP norm.
-    x = x + checkpoint_name(mla(config, layer.attn, h, cos, sin, segment_ids), "attn_out")
+    x = named("layer_input", lambda: x)
+    h = named("attn_norm", rms_norm, x, layer.attn_norm, config.rms_norm_eps)
+    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)  # mla names "attn_out"
     return dense_layer_ffn(config, layer, x)
 
 
 def dense_layer_ffn(config: DeepseekV3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
     """A dense layer after its attention: pre-norm SwiGLU added to the residual stream."""
-    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 
 def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
     """Pre-norm MLA then pre-norm MoE; also the layer's expert load and balance loss."""
-    x = checkpoint_name(x, "layer_input")
-    h = checkpoint_name(rms_norm(x, layer.attn_norm, config.rms_norm_eps), "attn_norm")
-    x = x + checkpoint_name(mla(config, layer.attn, h, cos, sin, segment_ids), "attn_out")
+    x = named("layer_input", lambda: x)
+    h = named("attn_norm", rms_norm, x, layer.attn_norm, config.rms_norm_eps)
+    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
     return moe_layer_ffn(config, layer, x, impl)
 
 
@@ -244,7 +254,7 @@ def moe_layer_ffn(
 ) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""]]:
     """An MoE layer after its attention: pre-norm MoE added to the residual stream; also the
     layer's expert load and balance loss."""
-    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
     out, load, balance = moe_ffn(config, layer.moe, h, impl)
     return x + out, load, balance
 

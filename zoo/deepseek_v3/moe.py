@@ -11,11 +11,11 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from zoo.hooks import context_size, context_sum
 from zoo.layers.mlp import SwiGLU
+from zoo.layers.named import named
 from zoo.layers.moe import (  # noqa: F401  (re-exported: their home before the MoE layer was shared)
     EXPERT_IMPLS,
     ExpertImpl,
@@ -62,8 +62,8 @@ def route(
     *unbiased* scores of the picked experts, normalised to sum 1 when ``norm_topk_prob``, times
     ``scaling``. No gradient reaches the bias (it is updated by :func:`update_router_bias`).
     """
-    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32))
-    logits = checkpoint_name(logits, "router_logits")
+    f32 = jnp.float32
+    logits = named("router_logits", lambda: jnp.einsum("td,de->te", x.astype(f32), router.astype(f32)))
     scores = jax.nn.sigmoid(logits)
     choice = jax.lax.stop_gradient(scores) + jax.lax.stop_gradient(bias).astype(jnp.float32)
     n_experts = choice.shape[-1]

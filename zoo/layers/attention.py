@@ -33,6 +33,7 @@ from jaxtyping import Array, Float, Int
 from zoo.hooks import context_gather, context_positions, context_size
 from zoo.layers import pallas_attention
 from zoo.layers.flash_attention import blockwise_attention
+from zoo.layers.named import named, region
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash", "pallas_gpu")
 NAMES = ("context", "attn_lse")  # checkpoint names of the output and the log-sum-exp
@@ -99,14 +100,23 @@ def causal_attention(
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
     path = resolve_attention(implementation, q.dtype, q.shape[1] * context_size(), segment_ids is not None)
+    if path in pallas_attention.KERNELS and jax.default_backend() != pallas_attention.BACKENDS[path]:
+        pallas_attention.warn_interpreted(path)
+    # Every path names "context" inside (the kernels' custom VJPs name their residuals): the
+    # scope alone goes around the path, whose backward rule runs under it too.
+    with region(NAMES[0]):
+        return _attention(path, q, k, v, scale, segment_ids)
+
+
+def _attention(path, q, k, v, scale, segment_ids):
+    """``causal_attention`` on path ``path``."""
+    kv = v.shape[-1]
     if path == "cudnn":
         if kv != k.shape[-1]:
             v = jnp.pad(v, [(0, 0), (0, 0), (0, 0), (0, k.shape[-1] - kv)])
         out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
-        return checkpoint_name(out[..., :kv], "context")
+        return checkpoint_name(out[..., :kv], NAMES[0])
     if path in pallas_attention.KERNELS:
-        if jax.default_backend() != pallas_attention.BACKENDS[path]:
-            pallas_attention.warn_interpreted(path)
         return pallas_attention.KERNELS[path](q, k, v, scale=scale, segment_ids=segment_ids)
     if context_size() > 1:
         return _context_attention(q, k, v, scale, segment_ids, path)
@@ -170,7 +180,7 @@ def dense_attention(
     scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     # Softmax through its log-sum-exp, named: with it saved, the backward pass recomputes the
     # probabilities without their reductions (what the blockwise path saves too).
-    lse = checkpoint_name(jax.nn.logsumexp(scores, axis=-1, keepdims=True), NAMES[1])
+    lse = named(NAMES[1], jax.nn.logsumexp, scores, axis=-1, keepdims=True)
     probs = jnp.exp(scores - lse).astype(v.dtype).reshape(b, g, r * s, t)
     out = jnp.einsum("bgmt,bgtv->bgmv", probs, vh)
     return checkpoint_name(out.reshape(b, g, r, s, kv).transpose(0, 3, 1, 2, 4).reshape(b, s, h, kv), NAMES[0])

@@ -25,11 +25,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
 from zoo.hooks import sum_to_varying_of
 from zoo.layers.grouped_matmul import _loop_matmul, _loop_weight_grad
+from zoo.layers.named import named, region
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
 CAPACITY_FACTOR = 1.25
@@ -97,9 +97,9 @@ def _mm(spec, a, b):
 
 def _capacity_pass(x, w_gate, w_up, w_down, layout, k):
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
-    gate = checkpoint_name(_mm("ecd,edm->ecm", xc, w_gate), "moe_gate")
-    up = checkpoint_name(_mm("ecd,edm->ecm", xc, w_up), "moe_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    gate = named("moe_gate", _mm, "ecd,edm->ecm", xc, w_gate)
+    up = named("moe_up", _mm, "ecd,edm->ecm", xc, w_up)
+    hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
     return _mm("ecm,emd->ecd", hidden, w_down), (gate, up, hidden)
 
 
@@ -176,15 +176,19 @@ def _bwd(k, tile, residuals, dout):
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
     dw_down = jnp.einsum("ecm,ecd->emd", hidden, dyc, preferred_element_type=f32)
     dhidden = jnp.einsum("ecd,emd->ecm", dyc, w_down, preferred_element_type=f32)
-    g32, u32 = gate.astype(f32), up.astype(f32)
-    dgate = (dhidden * u32 * _silu_grad(g32)).astype(x.dtype)
-    dup = (dhidden * jax.nn.silu(g32)).astype(x.dtype)
-    dw_gate = jnp.einsum("ecd,ecm->edm", xc, dgate, preferred_element_type=f32)
-    dw_up = jnp.einsum("ecd,ecm->edm", xc, dup, preferred_element_type=f32)
-    dxc = jnp.einsum("ecm,edm->ecd", dgate, w_gate, preferred_element_type=f32) + jnp.einsum(
-        "ecm,edm->ecd", dup, w_up, preferred_element_type=f32
-    )
-    dxc = dxc.astype(x.dtype).reshape(e * c, -1)
+    # A hand-written backward runs under its call's scopes only: each named tensor's share of it
+    # goes under that tensor's scope, as autodiff's transposes would.
+    with region("moe_hidden"):
+        g32, u32 = gate.astype(f32), up.astype(f32)
+        dgate = (dhidden * u32 * _silu_grad(g32)).astype(x.dtype)
+        dup = (dhidden * jax.nn.silu(g32)).astype(x.dtype)
+    with region("moe_gate"):
+        dw_gate = jnp.einsum("ecd,ecm->edm", xc, dgate, preferred_element_type=f32)
+        dx_gate = jnp.einsum("ecm,edm->ecd", dgate, w_gate, preferred_element_type=f32)
+    with region("moe_up"):
+        dw_up = jnp.einsum("ecd,ecm->edm", xc, dup, preferred_element_type=f32)
+        dx_up = jnp.einsum("ecm,edm->ecd", dup, w_up, preferred_element_type=f32)
+    dxc = (dx_gate + dx_up).astype(x.dtype).reshape(e * c, -1)
 
     # Overflow: recomputed (it is small, and usually absent), its weight gradients accumulated
     # into the batched pass's; skipped outright when no expert overflows.

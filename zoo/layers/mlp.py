@@ -3,10 +3,10 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from zoo.hooks import tensor_psum
+from zoo.layers.named import named
 
 
 class SwiGLU(eqx.Module):
@@ -34,7 +34,7 @@ def swiglu(
     # XLA:CPU would transpose the [B S F] gradient inside the silu-backward fusion, slowly.
     bs, f = x.shape[:-1], w_gate.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
-    gate = checkpoint_name(jnp.einsum("td,df->tf", x2, w_gate).reshape(*bs, f), f"{prefix}_gate")
-    up = checkpoint_name(jnp.einsum("td,df->tf", x2, w_up).reshape(*bs, f), f"{prefix}_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, f"{prefix}_hidden")
+    gate = named(f"{prefix}_gate", lambda: jnp.einsum("td,df->tf", x2, w_gate).reshape(*bs, f))
+    up = named(f"{prefix}_up", lambda: jnp.einsum("td,df->tf", x2, w_up).reshape(*bs, f))
+    hidden = named(f"{prefix}_hidden", lambda: jax.nn.silu(gate) * up)
     return tensor_psum(jnp.einsum("tf,fd->td", hidden.reshape(-1, f), w_down).reshape(x.shape))

@@ -16,12 +16,12 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from zoo.hooks import axis_size, current_step, psum_varying, varying_axes, varying_like
 from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
+from zoo.layers.named import named
 
 ExpertImpl = Literal["auto", "ragged_dot", "capacity", "grouped", "tiled", "dense"]
 
@@ -49,9 +49,9 @@ def sorted_expert_mlp(
 ) -> Float[Array, "R D"]:
     """Each expert's SwiGLU on its contiguous rows (``group_sizes[e]`` rows of expert ``e``,
     then padding rows whose output is zero), through a grouped ``matmul(rows, w, sizes)``."""
-    gate = checkpoint_name(matmul(rows, w_gate, group_sizes), "moe_gate")
-    up = checkpoint_name(matmul(rows, w_up, group_sizes), "moe_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    gate = named("moe_gate", matmul, rows, w_gate, group_sizes)
+    up = named("moe_up", matmul, rows, w_up, group_sizes)
+    hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
     return matmul(hidden, w_down, group_sizes)
 
 
@@ -106,7 +106,7 @@ def _routed_experts_pairs(pair_mlp, x, routing, w_gate, w_up, w_down):
     """``pair_mlp`` on the T·K routed pairs, then each token's K outputs combined."""
     t, k = routing.experts.shape
     out = pair_mlp(x, routing.experts.reshape(-1), k, w_gate, w_up, w_down)
-    out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
+    out = named("moe_out", out.reshape, t, k, -1)
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
 
 
@@ -180,15 +180,15 @@ def routed_experts_tiled(
     sorted_pos = jnp.where(valid, tiles.first_row[:, None] + offset, 0)
     tokens = jnp.take(order // k, sorted_pos)
     xt = jnp.where(valid[..., None], jnp.take(x, tokens, axis=0), jnp.zeros((), x.dtype))
-    gate = checkpoint_name(jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_gate, owner, axis=0)), "moe_gate")
-    up = checkpoint_name(jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_up, owner, axis=0)), "moe_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    gate = named("moe_gate", lambda: jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_gate, owner, axis=0)))
+    up = named("moe_up", lambda: jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_up, owner, axis=0)))
+    hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
     out = jnp.einsum("ntm,nmd->ntd", hidden, jnp.take(w_down, owner, axis=0)).reshape(n_tiles * tile, -1)
     # Where each (token, k) pair landed: its rank in the sort gives its expert's tile and slot.
     within = jnp.argsort(order) - tiles.group_first_row[flat]
     slot = (tiles.group_first_tile[flat] + within // tile) * tile + within % tile
     # The combine weights' gradient needs each expert's output: naming it spares the down projection.
-    out = checkpoint_name(jnp.take(out, slot, axis=0).reshape(t, k, -1), "moe_out")
+    out = named("moe_out", lambda: jnp.take(out, slot, axis=0).reshape(t, k, -1))
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
 
 
@@ -203,9 +203,9 @@ def routed_experts_dense(
     (zero for experts not chosen). E/K times the work of the dropless path."""
     combine = jnp.zeros(routing.scores.shape, x.dtype)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], routing.experts].set(routing.weights.astype(x.dtype))
-    gate = checkpoint_name(jnp.einsum("td,edm->tem", x, w_gate), "moe_gate")
-    up = checkpoint_name(jnp.einsum("td,edm->tem", x, w_up), "moe_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    gate = named("moe_gate", jnp.einsum, "td,edm->tem", x, w_gate)
+    up = named("moe_up", jnp.einsum, "td,edm->tem", x, w_up)
+    hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
     return jnp.einsum("tem,emd,te->td", hidden, w_down, combine)
 
 
@@ -295,7 +295,7 @@ def routed_experts(
         n = axis_size(step.mesh, "expert")
         out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down, expected_rows=-(-t * k // n))
         combine = varying_like(routing.weights, w_gate)
-    out = checkpoint_name(out.reshape(t, k, -1), "moe_out")
+    out = named("moe_out", out.reshape, t, k, -1)
     out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))
     return psum_varying(out if spread else jax.lax.psum(out, "expert"), ("tensor",))
 

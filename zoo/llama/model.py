@@ -16,13 +16,13 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.causal_lm import CausalLM, positions_for
 from zoo.hooks import gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
+from zoo.layers.named import named
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
 from zoo.llama.placement import LlamaPlacement
@@ -78,10 +78,10 @@ def llama_layer(
 ) -> Float[Array, "B S D"]:
     """Pre-norm attention then pre-norm SwiGLU, each added to the residual stream.
 
-    ``checkpoint_name`` marks every intermediate the backward pass may need; the placement
-    map decides for each whether it is kept, recomputed or offloaded.
+    :func:`~zoo.layers.named.named` marks every intermediate the backward pass may need; the
+    placement map decides for each whether it is kept, recomputed or offloaded.
     """
-    x = checkpoint_name(x, "layer_input")
+    x = named("layer_input", lambda: x)
     q, k, v = llama_qkv(config, layer, x, cos, sin)
     ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids, implementation=config.attention)
     return llama_post_attention(config, layer, x, ctx)  # causal_attention names "context" and "attn_lse"
@@ -97,11 +97,11 @@ def llama_qkv(
     """A layer's attention inputs from its residual stream: pre-norm, projections, RoPE on
     queries and keys. ``k`` and ``v`` are what a generation cache keeps (``zoo.generate``)."""
     eps, a = config.rms_norm_eps, layer.attn
-    h = checkpoint_name(rms_norm(x, layer.attn_norm, eps), "attn_norm")
-    q = apply_rope(jnp.einsum("bsd,dhk->bshk", h, a.wq), cos, sin)
-    k = apply_rope(jnp.einsum("bsd,dgk->bsgk", h, a.wk), cos, sin)
-    v = jnp.einsum("bsd,dgk->bsgk", h, a.wv)
-    return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+    h = named("attn_norm", rms_norm, x, layer.attn_norm, eps)
+    q = named("query", lambda: apply_rope(jnp.einsum("bsd,dhk->bshk", h, a.wq), cos, sin))
+    k = named("key", lambda: apply_rope(jnp.einsum("bsd,dgk->bsgk", h, a.wk), cos, sin))
+    v = named("value", jnp.einsum, "bsd,dgk->bsgk", h, a.wv)
+    return q, k, v
 
 
 def llama_post_attention(
@@ -112,8 +112,8 @@ def llama_post_attention(
     eps, a = config.rms_norm_eps, layer.attn
     # The projection only feeds the residual add, but the add's result feeds the MLP norm,
     # whose backward needs it: saving this name spares recomputing the projection.
-    x = x + checkpoint_name(tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, a.wo)), "attn_out")
-    h = checkpoint_name(rms_norm(x, layer.mlp_norm, eps), "mlp_norm")
+    x = x + named("attn_out", lambda: tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, a.wo)))
+    h = named("mlp_norm", rms_norm, x, layer.mlp_norm, eps)
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 

@@ -19,7 +19,6 @@ from typing import Any, ClassVar, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.causal_lm import CausalLM, options_or_default, positions_for
@@ -28,6 +27,7 @@ from zoo.hooks import PipelineSplit, gather_layer, pipeline_of, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import moe_experts, resolve_expert_impl
+from zoo.layers.named import named
 from zoo.layers.stack import scan_layers
 from zoo.params import Param, build, flatten, init_arrays, init_with_stacks
 from zoo.qwen3.config import Qwen3Config
@@ -109,14 +109,13 @@ def qwen3_qkv(
     """A layer's attention inputs: pre-norm, projections, per-head RMSNorm of queries and keys
     (before RoPE, as the published model does), RoPE. ``k`` and ``v`` are what a cache keeps."""
     eps, a = config.rms_norm_eps, layer.attn
-    h = checkpoint_name(rms_norm(x, layer.attn_norm, eps), "attn_norm")
+    h = named("attn_norm", rms_norm, x, layer.attn_norm, eps)
     # The per-head norms' backward needs their inputs: naming them spares the projections.
-    q = checkpoint_name(jnp.einsum("bsd,dhk->bshk", h, a.wq), "q_proj")
-    k = checkpoint_name(jnp.einsum("bsd,dgk->bsgk", h, a.wk), "k_proj")
-    q = apply_rope(rms_norm(q, a.q_norm, eps), cos, sin)
-    k = apply_rope(rms_norm(k, a.k_norm, eps), cos, sin)
-    v = jnp.einsum("bsd,dgk->bsgk", h, a.wv)
-    return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+    q = named("q_proj", jnp.einsum, "bsd,dhk->bshk", h, a.wq)
+    k = named("k_proj", jnp.einsum, "bsd,dgk->bsgk", h, a.wk)
+    q = named("query", lambda: apply_rope(rms_norm(q, a.q_norm, eps), cos, sin))
+    k = named("key", lambda: apply_rope(rms_norm(k, a.k_norm, eps), cos, sin))
+    return q, k, named("value", jnp.einsum, "bsd,dgk->bsgk", h, a.wv)
 
 
 def qwen3_attention_out(
@@ -125,12 +124,12 @@ def qwen3_attention_out(
     """The output projection added to the residual stream."""
     # The add's result feeds the MLP norm, whose backward needs it: saving this name spares
     # recomputing the projection.
-    return x + checkpoint_name(tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, layer.attn.wo)), "attn_out")
+    return x + named("attn_out", lambda: tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, layer.attn.wo)))
 
 
 def dense_ffn(config: Qwen3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
     """Pre-norm SwiGLU added to the residual stream."""
-    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 
@@ -140,7 +139,7 @@ def moe_ffn(
     """Pre-norm MoE added to the residual stream; also the layer's expert load and the sum of
     its router probabilities (what the balance loss needs)."""
     b, s, d = x.shape
-    h = checkpoint_name(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), "mlp_norm")
+    h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
     tokens = h.reshape(b * s, d)
     routing = route(tokens, layer.moe.router, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob)
     out = moe_experts(tokens, routing, layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down, impl=impl)
@@ -149,7 +148,7 @@ def moe_ffn(
 
 def qwen3_layer(config, layer, x, cos, sin, segment_ids, kind: str, impl: str):
     """One decoder layer: pre-norm attention, then the dense or MoE MLP (with router stats)."""
-    x = checkpoint_name(x, "layer_input")
+    x = named("layer_input", lambda: x)
     q, k, v = qwen3_qkv(config, layer, x, cos, sin)
     ctx = causal_attention(q, k, v, scale=config.head_dim**-0.5, segment_ids=segment_ids, implementation=config.attention)
     x = qwen3_attention_out(layer, x, ctx)  # causal_attention names "context" and "attn_lse"

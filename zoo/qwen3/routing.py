@@ -9,10 +9,10 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from zoo.layers.moe import Routing
+from zoo.layers.named import named
 
 
 class Qwen3MoE(eqx.Module):
@@ -27,7 +27,7 @@ class Qwen3MoE(eqx.Module):
 def route(x: Float[Array, "T D"], router: Float[Array, "D E"], *, top_k: int, norm_topk_prob: bool) -> Routing:
     """``softmax(x @ router)`` in float32, the ``top_k`` largest picked; their probabilities are
     the combine weights, divided by their sum when ``norm_topk_prob`` (as ``transformers``)."""
-    logits = checkpoint_name(jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32)), "router_logits")
+    logits = named("router_logits", lambda: jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32)))
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:

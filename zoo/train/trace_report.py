@@ -1,30 +1,37 @@
 """Reading a run's profile (``RUN_DIR/profile``, written by ``train(profile=...)``): per step, the
 wall time, the device's compute and collectives, host<->device copies each way (count, bytes,
-achieved GB/s), and how much copy time compute hid versus how much was exposed; then the ops and
-the program's regions (decoder layers forward and backward, the rest, the update) by time.
+achieved GB/s), and how much copy time compute hid versus how much was exposed; then the ops, the
+program's regions (decoder layers forward and backward, the rest, the update) and the named
+tensors (:mod:`zoo.layers.named`: forward, recomputed, backward) by time.
 
 A step is the window of its ``train_step`` trace annotation (the loop waits for each profiled
 step inside it, so the device's work falls in the window). Device work is read from the device
 planes of the trace: on GPU the CUDA stream lines (kernels; ``Memcpy*`` records are the copies),
 elsewhere the ``XLA Ops`` line. XLA:CPU has no device plane: its ops run on host threads and are
 read there, and with one memory there are no copies to report. Op names are mapped to their
-source (``op_name`` metadata, with the ``jax.named_scope`` of each decoder layer) through the
-compiled step's HLO text, saved beside the trace.
+source (``op_name`` metadata, with the ``jax.named_scope`` of each decoder layer and of each named
+tensor) through the compiled step's HLO text, saved beside the trace.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zoo.hooks import GATHERED
 from zoo.layers.stack import LAYER_SCOPE
 
 STEP_EVENT = "train_step"  # the loop's jax.profiler.StepTraceAnnotation
 _COLLECTIVE = re.compile(r"nccl|all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|allreduce|allgather")
 _DERIVED = ("XLA Modules", "Steps", "Framework", "TensorFlow", "Source", "Launch Stats", "Host Offload")
+UNNAMED = "(unnamed, decoder layers)"  # a layer's ops that compute no named tensor alone
+OUTSIDE = "(outside the layers)"
+NO_SOURCE = "(no source)"  # an op missing from the step's HLO text
+PHASES = ("forward", "recompute", "backward", "other")
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,39 @@ def region(source: str) -> str:
     if "jvp(" in source:
         return f"{where}, forward"
     return "update and the rest" if source else "unattributed"
+
+
+@functools.cache
+def tensor_names() -> frozenset[str]:
+    """Every named tensor's name, the scopes :func:`zoo.layers.named.named` opens: each family's
+    placement-map fields, and FSDP's gathered weights."""
+    from zoo.registry import families
+
+    return frozenset(n for family in families() for n in family.placement_map.names()) | {GATHERED}
+
+
+def named_region(source: str, names: frozenset[str] | None = None) -> str:
+    """The innermost named tensor whose scope holds an op (``source``: its ``op_name``), else
+    :data:`UNNAMED` inside the decoder layers, :data:`OUTSIDE`, or :data:`NO_SOURCE`."""
+    if not source:
+        return NO_SOURCE
+    names = tensor_names() if names is None else names
+    path = source.rpartition("/")[0]  # the last part is the op itself
+    # Transforms wrap scopes ("transpose(jvp(decoder_layer))/query/..."): split on both.
+    for scope in reversed(re.split(r"[/()]", path)):
+        if scope in names:
+            return scope
+    return UNNAMED if LAYER_SCOPE in source else OUTSIDE
+
+
+def phase(source: str) -> str:
+    """The pass an op belongs to: ``forward``, ``recompute`` (rematerialised for the backward
+    pass), ``backward``, or ``other`` (the update, or no source)."""
+    if "rematted_computation" in source:
+        return "recompute"
+    if "transpose(" in source:
+        return "backward"
+    return "forward" if "jvp(" in source else "other"
 
 
 def kind(e: Event) -> str:
@@ -183,16 +223,20 @@ class Report:
     steps: list[StepFigures]
     ops: list[tuple[str, str, float, int]]  # (op, source, seconds, count), longest first
     regions: dict[str, float]
+    named: dict[str, dict[str, float]] = field(default_factory=dict)  # named region -> phase -> seconds
 
 
-def analyse(events: list[Event], sources: dict[str, str] | None = None) -> Report:
-    """The per-step figures of a trace's events; ``sources``: :func:`hlo_sources` of the step."""
+def analyse(events: list[Event], sources: dict[str, str] | None = None, names: frozenset[str] | None = None) -> Report:
+    """The per-step figures of a trace's events; ``sources``: :func:`hlo_sources` of the step;
+    ``names``: the named tensors' scopes (default :func:`tensor_names`)."""
     sources = sources or {}
+    names = tensor_names() if names is None else names
     work, device = device_events(events)
     windows = sorted((int(e.stats.get("step_num", 0)), e.start, e.end) for e in events if e.name == STEP_EVENT)
     steps: list[StepFigures] = []
     ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     regions: dict[str, float] = defaultdict(float)
+    named: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
     for number, a, b in windows:
         inside = [e for e in work if a <= e.start < b]
         spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -212,9 +256,14 @@ def analyse(events: list[Event], sources: dict[str, str] | None = None) -> Repor
         for e, self_time in _self_times(inside):
             ops[e.op][0] += self_time / 1e9
             ops[e.op][1] += 1
-            regions[region(sources.get(e.op, ""))] += self_time / 1e9
+            source = sources.get(e.op, "")
+            regions[region(source)] += self_time / 1e9
+            named[named_region(source, names)][phase(source)] += self_time / 1e9
     ranked = sorted(((op, sources.get(op, ""), t, int(n)) for op, (t, n) in ops.items()), key=lambda r: -r[2])
-    return Report(device, steps, ranked, dict(sorted(regions.items(), key=lambda r: -r[1])))
+    last = {UNNAMED: 1, OUTSIDE: 2, NO_SOURCE: 3}  # after the named tensors, longest first
+    order = sorted(named, key=lambda r: (last.get(r, 0), -sum(named[r].values())))
+    return Report(device, steps, ranked, dict(sorted(regions.items(), key=lambda r: -r[1])),
+                  {r: named[r] for r in order})  # fmt: skip
 
 
 def _self_times(events: list[Event]) -> list[tuple[Event, float]]:
@@ -247,7 +296,7 @@ def _copies(c: Copies) -> str:
 
 
 def format_report(report: Report, *, top: int = 15) -> str:
-    """The report as text: the per-step table, the regions and the top ops."""
+    """The report as text: the per-step table, the regions, the named tensors and the top ops."""
     cpu = report.device == "cpu"
     lines = [f"device: {report.device}; {len(report.steps)} profiled step(s)"]
     if cpu:
@@ -262,6 +311,12 @@ def format_report(report: Report, *, top: int = 15) -> str:
     total = sum(report.regions.values()) or 1.0
     lines += ["", "time by region (self time of the ops, all profiled steps):"]
     lines += [f"  {name:32s} {_ms(t)} ms  {100 * t / total:5.1f}%" for name, t in report.regions.items()]
+    lines += ["", "time by named tensor (self time of the ops under its scope, the innermost; all profiled steps):",
+              f"  {'named tensor':26s} " + " ".join(f"{p + ' ms':>12s}" for p in (*PHASES, "total")) + "  share"]  # fmt: skip
+    for name, by_phase in report.named.items():
+        t = sum(by_phase.values())
+        lines.append(f"  {name:26s} " + " ".join(f"   {_ms(by_phase[p])}" for p in PHASES) +
+                     f"    {_ms(t)} {100 * t / total:5.1f}%")  # fmt: skip
     lines += ["", f"top {top} ops by self time:", f"  {'op':36s} {'ms':>9s} {'count':>6s}  source"]
     for op, source, t, n in report.ops[:top]:
         lines.append(f"  {op[:36]:36s} {_ms(t)} {n:6d}  {short_source(source)}")
