@@ -237,28 +237,30 @@ def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, reference
 
 
 @functools.cache
-def _deepseek_v3_reference():
+def _deepseek_v3_reference(packed: bool):
     """A DeepSeek-V3 with MTP (a dense layer, 3 MoE layers), its batch and one device's loss,
-    metrics and gradients (computed once for every mesh)."""
+    metrics and gradients (computed once for the meshes that share them)."""
     from zoo.deepseek_v3 import preset as deepseek_preset
 
     model = zoo.DeepseekV3(deepseek_preset("tiny", num_layers=4, mtp=True), key=jr.key(0))
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    return model, ids, _reference(_family_loss, model, ids, has_aux=True)
+    return model, ids, _reference(_family_loss, model, ids, has_aux=True, **(_packed() if packed else {}))
 
 
 @pytest.mark.parametrize(
-    "spec, virtual", [("pipeline=2,expert=4", 1), ("pipeline=2,fsdp=4", 1), ("pipeline=4,fsdp=2", 1),
-                      ("pipeline=2,tensor=2,fsdp=2", 1),
-                      ("pipeline=2,expert=4", 2)],  # the last interleaved: 2 chunks of one MoE layer a stage
+    "spec, virtual, packed", [("pipeline=2,expert=4", 1, False), ("pipeline=2,fsdp=4", 1, False),
+                              ("pipeline=4,fsdp=2", 1, True), ("pipeline=2,tensor=2,fsdp=2", 1, True),
+                              ("pipeline=2,expert=4", 2, False)],  # the last interleaved: 2 chunks of one MoE layer a stage
 )
-def test_deepseek_v3_pipelined_equals_one_device(spec, virtual):
+def test_deepseek_v3_pipelined_equals_one_device(spec, virtual, packed):
     """The MoE stack (3 layers on 2 stages: one padding layer; on 4, one) pipelined, the dense
     first layer and the MTP block on every stage; the balance loss (a mean over sequences,
-    averaged over micro-batches) and the per-layer expert load (summed) equal one device's."""
-    model, ids, reference = _deepseek_v3_reference()
+    averaged over micro-batches) and the per-layer expert load (summed) equal one device's;
+    plain and packed rows."""
+    model, ids, reference = _deepseek_v3_reference(packed)
     mesh = parallel.make_mesh(spec)
-    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3}, virtual, reference=reference)
+    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3}, virtual, reference=reference,
+                          **(_packed() if packed else {}))  # fmt: skip
     assert np.asarray(aux["expert_load"]).shape == (3, model.config.n_routed_experts)
     sharded = parallel.shard(model, mesh)
     assert sharded.moe_layers.attn.wkv_a.sharding.spec[0] == "pipeline"
