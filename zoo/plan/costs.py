@@ -28,6 +28,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from zoo import parallel
@@ -35,7 +36,7 @@ from zoo.errors import ConfigError
 from zoo.hooks import PIPELINE
 from zoo.placement import PlacementMap
 from zoo.plan import _flops, collectives
-from zoo.plan._step import Step, layer_stacks
+from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
 from zoo.plan.estimate import Estimate
 from zoo.plan.hardware import Hardware
 
@@ -92,7 +93,14 @@ class CostModel:
     bubble's ticks compute and save as the others do), the head's work is split over the stages
     with the vocabulary, the layers kept whole (DeepSeek-V3's dense-first layers and MTP block)
     run on every stage, and the point-to-point hand-overs and the broadcast of the last stage's
-    output are collectives of the traced step, priced on the link the pipeline axis crosses."""
+    output are collectives of the traced step, priced on the link the pipeline axis crosses.
+
+    The interleaved schedule (``virtual`` stages ``V > 1``, each device's layers in ``V`` chunks)
+    is derived from those GPipe traces, not traced (each ``V`` would take three more traces): its
+    ``V·b + P - 1`` ticks each run a chunk of ``L/(P·V)`` layers on one row (compute, recompute,
+    offload and saved tensors of ``b + (P - 1)/V`` rows of the stage's layers), the collectives
+    grow as :func:`zoo.plan.collectives.interleaved` says, and every tick saves its chunk's
+    weights for the backward pass (:meth:`interleaved_bytes`)."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
                  jaxpr2: Any = None, bodies: list[_flops.Body] | None = None,
@@ -154,67 +162,116 @@ class CostModel:
         self.head_flops = max(per_sequence - self.pipelined_flops - self.whole_flops, 0.0)
         vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
+        self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
 
     # -- the pipeline ------------------------------------------------------------------------
     def _pipelined(self, body: _flops.Body) -> bool:
         st = self._stack_for[id(body)]
         return st is not None and st.pipelined
 
-    def _work(self, body: _flops.Body, b: int) -> tuple[int, int]:
+    def _work(self, body: _flops.Body, b: int, virtual: int = 1) -> tuple[int, int]:
         """(layers, rows) of ``body`` one device runs per step at local batch ``b``: a pipelined
         stack's stage (its layers split over the stages, padding included) on ``b + P - 1`` rows,
-        one per tick; any other stack whole on ``b`` rows."""
+        one per tick; any other stack whole on ``b`` rows. Interleaved (``virtual`` chunks), a
+        chunk of the stage on each of ``V·b + P - 1`` rows."""
         if self._pipelined(body):
-            return -(-body.layers // self.stages), b + MICROBATCH_ROWS * (self.stages - 1)
+            return -(-body.layers // self.stages) // virtual, virtual * b + MICROBATCH_ROWS * (self.stages - 1)
         return body.layers, b
+
+    def virtual_stages(self, b: int) -> list[int]:
+        """The interleaved schedule's virtual stages a pipelined step at local batch ``b`` may run:
+        1 (GPipe), and each ``V > 1`` dividing every pipelined stack's layers per stage, where
+        the micro-batches are a multiple of the stages (:func:`zoo.pipeline.pipelined_scan`'s rules)."""
+        if self.stages == 1:
+            return [1]
+        from zoo.plan.search import pipelined_layers
+
+        per_stage = [-(-n // self.stages) for n in pipelined_layers(self.base.config)]
+        if not per_stage or self.microbatches(b) % self.stages:
+            return [1]
+        return [v for v in range(1, min(per_stage) + 1) if all(n % v == 0 for n in per_stage)]
+
+    def check_virtual(self, b: int, virtual: int) -> None:
+        """A :class:`ConfigError` naming the rule where ``virtual`` stages cannot run at local batch ``b``."""
+        if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+            raise ConfigError(f"virtual_stages must be a positive integer, got {virtual!r}")
+        if virtual > 1 and self.stages == 1:
+            mesh = mesh_spec(self.base.sizes) or "one device"
+            raise ConfigError(f"virtual_stages={virtual} needs a pipeline axis; the mesh {mesh!r} has none")
+        if virtual not in self.virtual_stages(b):
+            raise ConfigError(
+                f"virtual_stages={virtual} cannot run at {b} rows per device on pipeline={self.stages}: the "
+                f"interleaved schedule needs the micro-batches (here {self.microbatches(b)}, one row each) a "
+                f"multiple of the stages and virtual_stages dividing each stage's layers; possible here: "
+                f"{self.virtual_stages(b)}"
+            )
 
     def microbatches(self, b: int) -> int | None:
         """The micro-batches of a pipelined step at local batch ``b`` (None without a pipeline)."""
         return b // MICROBATCH_ROWS if self.stages > 1 else None
 
-    def bubble(self, b: int) -> float:
-        """The GPipe bubble's share of the pipelined layers' ticks at local batch ``b``."""
+    def bubble(self, b: int, virtual: int = 1) -> float:
+        """The bubble's share of the pipelined layers' ticks at local batch ``b`` (GPipe's, or the
+        interleaved schedule's with ``virtual`` stages)."""
         if self.stages == 1:
             return 0.0
         from zoo.pipeline import bubble
 
-        return bubble(self.stages, self.microbatches(b))
+        return bubble(self.stages, self.microbatches(b), virtual)
 
-    def pipeline_bytes(self, b: int) -> tuple[float, float]:
+    def _scale(self, b: int, virtual: int) -> dict[str, float] | None:
+        """The interleaved schedule's factors on the traced collectives (None for GPipe's)."""
+        return None if virtual == 1 else collectives.interleaved(self.microbatches(b), self.stages, virtual)
+
+    def pipeline_bytes(self, b: int, virtual: int = 1) -> tuple[float, float]:
         """Per device per step at local batch ``b``: (point-to-point bytes the stages hand on,
         bytes all-reduced over the pipeline axis: the last stage's output broadcast, the backward
         pass's per-tick sum of the fed micro-batch's gradient and, with the vocabulary split over
         the stages, the embedding's lookups and the head's feature gradients summed)."""
-        return self.traffic.bytes(b, "permute", (PIPELINE,)), self.traffic.bytes(b, "all_reduce", (PIPELINE,))
+        scale = self._scale(b, virtual)
+        return (self.traffic.bytes(b, "permute", (PIPELINE,), scale),
+                self.traffic.bytes(b, "all_reduce", (PIPELINE,), scale))  # fmt: skip
 
-    def compute_flops(self, b: int) -> float:
+    def interleaved_bytes(self, b: int, virtual: int) -> float:
+        """Device bytes the interleaved schedule adds to GPipe's at local batch ``b``: each of its
+        ``V·b + P - 1`` ticks slices its chunk out of the stage's weights at an offset the tick
+        picks, and autodiff saves that slice for the backward pass (``(V·b + P - 1)/V`` copies
+        of the stage's weights, as stored); GPipe's copy of the stage's weights in the compute
+        dtype, its forward gathers hoisted out of the tick loop, is not made (measured on
+        XLA:CPU: ``tests/test_plan_pipeline.py``)."""
+        if virtual == 1:
+            return 0.0
+        ticks = virtual * self.microbatches(b) + self.stages - 1
+        return ticks * self.stage_weights / virtual - self.hoisted
+
+    def compute_flops(self, b: int, virtual: int = 1) -> float:
         """The model's FLOPs one device runs per step at local batch ``b`` (recomputation not
         included): its share of the global batch's where nothing is pipelined; pipelined, its
         stage's layers on ``b + P - 1`` rows (the bubble's ticks compute too, masked: the
         pipelined layers' share times ``(M + P - 1) / M``), the head's share of the stages, and
-        the layers kept whole (DeepSeek-V3's dense-first layers and MTP block) on every stage."""
+        the layers kept whole (DeepSeek-V3's dense-first layers and MTP block) on every stage.
+        Interleaved, ``(V·M + P - 1) / (V·M)`` times the pipelined layers' share."""
         if self.stages == 1:
             return self.flops_model * b
         split = self.base.devices / self.shards / self.stages  # tensor x context
-        stages = sum(3 * body.forward_flops() * math.prod(self._work(body, b)) for body in self.bodies
+        stages = sum(3 * body.forward_flops() * math.prod(self._work(body, b, virtual)) for body in self.bodies
                      if self._pipelined(body))  # fmt: skip
         return (self.head_flops / self.head_stages * b + self.whole_flops * b + stages) / split
 
     # -- memory ------------------------------------------------------------------------
-    def _named(self, placement: Any, where: str, b: int) -> float:
-        return float(sum(self.per_b[n] * b + self.per_0[n] for n in self.names if placement.get(n) == where))
+    def _named(self, placement: Any, where: str, b: int, virtual: int = 1) -> float:
+        # Interleaved, the bubble's ticks and the copied slice are of a chunk: per_0 / V.
+        return float(sum(self.per_b[n] * b + self.per_0[n] / virtual for n in self.names
+                         if placement is None or placement.get(n) == where))  # fmt: skip
 
-    def memory(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
-        """(device, host) bytes per device at local batch ``b``."""
+    def memory(self, placement: Any, b: int, pm: str, om: str, virtual: int = 1) -> tuple[float, float]:
+        """(device, host) bytes per device at local batch ``b`` (``virtual``: the interleaved schedule's)."""
         placement = _Where.of(placement)
-        base = sum(self.per_b[n] * b + self.per_0[n] for n in self.base_device)
-        if placement is None:  # no map: XLA keeps at least every named tensor
-            extra = sum(self.per_b[n] * b + self.per_0[n] for n in self.names) - base
-            host_res = 0.0
-        else:
-            extra = self._named(placement, "device", b) - base
-            host_res = self._named(placement, "pinned_host", b)
-        passes = self.passes_base + self.passes_slope * b + extra
+        base = sum(self.per_b[n] * b + self.per_0[n] for n in self.base_device)  # in the traced (GPipe) passes
+        # No map: XLA keeps at least every named tensor.
+        extra = self._named(placement, "device", b, virtual) - base
+        host_res = 0.0 if placement is None else self._named(placement, "pinned_host", b, virtual)
+        passes = self.passes_base + self.passes_slope * b + extra + self.interleaved_bytes(b, virtual)
         p_host, o_host = pm == "pinned_host", om == "pinned_host"
         temps = max(passes + p_host * self.params, self.update + p_host * self.params + o_host * self.opt)
         device = (not p_host) * self.params + (not o_host) * self.opt + self.batch_bytes * b + temps
@@ -233,22 +290,24 @@ class CostModel:
         best = max(shared, default=(0, -1))
         return self.stacks[best[1]] if best[0] else None
 
-    def time(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
-        """(step seconds, model FLOPs per device) at local batch ``b``."""
+    def time(self, placement: Any, b: int, pm: str, om: str, virtual: int = 1) -> tuple[float, float]:
+        """(step seconds, model FLOPs per device) at local batch ``b`` (``virtual``: the interleaved
+        schedule's; ``comm`` keeps its exposed collectives under ``(map, b, pm, om)``, ``V > 1``
+        appended)."""
         placement = _Where.of(placement)
-        key = (placement, b, pm, om)
+        key = (placement, b, pm, om) + ((virtual,) if virtual != 1 else ())
         if key not in self._times:
-            self._times[key] = self._time(placement, b, pm, om)
+            self._times[key] = self._time(placement, b, pm, om, virtual, key)
         return self._times[key]
 
-    def _time(self, placement: Any, b: int, pm: str, om: str) -> tuple[float, float]:
+    def _time(self, placement: Any, b: int, pm: str, om: str, virtual: int, key: tuple) -> tuple[float, float]:
         rate = self.peak * self.hw.efficiency
         model = self.flops_model * b
-        executed = self.compute_flops(b)
+        executed = self.compute_flops(b, virtual)
         recompute = exposed = 0.0
         layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
         for body in self.bodies:
-            layers, rows = self._work(body, b)
+            layers, rows = self._work(body, b, virtual)
             fwd = body.forward_flops() * rows / self.tensor
             remat = () if placement is None else [n for n in body.names if placement.get(n) == "remat"]
             rec = body.recompute_flops(remat) * rows / self.tensor
@@ -266,13 +325,13 @@ class CostModel:
             link = moved / self.hw.host_link
             exposed += layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
         compute = (executed + recompute) / rate
-        comm = self.traffic.seconds(b)
+        comm = self.traffic.seconds(b, self._scale(b, virtual))
         # XLA's latency-hiding scheduler gathers the next layer's weights (and scatters the last
         # layer's gradients) behind this layer's compute; tensor all-reduces, all-to-alls and
         # what runs outside the layer loops wait on their results.
         hidden = max(0.0, comm["forward"] - layer_fwd) + max(0.0, comm["backward"] - layer_bwd)
         t = compute + exposed + hidden + comm["exposed"]
-        self.comm[(placement, b, pm, om)] = hidden + comm["exposed"]
+        self.comm[key] = hidden + comm["exposed"]
         if self.can_offload or self.hw.unified:
             bw = self.hw.host_link if self.hw.host_link > 0 else math.inf
             if pm == "pinned_host":
@@ -295,20 +354,21 @@ class CostModel:
         out = [c for c in self.map_cls.choices(name) if c != "pinned_host" or self.can_offload]
         return tuple(out)
 
-    def search(self, b: int, pm: str, om: str, device_budget: float, host_budget: float) -> PlacementMap | None:
+    def search(self, b: int, pm: str, om: str, device_budget: float, host_budget: float,
+               virtual: int = 1) -> PlacementMap | None:  # fmt: skip
         """Greedy: from everything on device, move the name whose move costs the least time per
         device byte it frees, until the step fits; then move back what still fits faster."""
         m = _Where.of(self.map_cls.preset("device"))
 
         def fits(p):
-            d, h = self.memory(p, b, pm, om)
+            d, h = self.memory(p, b, pm, om, virtual)
             return d <= device_budget and h <= host_budget
 
         def cost(p):
-            return self.time(p, b, pm, om)[0]
+            return self.time(p, b, pm, om, virtual)[0]
 
         while True:
-            d, h = self.memory(m, b, pm, om)
+            d, h = self.memory(m, b, pm, om, virtual)
             if d <= device_budget and h <= host_budget:
                 break
             best, t0 = None, cost(m)
@@ -319,7 +379,7 @@ class CostModel:
                     if c == "device":
                         continue
                     cand = m.replace(**{n: c})
-                    d2, h2 = self.memory(cand, b, pm, om)
+                    d2, h2 = self.memory(cand, b, pm, om, virtual)
                     if h2 > host_budget or d2 >= d:
                         continue
                     score = (cost(cand) - t0) / (d - d2)
@@ -347,3 +407,24 @@ class CostModel:
             m = dataclasses.replace(m, layer_input="pinned_host")
         return m
 
+
+
+def _stage_weights(step: Step) -> tuple[float, float]:
+    """(bytes of the pipelined stacks' parameters one device holds, as stored: the stage's share;
+    the same in the compute dtype and gathered over ``fsdp``: GPipe's hoisted forward gathers)."""
+    from jax.sharding import PartitionSpec
+
+    described = type(step.model).param_specs(step.config)
+    rules = type(step.config).axis_rules
+    compute = jnp.dtype(step.model.compute_dtype).itemsize
+    stored = gathered = 0.0
+    for path, x in jax.tree_util.tree_leaves_with_path(step.params, is_leaf=lambda x: isinstance(x, SDS)):
+        p = described[".".join(str(getattr(k, "name", k)) for k in path)]
+        axes = parallel.param_axes(p, step.mesh, rules=rules)
+        if not (p.names and p.names[0] in p.stacked and axes and axes[0] == PIPELINE):
+            continue
+        held = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize / step.divisor(PartitionSpec(*axes))
+        fsdp = step.sizes["fsdp"] if "fsdp" in [a for e in axes for a in parallel.axis_names(e)] else 1
+        stored += held
+        gathered += held * fsdp * compute / jnp.dtype(x.dtype).itemsize
+    return stored, gathered

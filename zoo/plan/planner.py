@@ -30,6 +30,10 @@ __all__ = [
 ]  # fmt: skip
 
 TREE_PLACES = ("device", "pinned_host")
+# A pipelined plan takes the fewest virtual stages whose step is within this fraction of the
+# fastest's: each more doubles-and-more the hand-overs and saves the chunk's weights per tick
+# (the cost model's figures are not finer than that).
+VIRTUAL_TOLERANCE = 0.01
 
 
 def plan(
@@ -47,6 +51,7 @@ def plan(
     devices: int | None = None,
     top: int = 5,
     pipeline: bool = True,
+    virtual_stages: int | None = None,
 ) -> Plan:
     """The placement map, parameter and optimizer-state memory, and (``batch_size=None``) the
     largest global batch that maximise estimated tokens per second within ``device_budget``
@@ -56,6 +61,10 @@ def plan(
     (:func:`zoo.plan.search.search`: every mesh of ``devices`` that divides the model, pruned by
     memory, the ``top`` most promising planned in full; ``pipeline=False``: no pipeline axis);
     the plan's ``meshes`` hold the table.
+    ``virtual_stages``: on a mesh with a pipeline axis, the interleaved schedule's chunks per
+    stage; ``None`` (default) searches them (1, GPipe, and every divisor of the layers per stage
+    where the micro-batches are a multiple of the stages), taking the fewest within
+    :data:`VIRTUAL_TOLERANCE` of the fastest; ``1`` plans GPipe only. The plan says its choice.
     ``hardware``: a name of :data:`zoo.plan.hardware.HARDWARE` (default ``"cpu"``, one memory:
     nothing is offloaded). ``margin``: the fraction of each budget kept free for the
     estimate's own error (10% is the worst measured against XLA:CPU on the test grid). Raises :class:`~zoo.errors.MeshError` for a mesh that does not divide
@@ -71,13 +80,13 @@ def plan(
             return search.search(model_or_config, devices=devices, seq_len=seq_len, device_budget=device_budget,
                                  batch_size=batch_size, host_budget=host_budget, hardware=hardware,
                                  compute_dtype=compute_dtype, verify=verify, margin=margin, top=top,
-                                 pipeline=pipeline)  # fmt: skip
+                                 pipeline=pipeline, virtual_stages=virtual_stages)  # fmt: skip
         n = math.prod(_mesh_sizes(mesh).values())
         if n != devices:
             raise ConfigError(f"plan: mesh {mesh_spec(_mesh_sizes(mesh))} has {n} devices, not devices={devices}")
     return plan_mesh(model_or_config, seq_len=seq_len, device_budget=device_budget, batch_size=batch_size,
                      host_budget=host_budget, mesh=mesh, hardware=hardware, compute_dtype=compute_dtype,
-                     verify=verify, margin=margin)  # fmt: skip
+                     verify=verify, margin=margin, virtual_stages=virtual_stages)  # fmt: skip
 
 
 def plan_mesh(
@@ -93,6 +102,7 @@ def plan_mesh(
     verify: bool = True,
     margin: float = 0.1,
     bodies: list[_flops.Body] | None = None,
+    virtual_stages: int | None = None,
 ) -> Plan:
     """:func:`plan` on one given mesh; ``bodies``: the layer bodies' FLOP counts, where a
     search already has them (they depend on the model and the sequence, not the mesh)."""
@@ -126,33 +136,36 @@ def plan_mesh(
     usable = (device_budget * (1 - margin), host_budget * (1 - margin))
     budgets = usable
     best, fixed_b = None, None if batch_size is None else batch_size // shards
+    _check_virtual(cm, fixed_b, virtual_stages)
     for attempt in range(3):
-        best = _choose(cm, fixed_b, *budgets)
+        best = _choose(cm, fixed_b, *budgets, virtual_stages)
         if best is None:
             _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
-        placement, b, pm, om = best
+        placement, b, pm, om, v = best
         step = make_step(probe.model, batch_size=b * shards, seq_len=seq_len, placement=placement, mesh=mesh,
-                         param_memory=pm, opt_memory=om, microbatches=cm.microbatches(b))  # fmt: skip
+                         param_memory=pm, opt_memory=om, microbatches=cm.microbatches(b),
+                         virtual_stages=v)  # fmt: skip
         est = _from_step(step, unified=hw.unified)
         if est.device_bytes <= usable[0] and est.host_bytes <= usable[1]:
             break
         # The model was optimistic for this candidate: search again with the budgets less its miss.
-        d, h = cm.memory(placement, b, pm, om)
+        d, h = cm.memory(placement, b, pm, om, v)
         budgets = (budgets[0] - max(est.device_bytes - d, 0.0) - 1.0, budgets[1] - max(est.host_bytes - h, 0.0) - 1.0)
     else:
         _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
-    placement, b, pm, om = best
-    t, flops = cm.time(placement, b, pm, om)
+    placement, b, pm, om, v = best
+    t, flops = cm.time(placement, b, pm, om, v)
     verified = verify_offloads(probe.model, placement, seq_len) if verify and cm.can_offload else ()
-    candidates = _candidates(cm, fixed_b, device_budget, host_budget, (placement, b, pm, om))
+    candidates = _candidates(cm, fixed_b, device_budget, host_budget, best)
+    key = (_Where.of(placement), b, pm, om) + ((v,) if v != 1 else ())
     return Plan(
         placement=placement, batch_size=b * shards, param_memory=pm, opt_memory=om, step_time=t,
         mfu=flops / (t * cm.peak), tokens_per_s=b * shards * seq_len / t, estimate=est,
         candidates=candidates, hardware=hw, device_budget=device_budget, host_budget=host_budget,
         seq_len=seq_len, mesh=mesh_spec(probe.sizes), offloaded_verified=verified,
-        notes=tuple(n for n in (hw.note,) if n), comm_time=cm.comm[(_Where.of(placement), b, pm, om)],
-        microbatches=cm.microbatches(b), bubble=cm.bubble(b), p2p_bytes=cm.pipeline_bytes(b)[0],
-        pipeline_reduce_bytes=cm.pipeline_bytes(b)[1],
+        notes=tuple(n for n in (hw.note,) if n), comm_time=cm.comm[key],
+        microbatches=cm.microbatches(b), bubble=cm.bubble(b, v), p2p_bytes=cm.pipeline_bytes(b, v)[0],
+        pipeline_reduce_bytes=cm.pipeline_bytes(b, v)[1], virtual_stages=v,
     )  # fmt: skip
 
 
@@ -167,24 +180,27 @@ def price(
     param_memory: str = "device",
     opt_memory: str = "device",
     compute_dtype: Any = None,
+    virtual_stages: int = 1,
 ) -> tuple[Candidate, ...]:
     """The cost model's figures for given maps (label -> map, spec string or None) at one
     global batch: memory per device, step time, MFU, tokens per second; ``batch_size`` of a
-    row is ``None`` where it exceeds the hardware's memory. What ``plan`` weighs, for any map."""
+    row is ``None`` where it exceeds the hardware's memory. What ``plan`` weighs, for any map
+    (with a pipeline axis, on the schedule of ``virtual_stages``: 1 is GPipe's)."""
     hw = lookup(hardware if hardware is not None else "cpu")
     cm = cost_model(model_or_config, seq_len=seq_len, mesh=mesh, hardware=hw, compute_dtype=compute_dtype)
     probe, shards = cm.base, cm.shards
     from zoo.placement import resolve
 
     b = batch_size // shards
+    cm.check_virtual(b, virtual_stages)
     out = []
     for label, m in placements.items():
         m = None if m is None else resolve(m, probe.model)
-        t, flops = cm.time(m, b, param_memory, opt_memory)
-        d, h = cm.memory(m, b, param_memory, opt_memory)
+        t, flops = cm.time(m, b, param_memory, opt_memory, virtual_stages)
+        d, h = cm.memory(m, b, param_memory, opt_memory, virtual_stages)
         fits = d <= hw.hbm_bytes and h <= hw.host_bytes
         out.append(Candidate(label, m, param_memory, opt_memory, batch_size if fits else None, d, h, t,
-                             flops / (t * cm.peak), batch_size * seq_len / t))  # fmt: skip
+                             flops / (t * cm.peak), batch_size * seq_len / t, virtual_stages))  # fmt: skip
     return tuple(out)
 
 
@@ -227,59 +243,87 @@ def _shards(mesh: Any) -> int:
     return math.prod(sizes[a] for a in BATCH_AXES)
 
 
-def _batches(cm: CostModel, fixed_b: int | None, device_budget: float, host_budget: float) -> list[int]:
-    """Local batches worth evaluating: the given one, or 1 up to the largest any map fits."""
+def _virtuals(cm: CostModel, b: int, fixed: int | None) -> list[int]:
+    """The virtual stages worth pricing at local batch ``b``: those the schedule allows, or the given one."""
+    allowed = cm.virtual_stages(b)
+    return allowed if fixed is None else [fixed] if fixed in allowed else []
+
+
+def _check_virtual(cm: CostModel, fixed_b: int | None, virtual: int | None) -> None:
+    """A :class:`ConfigError` naming the rule a given ``virtual_stages`` breaks (None: searched)."""
+    if virtual is not None:
+        cm.check_virtual(fixed_b if fixed_b is not None else cm.stages, virtual)
+
+
+def _batches(cm: CostModel, fixed_b: int | None, device_budget: float, host_budget: float,
+             virtual: int | None = None) -> list[int]:  # fmt: skip
+    """Local batches worth evaluating: the given one, or 1 up to the largest any map fits (with
+    a given ``virtual`` > 1, multiples of the stages: the interleaved schedule's micro-batches)."""
     if fixed_b is not None:
         return [fixed_b]
-    top = 0
-    b = 1
-    while b <= 1 << 20:
-        if not any(_fits(cm, cm.min_memory(b, pm, om), b, pm, om, device_budget, host_budget)
-                   for pm in TREE_PLACES for om in TREE_PLACES):  # fmt: skip
+    unit = cm.stages if virtual is not None and virtual > 1 else 1
+
+    def fits(b: int) -> bool:
+        return any(_fits(cm, cm.min_memory(b, pm, om), b, pm, om, device_budget, host_budget, v)
+                   for pm in TREE_PLACES for om in TREE_PLACES for v in _virtuals(cm, b, virtual))  # fmt: skip
+
+    top, k = 0, 1
+    while k <= 1 << 20:
+        if not fits(k * unit):
             break
-        top, b = b, b * 2
+        top, k = k, k * 2
     if top == 0:
         return []
-    lo, hi = top, 2 * top  # the largest fitting local batch lies in [top, 2 top)
+    lo, hi = top, 2 * top  # the largest fitting local batch lies in [top, 2 top) units
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if any(_fits(cm, cm.min_memory(mid, pm, om), mid, pm, om, device_budget, host_budget)
-               for pm in TREE_PLACES for om in TREE_PLACES):  # fmt: skip
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid)
     if lo <= 32:
-        return list(range(1, lo + 1))
-    grid = {lo, *range(max(1, lo - 8), lo)}
-    x = 1
-    while x < lo:
-        grid.update((x, x + x // 2))
-        x *= 2
-    return sorted(g for g in grid if g <= lo)
+        grid = set(range(1, lo + 1))
+    else:
+        grid = {lo, *range(max(1, lo - 8), lo)}
+        x = 1
+        while x < lo:
+            grid.update((x, x + x // 2))
+            x *= 2
+    grid = {g * unit for g in grid if g <= lo}
+    # With a pipeline, the interleaved schedule's batches too: multiples of the stages.
+    grid |= {g - g % cm.stages for g in grid if g >= cm.stages}
+    return sorted(grid)
 
 
-def _fits(cm: CostModel, placement: Any, b: int, pm: str, om: str, device_budget: float, host_budget: float) -> bool:
+def _fits(cm: CostModel, placement: Any, b: int, pm: str, om: str, device_budget: float, host_budget: float,
+          virtual: int = 1) -> bool:  # fmt: skip
     if not cm.can_offload and (pm != "device" or om != "device"):
         return False
-    d, h = cm.memory(placement, b, pm, om)
+    d, h = cm.memory(placement, b, pm, om, virtual)
     return d <= device_budget and h <= host_budget
 
 
-def _choose(cm: CostModel, fixed_b: int | None, device_budget: float, host_budget: float):
-    best = None
-    for b in _batches(cm, fixed_b, device_budget, host_budget):
+def _choose(cm: CostModel, fixed_b: int | None, device_budget: float, host_budget: float, virtual: int | None = None):
+    """The fastest (map, local batch, parameter and optimizer-state memory, virtual stages) that
+    fits, by rows per second; of those within VIRTUAL_TOLERANCE of it, the fewest virtual stages."""
+    found = []  # (rate, V, candidate), in search order
+    for b in _batches(cm, fixed_b, device_budget, host_budget, virtual):
         for pm in TREE_PLACES:
             for om in TREE_PLACES:
                 if not cm.can_offload and (pm != "device" or om != "device"):
                     continue
-                m = cm.search(b, pm, om, device_budget, host_budget)
-                if m is None:
-                    continue
-                t, _ = cm.time(m, b, pm, om)
-                rate = b / t
-                if best is None or rate > best[0] * (1 + 1e-9):
-                    best = (rate, (m, b, pm, om))
-    return None if best is None else best[1]
+                for v in _virtuals(cm, b, virtual):
+                    m = cm.search(b, pm, om, device_budget, host_budget, v)
+                    if m is None:
+                        continue
+                    t, _ = cm.time(m, b, pm, om, v)
+                    found.append((b / t, v, (m, b, pm, om, v)))
+    if not found:
+        return None
+    fastest = max(rate for rate, _, _ in found)
+    fewest = min(v for rate, v, _ in found if rate >= fastest * (1 - VIRTUAL_TOLERANCE))
+    best = None
+    for rate, v, candidate in found:
+        if v == fewest and (best is None or rate > best[0] * (1 + 1e-9)):
+            best = (rate, candidate)
+    return best[1]
 
 
 def _candidates(cm: CostModel, fixed_b, device_budget, host_budget, chosen=None) -> tuple[Candidate, ...]:
@@ -291,11 +335,11 @@ def _candidates(cm: CostModel, fixed_b, device_budget, host_budget, chosen=None)
         out.append(_candidate(cm, label, m, fixed_b, device_budget, host_budget))
     if chosen is None:
         return tuple(out)
-    placement, b, pm, om = chosen
-    t, flops = cm.time(placement, b, pm, om)
-    d, h = cm.memory(placement, b, pm, om)
+    placement, b, pm, om, v = chosen
+    t, flops = cm.time(placement, b, pm, om, v)
+    d, h = cm.memory(placement, b, pm, om, v)
     out.append(Candidate("plan", placement, pm, om, b * cm.shards, d, h, t, flops / (t * cm.peak),
-                         b * cm.shards * cm.seq_len / t))  # fmt: skip
+                         b * cm.shards * cm.seq_len / t, v))  # fmt: skip
     return tuple(out)
 
 

@@ -16,7 +16,8 @@ from zoo.plan.hardware import Hardware
 @dataclass(frozen=True)
 class Candidate:
     """One row of the plan's table: a map, where parameters and optimizer state live, the
-    largest batch it fits (``None``: none does) and the model's figures at that batch."""
+    largest batch it fits (``None``: none does) and the model's figures at that batch (with a
+    pipeline axis, on the schedule of ``virtual_stages``: 1 is GPipe's)."""
 
     label: str
     placement: PlacementMap | None
@@ -28,6 +29,7 @@ class Candidate:
     step_time: float
     mfu: float
     tokens_per_s: float
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,13 @@ class Plan:
     meshes: tuple[Any, ...] = ()
     # With a pipeline axis: the micro-batches per device (TrainConfig.microbatches), the bubble's
     # share of the ticks, and per device per step the point-to-point bytes and those all-reduced
-    # over the pipeline axis (CostModel.pipeline_bytes); None / 0 without one.
+    # over the pipeline axis (CostModel.pipeline_bytes); None / 0 without one. virtual_stages:
+    # the interleaved schedule's chunks per stage (TrainConfig.virtual_stages; 1: GPipe).
     microbatches: int | None = None
     bubble: float = 0.0
     p2p_bytes: float = 0.0
     pipeline_reduce_bytes: float = 0.0
+    virtual_stages: int = 1
 
     @property
     def devices(self) -> int:
@@ -96,7 +100,8 @@ class Plan:
         ]
         if self.microbatches:
             lines.append(
-                f"  pipeline: microbatches={self.microbatches} (TrainConfig.microbatches), bubble {self.bubble:.1%} of "
+                f"  pipeline: microbatches={self.microbatches} (TrainConfig.microbatches), virtual_stages="
+                f"{self.virtual_stages} (TrainConfig.virtual_stages), bubble {self.bubble:.1%} of "
                 f"the ticks; per device per step {_size(self.p2p_bytes)} handed stage to stage, "
                 f"{_size(self.pipeline_reduce_bytes)} all-reduced over pipeline"
             )
