@@ -15,6 +15,7 @@ from zoo.errors import ConfigError
 from zoo.plan import collectives
 from zoo.plan._step import make_step
 from zoo.plan import planner
+from zoo.plan.costs import virtual_choices
 from zoo.plan.planner import cost_model
 
 
@@ -201,5 +202,10 @@ def test_virtual_stages_that_do_not_divide_the_stage_are_never_chosen():
     assert planner._choose(cm, None, 2.0**30, 0.0, virtual=1)[-1] == 1  # plan(virtual_stages=1): GPipe's
     with pytest.raises(ConfigError, match=r"virtual_stages=2 cannot run at 4 rows per device on pipeline=2.*\[1, 3\]"):
         cm.check_virtual(4, 2)  # what plan(virtual_stages=2) and price(virtual_stages=2) raise
+    # From the configs alone: 405B's 126 layers on 16 stages are 8 per stage (padded); Qwen3
+    # 235B-A22B's 94 MoE layers on 8 stages 12, its dense stack (no layers) aside.
+    assert virtual_choices(config("llama", "llama3.1-405b"), 16, 48) == [1, 2, 4, 8]
+    assert virtual_choices(config("qwen3_moe", "qwen3-235b-a22b"), 8, 256) == [1, 2, 3, 4, 6, 12]
+    assert virtual_choices(config("qwen3_moe", "qwen3-235b-a22b"), 8, 12) == [1]
     with pytest.raises(ConfigError, match=r"virtual_stages=3 needs a pipeline axis; the mesh 'one device' has none"):
         plan.price(cfg, {"remat": "remat"}, seq_len=64, batch_size=1, virtual_stages=3)

@@ -179,17 +179,9 @@ class CostModel:
         return body.layers, b
 
     def virtual_stages(self, b: int) -> list[int]:
-        """The interleaved schedule's virtual stages a pipelined step at local batch ``b`` may run:
-        1 (GPipe), and each ``V > 1`` dividing every pipelined stack's layers per stage, where
-        the micro-batches are a multiple of the stages (:func:`zoo.pipeline.pipelined_scan`'s rules)."""
-        if self.stages == 1:
-            return [1]
-        from zoo.plan.search import pipelined_layers
-
-        per_stage = [-(-n // self.stages) for n in pipelined_layers(self.base.config)]
-        if not per_stage or self.microbatches(b) % self.stages:
-            return [1]
-        return [v for v in range(1, min(per_stage) + 1) if all(n % v == 0 for n in per_stage)]
+        """The interleaved schedule's virtual stages a pipelined step at local batch ``b`` may run
+        (:func:`virtual_choices`; ``[1]`` without a pipeline)."""
+        return virtual_choices(self.base.config, self.stages, self.microbatches(b)) if self.stages > 1 else [1]
 
     def check_virtual(self, b: int, virtual: int) -> None:
         """A :class:`ConfigError` naming the rule where ``virtual`` stages cannot run at local batch ``b``."""
@@ -407,6 +399,18 @@ class CostModel:
             m = dataclasses.replace(m, layer_input="pinned_host")
         return m
 
+
+
+def virtual_choices(config: Any, stages: int, microbatches: int) -> list[int]:
+    """1 (GPipe), and each ``V > 1`` dividing every pipelined stack's layers per stage (padding
+    included; a stack of no layers, Qwen3-MoE's dense one where every layer is MoE, aside), where
+    the micro-batches are a multiple of the ``stages`` (:func:`zoo.pipeline.pipelined_scan`'s rules)."""
+    from zoo.plan.search import pipelined_layers
+
+    per_stage = [-(-n // stages) for n in pipelined_layers(config) if n > 0]
+    if not per_stage or microbatches % stages:
+        return [1]
+    return [v for v in range(1, min(per_stage) + 1) if all(n % v == 0 for n in per_stage)]
 
 
 def _stage_weights(step: Step) -> tuple[float, float]:
