@@ -31,8 +31,8 @@ __all__ = [
 
 TREE_PLACES = ("device", "pinned_host")
 # A pipelined plan takes the fewest virtual stages whose step is within this fraction of the
-# fastest's: each more doubles-and-more the hand-overs and saves the chunk's weights per tick
-# (the cost model's figures are not finer than that).
+# fastest's: each more adds hand-overs (2 (V·M + P - 1) of them) for less bubble, and the cost
+# model's figures are not finer than that.
 VIRTUAL_TOLERANCE = 0.01
 
 
