@@ -400,7 +400,6 @@ class CostModel:
         return m
 
 
-
 def virtual_choices(config: Any, stages: int, microbatches: int) -> list[int]:
     """1 (GPipe), and each ``V > 1`` dividing every pipelined stack's layers per stage (padding
     included; a stack of no layers, Qwen3-MoE's dense one where every layer is MoE, aside), where
