@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: one device, or searched with --devices)")
     p.add_argument("--devices", type=int, default=None, help="device count: search the mesh (or check --mesh's size)")
     p.add_argument("--no-pipeline", action="store_true", help="with --devices: search no mesh with a pipeline axis")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="with a pipeline axis: the interleaved schedule's chunks per stage (default: searched; "
+                        "1: GPipe only)")  # fmt: skip
     p.add_argument("--hardware", default="cpu", help=f"one of {', '.join(HARDWARE)}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the largest that fits)")
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             verify=not args.no_verify,
             devices=args.devices,
             pipeline=not args.no_pipeline,
+            virtual_stages=args.virtual_stages,
         )
     except planning.NothingFits as e:
         if e.candidates:

@@ -247,8 +247,10 @@ def plan_placement(args: argparse.Namespace, model, mesh) -> None:
         if measured < entry.host_link:
             hw = dataclasses.replace(entry, host_link=measured)
     try:
+        # The schedule this run will use (--virtual-stages), not one the planner would choose.
         result = planning.plan(model, seq_len=args.seq_len, batch_size=args.batch_size, mesh=mesh, hardware=hw,
-                               device_budget=budget, compute_dtype=model.compute_dtype, verify=False)  # fmt: skip
+                               device_budget=budget, compute_dtype=model.compute_dtype, verify=False,
+                               virtual_stages=args.virtual_stages)  # fmt: skip
     except (ConfigError, MeshError) as e:
         parser().error(f"--placement auto: {e}")
     print(result, flush=True)

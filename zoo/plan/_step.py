@@ -95,8 +95,10 @@ class Step:
     param_memory: str
     opt_memory: str
     # With a pipeline axis: the micro-batches each device's rows flow through the stages in
-    # (zoo.pipeline; None: zoo's default, one per stage). Ignored without one.
+    # (zoo.pipeline; None: zoo's default, one per stage), and the chunks of each stage's layers
+    # (the interleaved schedule; 1: GPipe). Ignored without one.
     microbatches: int | None = None
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         memory_space(self.param_memory, "parameters")
@@ -127,11 +129,17 @@ class Step:
                     f"microbatches={m} must be a positive integer dividing each device's {self.local_batch} rows "
                     f"(batch {self.batch_size} over the batch axes; pipeline={self.stages})"
                 )
+            v = self.virtual_stages
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (v > 1 and m % self.stages):
+                raise MeshError(
+                    f"virtual_stages={v!r}: the interleaved schedule takes a positive integer, and more than 1 only "
+                    f"with microbatches ({m}) a multiple of the {self.stages} pipeline stages"
+                )
         else:
-            self.microbatches = None
+            self.microbatches, self.virtual_stages = None, 1
         self.skeleton = jax.tree.map(lambda s: np.zeros((), s.dtype) if _is_sds(s) else s, self.model, is_leaf=_is_sds)
         self.tc = train.TrainConfig(steps=2, batch_size=self.batch_size, seq_len=self.seq_len, warmup=0,
-                                    microbatches=self.microbatches)  # fmt: skip
+                                    microbatches=self.microbatches, virtual_stages=self.virtual_stages)  # fmt: skip
         self.tx = train.optimizer(self.tc, self.skeleton)
         self.params = eqx.filter(self.model, _is_sds, is_leaf=_is_sds)
         self.opt = jax.eval_shape(self.tx.init, self.params)
@@ -265,6 +273,7 @@ class StepOptions(TypedDict, total=False):
     opt_memory: str  # the same for the optimizer state
     compute_dtype: Any  # a config is built abstractly in this dtype (default float32)
     microbatches: int  # with a pipeline axis: micro-batches per device's rows (default: one per stage)
+    virtual_stages: int  # with a pipeline axis: chunks per stage, the interleaved schedule (default 1: GPipe)
 
 
 def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options: Unpack[StepOptions]) -> Step:
@@ -278,7 +287,7 @@ def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options:
         placement = resolve(placement, model)
     return Step(model, mesh_sizes(options.get("mesh")), int(batch_size), int(seq_len), placement,
                 options.get("param_memory", "device"), options.get("opt_memory", "device"),
-                options.get("microbatches"))  # fmt: skip
+                options.get("microbatches"), options.get("virtual_stages", 1))  # fmt: skip
 
 
 # -- reading the traced program -------------------------------------------------------------------
@@ -306,16 +315,23 @@ def is_tick_scan(body: Any) -> bool:
     """Whether a scan's ``body`` is the pipeline's tick loop (:func:`zoo.pipeline.pipelined_scan`):
     it hands activations to the next stage with a ``ppermute`` over ``"pipeline"``, outside any
     scan nested in it."""
+    return tick_ring(body) > 0
+
+
+def tick_ring(body: Any) -> int:
+    """The (source, target) pairs of the ``ppermute`` over ``"pipeline"`` in a scan's ``body``,
+    outside any scan nested in it: 0 where there is none (not a tick loop), ``P - 1`` in GPipe's
+    tick loop, ``P`` in the interleaved schedule's (the last stage hands on to the first)."""
     todo = [body.jaxpr if hasattr(body, "jaxpr") and hasattr(body.jaxpr, "eqns") else body]
     while todo:
         for eqn in todo.pop().eqns:
             if eqn.primitive.name == "ppermute":
                 names = eqn.params.get("axis_name", ())
                 if parallel.PIPELINE in (names if isinstance(names, tuple) else (names,)):
-                    return True
+                    return len(eqn.params["perm"])
             elif eqn.primitive.name != "scan":
                 todo.extend(_subjaxprs(eqn))
-    return False
+    return 0
 
 
 def layer_stacks(jaxpr: Any) -> list[Stack]:
@@ -391,4 +407,4 @@ def stack_bytes(stacks: list[Stack]) -> dict[str, int]:
 
 
 __all__ = ["SDS", "Stack", "Step", "StepOptions", "abstract_mesh", "abstract_model", "is_tick_scan", "layer_stacks",
-           "make_step", "mesh_sizes", "mesh_spec", "stack_bytes"]  # fmt: skip
+           "make_step", "mesh_sizes", "mesh_spec", "stack_bytes", "tick_ring"]  # fmt: skip

@@ -41,7 +41,13 @@ class Collective:
     """Collectives of one kind over ``axes``: per-device ``nbytes`` of each buffer (the gathered
     or unscattered side), run ``count`` times a step; ``layer``: inside a scanned layer stack;
     ``backward``: in a scan that also reduce-scatters (FSDP's backward pass); ``overlap``: the
-    loop around it also computes (a loop of gathers alone has nothing to hide them behind)."""
+    loop around it also computes (a loop of gathers alone has nothing to hide them behind).
+    ``tick``: where it runs in a pipelined step, which says how it grows with the interleaved
+    schedule's virtual stages (:meth:`Traffic.seconds`): ``"tick"`` once per tick of the
+    pipeline's tick loop (the hand-overs), ``"stage"`` per tick and per layer of the stage (in
+    the layer scan inside the tick loop), ``"hoisted"`` once per layer of the stage in a loop of
+    gathers alone (FSDP's forward gathers, which JAX hoists out of a GPipe tick loop), ``""``
+    elsewhere."""
 
     kind: str
     axes: tuple[str, ...]
@@ -50,6 +56,7 @@ class Collective:
     layer: bool
     backward: bool = False
     overlap: bool = True
+    tick: str = ""
 
     @property
     def total(self) -> int:
@@ -73,7 +80,9 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
     scope). Scans multiply what they hold by their length; the outermost is the step's loop over
     micro-batches, a layer scan one of length > 1 inside it, or the pipeline's tick loop
     (:func:`zoo.plan._step.is_tick_scan`) and the stage's layer scan inside that."""
-    from zoo.plan._step import is_tick_scan
+    from zoo.plan._step import tick_ring
+
+    stages = sizes.get("pipeline", 1)
 
     found: dict[tuple, int] = {}
 
@@ -95,7 +104,9 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
         return False
 
     def walk(j: core.Jaxpr, times: int, depth: int, layer: bool, backward: bool, inlined: bool, tick: bool,
-             dots: bool) -> None:  # fmt: skip
+             dots: bool, where: str = "", ring: bool = False) -> None:  # fmt: skip
+        # where: "tick" in a tick loop's body, "stage" in a scan inside it; ring: the tick loop
+        # is the interleaved schedule's (its hand-overs close the ring of stages).
         for e in j.eqns:
             name = e.primitive.name
             kind = _PRIMITIVES.get(name)
@@ -105,7 +116,8 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
                 if inlined and kind == "all_gather" and axes == ("fsdp",):
                     continue  # the re-gather of a stack XLA inlines is the forward gather, CSE'd
                 if axes and size:
-                    key = (kind, axes, size, layer, backward, dots)
+                    hoisted = stages > 1 and not where and layer and not dots
+                    key = (kind, axes, size, layer, backward, dots, "hoisted" if hoisted else where)
                     found[key] = found.get(key, 0) + times
                 continue
             if name == "scan":
@@ -119,16 +131,19 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
                 # A stack of one layer is inlined by XLA: its backward pass's FSDP re-gathers
                 # repeat the forward pass's gathers of the same weights, and XLA keeps one. A
                 # stage of one layer inside the pipeline's tick loop likewise: its weights are
-                # the same at every tick, and XLA hoists the re-gather out of the loop.
-                one = n == 1 and back and (not inner or tick)
+                # the same at every tick, and XLA hoists the re-gather out of the loop. Not in
+                # the interleaved schedule's: each tick slices another chunk of the stage.
+                one = n == 1 and back and (not inner or (tick and not ring))
+                pairs = tick_ring(body)
+                inside = "tick" if pairs else ("stage" if where else "")
                 walk(body, times * n, depth + 1, inner, backward or (inner and not layer and back),
-                     inlined or one, is_tick_scan(body), has_dot(body))  # fmt: skip
+                     inlined or one, pairs > 0, has_dot(body), inside, pairs == stages if pairs else ring)  # fmt: skip
                 continue
             for sub in _subs(e):
-                walk(_closed(sub), times, depth, layer, backward, inlined, tick, dots)
+                walk(_closed(sub), times, depth, layer, backward, inlined, tick, dots, where, ring)
 
     walk(_closed(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr), 1, 0, False, False, False, False, True)
-    return [Collective(k, a, s, c, lay, bw, ov) for (k, a, s, lay, bw, ov), c in found.items()]
+    return [Collective(k, a, s, c, lay, bw, ov, tk) for (k, a, s, lay, bw, ov, tk), c in found.items()]
 
 
 def _subs(eqn: core.JaxprEqn) -> list[Any]:
@@ -332,9 +347,12 @@ class Traffic:
     ``sizes``: seconds of FSDP weight traffic in the forward and the backward layer loops
     (hidden behind those loops' compute where it fits), and seconds of everything else (tensor
     all-reduces, all-to-alls, context gathers, the gradient all-reduce over the batch axes,
-    gathers outside the layer loops, a pipeline's hand-overs and all-reduces), exposed."""
+    gathers outside the layer loops, a pipeline's hand-overs and all-reduces), exposed.
 
-    lines: dict[tuple[str, tuple[str, ...], str], tuple[float, ...]]  # (kind, axes, scope) -> coefficients
+    The traces are of GPipe's schedule; :meth:`seconds` and :meth:`bytes` derive the interleaved
+    schedule's from them (``scale``: :func:`interleaved`)."""
+
+    lines: dict[tuple[str, tuple[str, ...], str, str], tuple[float, ...]]  # (kind, axes, scope, tick) -> coefficients
     bandwidth: dict[tuple[str, ...], float]
     sizes: dict[str, int]
     prefetch: float  # bytes: one more layer of gathered weights, the scheduler's prefetch buffer
@@ -352,7 +370,7 @@ class Traffic:
         def sums(cs: list[Collective]) -> dict:
             out: dict = {}
             for c in cs:
-                key = (c.kind, c.axes, scope(c))
+                key = (c.kind, c.axes, scope(c), c.tick)
                 out[key] = out.get(key, 0.0) + c.total
             return out
 
@@ -367,7 +385,7 @@ class Traffic:
         for key in set().union(*(s for _, s in points)):
             ys = np.array([s.get(key, 0.0) for _, s in points])
             lines[key] = tuple(float(c) for c in np.linalg.solve(vander, ys))
-        bandwidth = {axes: link(hw, sizes, axes) for _, axes, _ in lines}
+        bandwidth = {axes: link(hw, sizes, axes) for _, axes, _, _ in lines}
         per_layer: dict[int, float] = {}
         for c in one:
             if _weights(c) and c.kind == "all_gather" and not c.backward:
@@ -380,17 +398,34 @@ class Traffic:
     def _at(coefficients: tuple[float, ...], b: int) -> float:
         return max(sum(c * b**i for i, c in enumerate(coefficients)), 0.0)
 
-    def bytes(self, b: int, kind: str, axes: tuple[str, ...]) -> float:
+    def bytes(self, b: int, kind: str, axes: tuple[str, ...], scale: Mapping[str, float] | None = None) -> float:
         """Per-device bytes per step at local batch ``b`` of the collectives of ``kind`` over ``axes``."""
-        return float(sum(self._at(cs, b) for (k, x, _), cs in self.lines.items() if (k, x) == (kind, axes)))
+        scale = scale or {}
+        return float(sum(self._at(cs, b) * scale.get(tick, 1.0) for (k, x, _, tick), cs in self.lines.items()
+                         if (k, x) == (kind, axes)))  # fmt: skip
 
-    def seconds(self, b: int) -> dict[str, float]:
+    def seconds(self, b: int, scale: Mapping[str, float] | None = None) -> dict[str, float]:
         """Seconds per step at local batch ``b``: ``forward`` and ``backward`` weight traffic,
-        ``exposed`` the rest."""
+        ``exposed`` the rest. ``scale``: the interleaved schedule's factor per :attr:`Collective.tick`
+        (:func:`interleaved`); there the hoisted forward gathers run in the tick loop, behind its compute."""
         out = {"forward": 0.0, "backward": 0.0, "exposed": 0.0}
-        for (kind, axes, where), cs in self.lines.items():
+        for (kind, axes, where, tick), cs in self.lines.items():
+            if scale and tick == "hoisted":
+                where = "forward"
+            nbytes = self._at(cs, b) * (scale or {}).get(tick, 1.0)
             if self.hw is not None:
-                out[where] += collective_seconds(kind, self._at(cs, b), self.hw, self.sizes, axes)
+                out[where] += collective_seconds(kind, nbytes, self.hw, self.sizes, axes)
             else:
-                out[where] += seconds(kind, self._at(cs, b), math.prod(self.sizes[x] for x in axes), self.bandwidth[axes])
+                out[where] += seconds(kind, nbytes, math.prod(self.sizes[x] for x in axes), self.bandwidth[axes])
         return out
+
+
+def interleaved(microbatches: int, stages: int, virtual: int) -> dict[str, float]:
+    """How a pipelined step's collectives, traced on GPipe's schedule (``M + P - 1`` ticks, each
+    running the stage's ``L/P`` layers), grow on the interleaved schedule's (``V·M + P - 1`` ticks
+    of ``L/(P·V)`` layers), per :attr:`Collective.tick`: once per tick (the hand-overs) by the
+    ticks; per tick and layer by the layer-ticks; FSDP's hoisted forward gathers, once per layer
+    under GPipe, at every tick of its chunk: by ``(V·M + P - 1)/V``. The chunk a tick runs is a
+    slice of the stage's layers at an offset the tick picks, so nothing is hoisted out of its loop."""
+    gpipe, ticks = microbatches + stages - 1, virtual * microbatches + stages - 1
+    return {"tick": ticks / gpipe, "stage": ticks / (virtual * gpipe), "hoisted": ticks / virtual}

@@ -10,12 +10,12 @@
    layout (exact, from the parameter description) must fit the device and host budgets
    together, the gradients the device alone.
 3. **Rank** by a quick model of the step at one sequence per device, or with a pipeline at
-   :func:`quick_rows` one-row micro-batches (:func:`quick_time`: compute at the hardware's
+   :func:`quick_rows` one-row micro-batches on GPipe's schedule (:func:`quick_time`: compute at the hardware's
    efficiency, the bubble's ticks included, FSDP weight traffic beyond it, the gradient
    all-reduce over the axes that do not split a weight, tensor all-reduces, the all-to-alls'
    padded buffers and the pipeline's hand-overs, each on its link), then **plan in full**
    (:func:`zoo.plan.planner.plan_mesh`: traced memory, the map, the batch, collectives counted
-   on the traced step) the ``top`` best, and keep the fastest.
+   on the traced step, the interleaved schedule's virtual stages) the ``top`` best, and keep the fastest.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class MeshRow:
     tokens_per_s_device: float = 0.0
     placement: str = ""
     why: str = ""
+    virtual_stages: int = 1  # the plan's interleaved schedule (1: GPipe, or no pipeline)
 
 
 def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -268,7 +269,7 @@ def search(
         row = dataclasses.replace(
             r, batch_size=p.batch_size, device_bytes=float(p.estimate.device_bytes), host_bytes=float(p.estimate.host_bytes),
             step_time=p.step_time, mfu=p.mfu, tokens_per_s_device=p.tokens_per_s / devices,
-            placement=p.placement.spec(),
+            placement=p.placement.spec(), virtual_stages=p.virtual_stages,
         )  # fmt: skip
         planned.append(row)
         if best is None or p.tokens_per_s > best.tokens_per_s:
@@ -308,13 +309,17 @@ def mesh_table(rows: list[MeshRow] | tuple[MeshRow, ...], limit: int = 12) -> st
         if r.batch_size:
             out.append(f"{r.mesh or 'one device':<34} {r.batch_size:>6} {r.device_bytes / 2**30:>10.1f} "
                        f"{r.host_bytes / 2**30:>9.1f} {r.step_time:>8.3g} {r.mfu:>6.1%} {r.tokens_per_s_device:>9.4g}"
-                       f"  {_short_map(r.placement)}")  # fmt: skip
+                       f"  {_short_map(r.placement)}{_virtual(r)}")  # fmt: skip
         else:
             out.append(f"{r.mesh or 'one device':<34} {'-':>6} {'':>10} {'':>9} {'':>8} {'':>6} {'':>9}  "
                        f"{r.why or 'not planned (quick model ranks it lower)'}")  # fmt: skip
     if len(rows) > limit:
         out.append(f"... {len(rows) - limit} more meshes")
     return "\n".join(out)
+
+
+def _virtual(r: MeshRow) -> str:
+    return f" (virtual_stages={r.virtual_stages})" if r.virtual_stages > 1 else ""
 
 
 def _short_map(spec: str) -> str:

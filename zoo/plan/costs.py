@@ -1,0 +1,433 @@
+"""The planner's cost model: memory and step time of any map, batch and tree placement, from a few traces.
+
+Per device and per step:
+
+- **compute**: the model's FLOPs (``config.flops_per_token``) plus what the map recomputes
+  (:mod:`zoo.plan._flops`: each remat'd name's backward slice in the traced layer), at the
+  hardware's bf16 peak times its ``efficiency``;
+- **offload**: each layer's offloaded residuals cross the host link once forward, once
+  backward; a layer's transfer hides under that layer's compute (forward, or backward and
+  recompute) and only what exceeds it adds time;
+- **parameters in host memory** come to the device before the forward pass and go back after
+  the update (exposed); **optimizer state in host memory** comes in under the passes' compute
+  and goes back after the update;
+- **the update** reads and writes parameters, gradients and moments at HBM bandwidth.
+
+Memory, per device: the parameters, optimizer state and batch where they live, plus the larger
+of the passes' temporaries (gradients, saved residuals, one layer's transient) and the
+update's. Two estimates of the full-remat step (:func:`zoo.plan.estimate`, local batch 1 and
+2) give the passes' temporaries as a line in the batch; each name's residual bytes are exact
+(the traced program's). :mod:`zoo.plan.planner` searches maps, batches and meshes with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zoo import parallel
+from zoo.errors import ConfigError
+from zoo.hooks import PIPELINE
+from zoo.placement import PlacementMap
+from zoo.plan import _flops, collectives
+from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
+from zoo.plan.estimate import Estimate
+from zoo.plan.hardware import Hardware
+
+# With a pipeline axis, the planner's micro-batches are of one row (Megatron's usual micro-batch
+# size): for b rows per device, M = b micro-batches, the fewest bubble ticks ((P - 1) / (b + P - 1))
+# and the fewest saved rows (b + P - 1 ticks of one) GPipe allows; what it costs, FSDP's
+# re-gathers of the stage's weights at every tick of the backward pass, is priced.
+MICROBATCH_ROWS = 1
+
+
+class _Where:
+    """A map as name -> placement: hashable and cheap to change in the search (a
+    PlacementMap validates every field on construction)."""
+
+    __slots__ = ("_d", "_key")
+
+    def __init__(self, items: Any) -> None:
+        self._d = dict(items)
+        self._key = tuple(self._d.items())
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Where) and self._key == other._key
+
+    def __iter__(self):
+        return iter(self._key)
+
+    def get(self, name: str, default: str = "device") -> str:
+        return self._d.get(name, default)
+
+    @classmethod
+    def of(cls, placement: Any) -> _Where | None:
+        if placement is None or isinstance(placement, _Where):
+            return placement
+        return cls(placement.items())
+
+    def replace(self, **changes: str) -> _Where:
+        return _Where({**self._d, **changes})
+
+    def placed(self, where: str) -> tuple[str, ...]:
+        return tuple(n for n, p in self._key if p == where)
+
+
+class CostModel:
+    """Memory and step time of any map, batch and tree placement, from a few traces.
+
+    With a ``pipeline`` axis of ``P`` stages the traces are of one row per micro-batch
+    (``microbatches`` = the local batch ``b``: :data:`MICROBATCH_ROWS`; a third trace, ``third``,
+    makes the collectives a parabola in ``b``), so the GPipe schedule
+    runs ``b + P - 1`` ticks, each stage's layers on one row per tick; the pipelined layers'
+    compute, recompute, offload and saved tensors scale with those ``b + P - 1`` rows (the
+    bubble's ticks compute and save as the others do), the head's work is split over the stages
+    with the vocabulary, the layers kept whole (DeepSeek-V3's dense-first layers and MTP block)
+    run on every stage, and the point-to-point hand-overs and the broadcast of the last stage's
+    output are collectives of the traced step, priced on the link the pipeline axis crosses.
+
+    The interleaved schedule (``virtual`` stages ``V > 1``, each device's layers in ``V`` chunks)
+    is derived from those GPipe traces, not traced (each ``V`` would take three more traces): its
+    ``V·b + P - 1`` ticks each run a chunk of ``L/(P·V)`` layers on one row (compute, recompute,
+    offload and saved tensors of ``b + (P - 1)/V`` rows of the stage's layers), the collectives
+    grow as :func:`zoo.plan.collectives.interleaved` says, and every tick saves its chunk's
+    weights for the backward pass (:meth:`interleaved_bytes`)."""
+
+    def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
+                 jaxpr2: Any = None, bodies: list[_flops.Body] | None = None,
+                 third: tuple[int, Any] | None = None):  # fmt: skip
+        self.base, self.hw, self.seq_len = base, hw, seq_len
+        self.stages = base.sizes[PIPELINE]
+        if self.stages > 1 and base.microbatches != base.local_batch:
+            raise ConfigError(
+                f"cost model: a pipeline step is traced at one row per micro-batch (microbatches = the local batch "
+                f"{base.local_batch}), got microbatches={base.microbatches}"
+            )
+        # Collectives at local batches 1 and b2 (the second trace, where given): a line in the batch;
+        # with a third trace (b3, jaxpr: a pipeline's), a parabola.
+        one = collectives.traced(jaxpr, base.sizes)
+        two = collectives.traced(jaxpr2, base.sizes) if jaxpr2 is not None else one
+        three = None if third is None else (third[0], collectives.traced(third[1], base.sizes))
+        self.traffic = collectives.Traffic.of(one, two, b2 if jaxpr2 is not None else 2, base.sizes, hw, three)
+        self.peak = hw.peak_for(base.model.compute_dtype)
+        self.map_cls = type(base.model).placement_map
+        self.shards = base.batch_size // base.local_batch
+        self.params, self.opt = e1.params, e1.optimizer
+        self.batch_bytes = seq_len * 4
+        # Temporaries of the passes under full remat: a line in the local batch (through 1 and b2).
+        self.passes_slope = max(e2.passes - e1.passes, 0) / max(b2 - 1, 1)
+        self.passes_base = e1.passes - self.passes_slope
+        self.update = max(e1.update, e2.update)
+        fields = set(self.map_cls.names())
+        self.stacks = [s for s in layer_stacks(jaxpr) if set(s.names) & fields]
+        # Per name: bytes per unit of local batch (per_b) and fixed (per_0) over every stack. A
+        # pipelined stack saves b + P - 1 ticks of one row (the bubble's ticks too), and the
+        # backward pass's tick reads its tick's saved tensors, the stage's layers of one row, as
+        # a copied slice (the liveness walk's rule for a scan's slice a matmul reads): P rows fixed.
+        self.per_b: dict[str, float] = collections.Counter()
+        self.per_0: dict[str, float] = collections.Counter()
+        for st in self.stacks:
+            for n, (count, shape) in st.names.items():
+                if n in fields:
+                    nb = float(st.length * count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize)
+                    self.per_b[n] += nb  # traced at one row (per micro-batch)
+                    if st.pipelined:
+                        self.per_0[n] += nb * self.stages
+        self.names = [n for n in self.map_cls.names() if self.per_b.get(n)]
+        remat = self.map_cls.preset("remat")
+        self.base_device = {n for n in self.names if getattr(remat, n) == "device"}
+        self.bodies = _flops.layer_bodies(base.model, seq_len) if bodies is None else bodies
+        self.tensor = base.sizes["tensor"]
+        self.flops_model = base.config.flops_per_token(seq_len) * seq_len / (base.devices / self.shards)
+        # ^ per device per unit local batch: the global batch's FLOPs shared by every device
+        self.can_offload = hw.host_link > 0 and not hw.unified
+        self._times: dict[tuple, tuple[float, float]] = {}
+        self.comm: dict[tuple, float] = {}  # (map, batch, pm, om) -> exposed collective seconds
+        self._stack_for = {id(b): self._stack_of(b) for b in self.bodies}
+        # A sequence's training FLOPs (3 x forward) in the pipelined layers, in the layers kept
+        # whole (run on every stage), and outside the layers (the head, split over the stages
+        # with the vocabulary where zoo.vocab_parallel splits it over them; else on every stage).
+        self.pipelined_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if self._pipelined(b))
+        self.whole_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if not self._pipelined(b))
+        per_sequence = self.flops_model * base.devices / self.shards
+        self.head_flops = max(per_sequence - self.pipelined_flops - self.whole_flops, 0.0)
+        vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
+        self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
+        self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
+
+    # -- the pipeline ------------------------------------------------------------------------
+    def _pipelined(self, body: _flops.Body) -> bool:
+        st = self._stack_for[id(body)]
+        return st is not None and st.pipelined
+
+    def _work(self, body: _flops.Body, b: int, virtual: int = 1) -> tuple[int, int]:
+        """(layers, rows) of ``body`` one device runs per step at local batch ``b``: a pipelined
+        stack's stage (its layers split over the stages, padding included) on ``b + P - 1`` rows,
+        one per tick; any other stack whole on ``b`` rows. Interleaved (``virtual`` chunks), a
+        chunk of the stage on each of ``V·b + P - 1`` rows."""
+        if self._pipelined(body):
+            return -(-body.layers // self.stages) // virtual, virtual * b + MICROBATCH_ROWS * (self.stages - 1)
+        return body.layers, b
+
+    def virtual_stages(self, b: int) -> list[int]:
+        """The interleaved schedule's virtual stages a pipelined step at local batch ``b`` may run
+        (:func:`virtual_choices`; ``[1]`` without a pipeline)."""
+        return virtual_choices(self.base.config, self.stages, self.microbatches(b)) if self.stages > 1 else [1]
+
+    def check_virtual(self, b: int, virtual: int) -> None:
+        """A :class:`ConfigError` naming the rule where ``virtual`` stages cannot run at local batch ``b``."""
+        if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+            raise ConfigError(f"virtual_stages must be a positive integer, got {virtual!r}")
+        if virtual > 1 and self.stages == 1:
+            mesh = mesh_spec(self.base.sizes) or "one device"
+            raise ConfigError(f"virtual_stages={virtual} needs a pipeline axis; the mesh {mesh!r} has none")
+        if virtual not in self.virtual_stages(b):
+            raise ConfigError(
+                f"virtual_stages={virtual} cannot run at {b} rows per device on pipeline={self.stages}: the "
+                f"interleaved schedule needs the micro-batches (here {self.microbatches(b)}, one row each) a "
+                f"multiple of the stages and virtual_stages dividing each stage's layers; possible here: "
+                f"{self.virtual_stages(b)}"
+            )
+
+    def microbatches(self, b: int) -> int | None:
+        """The micro-batches of a pipelined step at local batch ``b`` (None without a pipeline)."""
+        return b // MICROBATCH_ROWS if self.stages > 1 else None
+
+    def bubble(self, b: int, virtual: int = 1) -> float:
+        """The bubble's share of the pipelined layers' ticks at local batch ``b`` (GPipe's, or the
+        interleaved schedule's with ``virtual`` stages)."""
+        if self.stages == 1:
+            return 0.0
+        from zoo.pipeline import bubble
+
+        return bubble(self.stages, self.microbatches(b), virtual)
+
+    def _scale(self, b: int, virtual: int) -> dict[str, float] | None:
+        """The interleaved schedule's factors on the traced collectives (None for GPipe's)."""
+        return None if virtual == 1 else collectives.interleaved(self.microbatches(b), self.stages, virtual)
+
+    def pipeline_bytes(self, b: int, virtual: int = 1) -> tuple[float, float]:
+        """Per device per step at local batch ``b``: (point-to-point bytes the stages hand on,
+        bytes all-reduced over the pipeline axis: the last stage's output broadcast, the backward
+        pass's per-tick sum of the fed micro-batch's gradient and, with the vocabulary split over
+        the stages, the embedding's lookups and the head's feature gradients summed)."""
+        scale = self._scale(b, virtual)
+        return (self.traffic.bytes(b, "permute", (PIPELINE,), scale),
+                self.traffic.bytes(b, "all_reduce", (PIPELINE,), scale))  # fmt: skip
+
+    def interleaved_bytes(self, b: int, virtual: int) -> float:
+        """Device bytes the interleaved schedule adds to GPipe's at local batch ``b``: each of its
+        ``V·b + P - 1`` ticks slices its chunk out of the stage's weights at an offset the tick
+        picks, and autodiff saves that slice for the backward pass (``(V·b + P - 1)/V`` copies
+        of the stage's weights, as stored); GPipe's copy of the stage's weights in the compute
+        dtype, its forward gathers hoisted out of the tick loop, is not made (measured on
+        XLA:CPU: ``tests/test_plan_pipeline.py``)."""
+        if virtual == 1:
+            return 0.0
+        ticks = virtual * self.microbatches(b) + self.stages - 1
+        return ticks * self.stage_weights / virtual - self.hoisted
+
+    def compute_flops(self, b: int, virtual: int = 1) -> float:
+        """The model's FLOPs one device runs per step at local batch ``b`` (recomputation not
+        included): its share of the global batch's where nothing is pipelined; pipelined, its
+        stage's layers on ``b + P - 1`` rows (the bubble's ticks compute too, masked: the
+        pipelined layers' share times ``(M + P - 1) / M``), the head's share of the stages, and
+        the layers kept whole (DeepSeek-V3's dense-first layers and MTP block) on every stage.
+        Interleaved, ``(V·M + P - 1) / (V·M)`` times the pipelined layers' share."""
+        if self.stages == 1:
+            return self.flops_model * b
+        split = self.base.devices / self.shards / self.stages  # tensor x context
+        stages = sum(3 * body.forward_flops() * math.prod(self._work(body, b, virtual)) for body in self.bodies
+                     if self._pipelined(body))  # fmt: skip
+        return (self.head_flops / self.head_stages * b + self.whole_flops * b + stages) / split
+
+    # -- memory ------------------------------------------------------------------------
+    def _named(self, placement: Any, where: str, b: int, virtual: int = 1) -> float:
+        # Interleaved, the bubble's ticks and the copied slice are of a chunk: per_0 / V.
+        return float(sum(self.per_b[n] * b + self.per_0[n] / virtual for n in self.names
+                         if placement is None or placement.get(n) == where))  # fmt: skip
+
+    def memory(self, placement: Any, b: int, pm: str, om: str, virtual: int = 1) -> tuple[float, float]:
+        """(device, host) bytes per device at local batch ``b`` (``virtual``: the interleaved schedule's)."""
+        placement = _Where.of(placement)
+        base = sum(self.per_b[n] * b + self.per_0[n] for n in self.base_device)  # in the traced (GPipe) passes
+        # No map: XLA keeps at least every named tensor.
+        extra = self._named(placement, "device", b, virtual) - base
+        host_res = 0.0 if placement is None else self._named(placement, "pinned_host", b, virtual)
+        passes = self.passes_base + self.passes_slope * b + extra + self.interleaved_bytes(b, virtual)
+        p_host, o_host = pm == "pinned_host", om == "pinned_host"
+        temps = max(passes + p_host * self.params, self.update + p_host * self.params + o_host * self.opt)
+        device = (not p_host) * self.params + (not o_host) * self.opt + self.batch_bytes * b + temps
+        device += self.traffic.prefetch
+        host = p_host * self.params + o_host * self.opt + host_res
+        return float(device), float(host)
+
+    # -- time ------------------------------------------------------------------------------
+    def _stack_of(self, body: _flops.Body) -> Any:
+        """The traced stack a layer body runs in: one of its length sharing its names, else the
+        pipeline's tick loop sharing the most of them."""
+        for st in self.stacks:
+            if not st.pipelined and st.length == body.layers and body.names & set(st.names):
+                return st
+        shared = [(len(body.names & set(st.names)), i) for i, st in enumerate(self.stacks) if st.pipelined]
+        best = max(shared, default=(0, -1))
+        return self.stacks[best[1]] if best[0] else None
+
+    def time(self, placement: Any, b: int, pm: str, om: str, virtual: int = 1) -> tuple[float, float]:
+        """(step seconds, model FLOPs per device) at local batch ``b`` (``virtual``: the interleaved
+        schedule's; ``comm`` keeps its exposed collectives under ``(map, b, pm, om)``, ``V > 1``
+        appended)."""
+        placement = _Where.of(placement)
+        key = (placement, b, pm, om) + ((virtual,) if virtual != 1 else ())
+        if key not in self._times:
+            self._times[key] = self._time(placement, b, pm, om, virtual, key)
+        return self._times[key]
+
+    def _time(self, placement: Any, b: int, pm: str, om: str, virtual: int, key: tuple) -> tuple[float, float]:
+        rate = self.peak * self.hw.efficiency
+        model = self.flops_model * b
+        executed = self.compute_flops(b, virtual)
+        recompute = exposed = 0.0
+        layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
+        for body in self.bodies:
+            layers, rows = self._work(body, b, virtual)
+            fwd = body.forward_flops() * rows / self.tensor
+            remat = () if placement is None else [n for n in body.names if placement.get(n) == "remat"]
+            rec = body.recompute_flops(remat) * rows / self.tensor
+            recompute += layers * rec
+            layer_fwd += layers * fwd / rate
+            layer_bwd += layers * (2 * fwd + rec) / rate
+            if placement is None or not self.can_offload:
+                continue
+            st = self._stack_for[id(body)]
+            moved = 0.0
+            if st is not None:
+                for n, (count, shape) in st.names.items():
+                    if placement.get(n) == "pinned_host":
+                        moved += count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize * rows
+            link = moved / self.hw.host_link
+            exposed += layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
+        compute = (executed + recompute) / rate
+        comm = self.traffic.seconds(b, self._scale(b, virtual))
+        # XLA's latency-hiding scheduler gathers the next layer's weights (and scatters the last
+        # layer's gradients) behind this layer's compute; tensor all-reduces, all-to-alls and
+        # what runs outside the layer loops wait on their results.
+        hidden = max(0.0, comm["forward"] - layer_fwd) + max(0.0, comm["backward"] - layer_bwd)
+        t = compute + exposed + hidden + comm["exposed"]
+        self.comm[key] = hidden + comm["exposed"]
+        if self.can_offload or self.hw.unified:
+            bw = self.hw.host_link if self.hw.host_link > 0 else math.inf
+            if pm == "pinned_host":
+                t += 2 * self.params / bw
+            if om == "pinned_host":
+                t += max(0.0, self.opt / bw - compute) + self.opt / bw
+        t += (3 * self.params + 2 * self.opt) / self.hw.hbm_bandwidth
+        return t, model
+
+    def with_efficiency(self, efficiency: float) -> CostModel:
+        """This model on the same traces with the hardware's matmul ``efficiency`` replaced
+        (a calibration tries many without tracing again)."""
+        other = copy.copy(self)
+        other.hw = dataclasses.replace(self.hw, efficiency=float(efficiency))
+        other._times, other.comm = {}, {}
+        return other
+
+    # -- search ----------------------------------------------------------------------------
+    def choices(self, name: str) -> tuple[str, ...]:
+        out = [c for c in self.map_cls.choices(name) if c != "pinned_host" or self.can_offload]
+        return tuple(out)
+
+    def search(self, b: int, pm: str, om: str, device_budget: float, host_budget: float,
+               virtual: int = 1) -> PlacementMap | None:  # fmt: skip
+        """Greedy: from everything on device, move the name whose move costs the least time per
+        device byte it frees, until the step fits; then move back what still fits faster."""
+        m = _Where.of(self.map_cls.preset("device"))
+
+        def fits(p):
+            d, h = self.memory(p, b, pm, om, virtual)
+            return d <= device_budget and h <= host_budget
+
+        def cost(p):
+            return self.time(p, b, pm, om, virtual)[0]
+
+        while True:
+            d, h = self.memory(m, b, pm, om, virtual)
+            if d <= device_budget and h <= host_budget:
+                break
+            best, t0 = None, cost(m)
+            for n in self.names:
+                if m.get(n) != "device":
+                    continue
+                for c in self.choices(n):
+                    if c == "device":
+                        continue
+                    cand = m.replace(**{n: c})
+                    d2, h2 = self.memory(cand, b, pm, om, virtual)
+                    if h2 > host_budget or d2 >= d:
+                        continue
+                    score = (cost(cand) - t0) / (d - d2)
+                    if best is None or score < best[0] - 1e-18 or (abs(score - best[0]) <= 1e-18 and d2 < best[2]):
+                        best = (score, cand, d2)
+            if best is None:
+                return None
+            m = best[1]
+        improved = True
+        while improved:  # undo moves that the budget no longer needs, or swap remat <-> host
+            improved = False
+            for n in self.names:
+                for c in self.choices(n):
+                    if c == m.get(n):
+                        continue
+                    cand = m.replace(**{n: c})
+                    if fits(cand) and cost(cand) < cost(m) * (1 - 1e-9):
+                        m, improved = cand, True
+        return self.map_cls(**dict(m))
+
+    def min_memory(self, b: int, pm: str, om: str) -> PlacementMap:
+        """The least device memory map: every name remat'd, or offloaded where that is all it takes."""
+        m = self.map_cls.preset("remat")
+        if self.can_offload and "pinned_host" in self.map_cls.choices("layer_input"):
+            m = dataclasses.replace(m, layer_input="pinned_host")
+        return m
+
+
+def virtual_choices(config: Any, stages: int, microbatches: int) -> list[int]:
+    """1 (GPipe), and each ``V > 1`` dividing every pipelined stack's layers per stage (padding
+    included; a stack of no layers, Qwen3-MoE's dense one where every layer is MoE, aside), where
+    the micro-batches are a multiple of the ``stages`` (:func:`zoo.pipeline.pipelined_scan`'s rules)."""
+    from zoo.plan.search import pipelined_layers
+
+    per_stage = [-(-n // stages) for n in pipelined_layers(config) if n > 0]
+    if not per_stage or microbatches % stages:
+        return [1]
+    return [v for v in range(1, min(per_stage) + 1) if all(n % v == 0 for n in per_stage)]
+
+
+def _stage_weights(step: Step) -> tuple[float, float]:
+    """(bytes of the pipelined stacks' parameters one device holds, as stored: the stage's share;
+    the same in the compute dtype and gathered over ``fsdp``: GPipe's hoisted forward gathers)."""
+    from jax.sharding import PartitionSpec
+
+    described = type(step.model).param_specs(step.config)
+    rules = type(step.config).axis_rules
+    compute = jnp.dtype(step.model.compute_dtype).itemsize
+    stored = gathered = 0.0
+    for path, x in jax.tree_util.tree_leaves_with_path(step.params, is_leaf=lambda x: isinstance(x, SDS)):
+        p = described[".".join(str(getattr(k, "name", k)) for k in path)]
+        axes = parallel.param_axes(p, step.mesh, rules=rules)
+        if not (p.names and p.names[0] in p.stacked and axes and axes[0] == PIPELINE):
+            continue
+        held = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize / step.divisor(PartitionSpec(*axes))
+        fsdp = step.sizes["fsdp"] if "fsdp" in [a for e in axes for a in parallel.axis_names(e)] else 1
+        stored += held
+        gathered += held * fsdp * compute / jnp.dtype(x.dtype).itemsize
+    return stored, gathered
