@@ -265,7 +265,9 @@ def _load_in_processes(n: int, path: Path, tok, caches: list[Path], errors: bool
             share = data.Share(i, n, lambda name: barrier.wait())
             results[i] = load_data(str(path), 256, tokenizer=tok, cache_dir=caches[i], share=share, **kw)
         except BaseException as e:  # noqa: BLE001 (re-raised below)
-            barrier.abort()
+            # No barrier.abort() here: a thread released from the last barrier but not yet running
+            # saw the abort of one that raised after it and failed with BrokenBarrierError (seen
+            # under load). A thread that fails before a barrier leaves the others to its timeout.
             results[i] = e
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
