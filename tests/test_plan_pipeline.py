@@ -150,32 +150,36 @@ def test_interleaving_divides_the_bubble_and_multiplies_the_hand_overs():
 
 def test_interleaved_memory_follows_xla():
     """Every tick saves a chunk of its stage's layers on one row (the bubble's ticks, and the
-    backward tick's copy, of a chunk: the named tensors' fixed part / V), and the chunk's weights
-    it sliced out of the stage's ((V·M + P - 1)/V copies of the stage's weights, float32 as
-    stored; GPipe's hoisted copy of them is not made): the cost model's peak is within 1% of
-    XLA's compiled step on 8 CPU devices (Llama small, pipeline=2,data=4, 4 one-row micro-batches)."""
+    backward tick's copy, of a chunk: the named tensors' fixed part / V); each tick picks its
+    chunk's weights inside the layer's checkpoint, so they are picked again in the backward pass,
+    not saved per tick, and GPipe's hoisted copy of the stage's weights is not made: the cost
+    model's peak is within 1% of XLA's compiled step on 8 CPU devices (Llama small,
+    pipeline=2,data=4, 4 one-row micro-batches), below GPipe's. (Picked outside the checkpoint,
+    the step saved (V·M + P - 1)/V copies of the stage's weights: 60.9 MB against GPipe's 38.8.)"""
     cm = small("pipeline=2,data=4")
     c = config("llama", "small")
     layer = 4 * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim
                  * c.hidden_size + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)  # fmt: skip
     assert cm.stage_weights == cm.hoisted == 2 * layer  # float32 compute: GPipe's copy is as large
-    assert cm.interleaved_bytes(4, 2) == (2 * 4 + 1) / 2 * 2 * layer - 2 * layer and cm.interleaved_bytes(4, 1) == 0
+    assert cm.interleaved_bytes(4, 2) == -2 * layer and cm.interleaved_bytes(4, 1) == 0
     remat = cm.map_cls.preset("remat")
-    got = plan.measure(c, batch_size=16, seq_len=64, mesh="pipeline=2,data=4", placement="remat", microbatches=4,
-                       virtual_stages=2, compiler_options=FAST)  # fmt: skip
+    kw = {"batch_size": 16, "seq_len": 64, "mesh": "pipeline=2,data=4", "placement": "remat", "microbatches": 4}
+    got = plan.measure(c, virtual_stages=2, compiler_options=FAST, **kw)
+    gpipe = plan.measure(c, compiler_options=FAST, **kw)
     model = cm.memory(remat, 4, "device", "device", 2)[0]
     assert abs(model / got.device_bytes - 1) < 0.01, (model, got.device_bytes)
-    assert model > cm.memory(remat, 4, "device", "device")[0] + 3 * layer  # more than GPipe: the weights per tick
-    # The liveness walk of the same program counts more than XLA keeps (within its 10%).
-    assert 1 < got.predicted.device_bytes / got.device_bytes < 1.1
+    assert got.device_bytes < gpipe.device_bytes - layer and model < cm.memory(remat, 4, "device", "device")[0] - layer
+    # The liveness walk of the same program counts more than XLA keeps: each layer's picked
+    # weights as a buffer of their own, which XLA fuses into their uses (10.4% over, measured).
+    assert 1 < got.predicted.device_bytes / got.device_bytes < 1.11
 
 
 def test_the_plan_interleaves_where_it_helps_and_says_so():
     """Llama small on pipeline=2,data=4 at 4 rows per device, on this CPU (compute-bound, links
     in RAM): 2 virtual stages cut the bubble from 1/5 to 1/9 of the ticks and the plan takes
     them, faster than the same map on GPipe's schedule (the table's preset rows, and what the
-    planner planned before); the plan prints them for TrainConfig. A budget below the
-    interleaved step's weights per tick leaves GPipe."""
+    planner planned before), and smaller (no copy of the stage's weights hoisted out of the
+    ticks); the plan prints them for TrainConfig."""
     kw = {"seq_len": 64, "mesh": "pipeline=2,data=4", "batch_size": 16, "hardware": "cpu", "verify": False}
     p = plan.plan(config("llama", "small"), **kw)
     assert p.virtual_stages == 2 and p.microbatches == 4 and p.bubble == pytest.approx(1 / 9)
@@ -183,12 +187,12 @@ def test_the_plan_interleaves_where_it_helps_and_says_so():
     assert said in str(p)
     gpipe = next(c for c in p.candidates if c.label == "preset device")
     assert p.placement == gpipe.placement and gpipe.virtual_stages == 1 and p.candidates[-1].virtual_stages == 2
-    assert p.step_time < 0.95 * gpipe.step_time and p.candidates[-1].device_bytes > 1.2 * gpipe.device_bytes
+    assert p.step_time < 0.95 * gpipe.step_time and p.candidates[-1].device_bytes < gpipe.device_bytes
     # The plan's cost model (its temporaries a line through local batches 1 and 4; this one's, 1 and 2).
     cm = small("pipeline=2,data=4")
     assert cm.memory(p.placement, 4, "device", "device", 2)[0] == pytest.approx(p.candidates[-1].device_bytes, rel=1e-3)
-    _, b, _, _, v = planner._choose(cm, 4, 1.05 * gpipe.device_bytes, 0.0)
-    assert (b, v) == (4, 1)
+    _, b, _, _, v = planner._choose(cm, 4, gpipe.device_bytes, 0.0)
+    assert (b, v) == (4, 2)
 
 
 def test_virtual_stages_that_do_not_divide_the_stage_are_never_chosen():

@@ -107,6 +107,7 @@ def pipelined_scan(
     split: PipelineSplit,
     n_layers: int,
     combine: PyTree = None,
+    pick: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None,
 ) -> tuple[PyTree, PyTree]:
     """``layer_fn(carry, layer, rows) -> (carry, out)`` over every layer of a pipelined stack,
     this device holding ``stacked``'s block of it; returns the whole stack's output carry and
@@ -124,7 +125,10 @@ def pipelined_scan(
 
     With ``split.virtual = V > 1`` (the interleaved schedule) ``stacked`` is this stage's block
     of a stack in :func:`stage_order`, ``V`` chunks, and the micro-batches go round the ring of
-    stages ``V`` times (``split.microbatches`` a multiple of the stages)."""
+    stages ``V`` times (``split.microbatches`` a multiple of the stages). ``pick(carry, (block,
+    index), rows)`` is ``layer_fn`` on layer ``index`` of ``block``, picked where its
+    checkpoint redoes the pick in the backward pass (:func:`zoo.layers.stack.scan_layers`):
+    a chunk sliced out at each tick would be saved once per tick."""
     stages, m, virtual = split.stages, split.microbatches, split.virtual
     leaves = jax.tree.leaves(carry)
     if not leaves:
@@ -148,15 +152,19 @@ def pipelined_scan(
 
     def chunk_layers(c, r, v):
         """This stage's chunk ``v`` on one micro-batch; padding layers (past ``n_layers``) skipped."""
-        layers = stacked if virtual == 1 else jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, v * chunk, chunk), stacked)
 
         def one(c, layer_j):
             layer, j = layer_j
-            new, out = layer_fn(c, layer, r)
+            if virtual == 1:
+                new, out = layer_fn(c, layer, r)
+            elif pick is not None:
+                new, out = pick(c, (stacked, v * chunk + j), r)
+            else:
+                new, out = layer_fn(c, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v * chunk + j, keepdims=False), stacked), r)
             real = (v * stages + stage) * chunk + j < n_layers
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
-        return jax.lax.scan(one, c, (layers, jnp.arange(chunk)))
+        return jax.lax.scan(one, c, (stacked if virtual == 1 else None, jnp.arange(chunk)))
 
     # The hand-over buffer and the last stage's outputs vary over the pipeline axis (ppermute
     # and the stage index make them differ) as well as over whatever the rows vary over.

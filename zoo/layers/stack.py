@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from zoo.hooks import pipeline_of, remat_policy
+from zoo.hooks import GATHERED, pipeline_of, remat_policy
 
 Carry = TypeVar("Carry")
 LAYER_SCOPE = "decoder_layer"  # the named scope of every scanned layer's ops (zoo.train.trace_report reads it)
@@ -42,6 +42,7 @@ def scan_layers(
     (XProf, Nsight Systems, ``recipes/profile.py``) shows the layers' forward and backward as
     such (one scope for every layer: the scan compiles one body for all of them).
     """
+    mapped = policy is not None
     policy = remat_policy(policy)  # inside zoo.parallel's step: FSDP re-gathers instead of saving
 
     def scoped(c: Carry, layer: Any, r: Any) -> tuple[Carry, Any]:
@@ -52,5 +53,22 @@ def scan_layers(
     if (pipelined := pipeline if pipeline is not None else pipeline_of(stacked)) is not None:
         from zoo.pipeline import pipelined_scan
 
-        return pipelined_scan(fn, carry, stacked, rows, *pipelined, combine=combine)
+        def picked(c: Carry, at: tuple[Any, Any], r: Any) -> tuple[Carry, Any]:
+            block, i = at
+            return scoped(c, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), block), r)
+
+        # The interleaved schedule runs, at each tick, the layers of a chunk the tick picks. Picked
+        # outside the checkpoint, each tick's weights were a residual of the tick loop: the whole
+        # stage's weights saved once per micro-batch. Picked inside, the residual is the stage's
+        # block (loop-invariant: kept once) and the index; the pick is redone in the backward
+        # pass. Without a map, every named tensor is kept (the `device` preset): keeping every
+        # value would keep what the weights become (cast, transposed) at every tick.
+        keep = policy if mapped else _named_only
+        return pipelined_scan(fn, carry, stacked, rows, *pipelined, combine=combine,
+                              pick=jax.checkpoint(picked, policy=keep, prevent_cse=False))  # fmt: skip
     return jax.lax.scan(lambda c, layer: fn(c, layer, rows), carry, stacked)
+
+
+def _named_only(prim: Any, *avals: Any, **params: Any) -> bool:
+    """Save every named tensor but FSDP's gathered weights; recompute the rest."""
+    return prim.name == "name" and params.get("name") != GATHERED

@@ -99,8 +99,8 @@ class CostModel:
     is derived from those GPipe traces, not traced (each ``V`` would take three more traces): its
     ``V·b + P - 1`` ticks each run a chunk of ``L/(P·V)`` layers on one row (compute, recompute,
     offload and saved tensors of ``b + (P - 1)/V`` rows of the stage's layers), the collectives
-    grow as :func:`zoo.plan.collectives.interleaved` says, and every tick saves its chunk's
-    weights for the backward pass (:meth:`interleaved_bytes`)."""
+    grow as :func:`zoo.plan.collectives.interleaved` says, and GPipe's hoisted copy of the
+    stage's weights is not made (:meth:`interleaved_bytes`)."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
                  jaxpr2: Any = None, bodies: list[_flops.Body] | None = None,
@@ -225,16 +225,12 @@ class CostModel:
                 self.traffic.bytes(b, "all_reduce", (PIPELINE,), scale))  # fmt: skip
 
     def interleaved_bytes(self, b: int, virtual: int) -> float:
-        """Device bytes the interleaved schedule adds to GPipe's at local batch ``b``: each of its
-        ``V·b + P - 1`` ticks slices its chunk out of the stage's weights at an offset the tick
-        picks, and autodiff saves that slice for the backward pass (``(V·b + P - 1)/V`` copies
-        of the stage's weights, as stored); GPipe's copy of the stage's weights in the compute
-        dtype, its forward gathers hoisted out of the tick loop, is not made (measured on
-        XLA:CPU: ``tests/test_plan_pipeline.py``)."""
-        if virtual == 1:
-            return 0.0
-        ticks = virtual * self.microbatches(b) + self.stages - 1
-        return ticks * self.stage_weights / virtual - self.hoisted
+        """Device bytes the interleaved schedule adds to GPipe's at local batch ``b``: GPipe's copy
+        of the stage's weights in the compute dtype, its forward gathers hoisted out of the tick
+        loop, is not made (each tick picks its chunk's layers inside the layer's checkpoint, and
+        the backward pass picks them again: :func:`zoo.layers.stack.scan_layers`), so a negative
+        figure (measured on XLA:CPU: ``tests/test_plan_pipeline.py``)."""
+        return 0.0 if virtual == 1 else -self.hoisted
 
     def compute_flops(self, b: int, virtual: int = 1) -> float:
         """The model's FLOPs one device runs per step at local batch ``b`` (recomputation not
