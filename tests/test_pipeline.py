@@ -122,17 +122,19 @@ def test_the_schedule_passes_activations_point_to_point():
 
 
 @pytest.mark.parametrize(
-    "spec, layers, microbatches, virtual, tied, packed",
-    [("pipeline=4,fsdp=2", 6, 4, 2, True, True)],  # 6 layers padded to 8: 2 chunks of 1 per stage; tied; packed
+    "spec, layers, microbatches, virtual, tied, packed, placement",
+    [("pipeline=4,fsdp=2", 6, 4, 2, True, True, None),  # 6 layers padded to 8: 2 chunks of 1 per stage; tied; packed
+     ("pipeline=2,fsdp=4", 4, 4, 2, False, False, "save_matmuls")],  # a map: the chunk picked again in the backward
 )
-def test_the_interleaved_schedule_equals_one_device(spec, layers, microbatches, virtual, tied, packed):
+def test_the_interleaved_schedule_equals_one_device(spec, layers, microbatches, virtual, tied, packed, placement):
     """V chunks per stage, the stacks in stage order (device s holds layers s, s + P, ... in
     chunks), the micro-batches going round the stages V times: loss and every gradient equal
-    one device's."""
+    one device's, with no map (every named tensor kept) and with one."""
     model = _llama(layers, tied)
     mesh = parallel.make_mesh(spec)
     ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
-    _check(model, mesh, ids, microbatches, virtual, **(_packed() if packed else {}))
+    _check(model, mesh, ids, microbatches, virtual, **(_packed() if packed else {}),
+           **({"placement": placement} if placement else {}))  # fmt: skip
 
 
 def test_stage_order_and_the_interleaved_bubble():
