@@ -160,7 +160,8 @@ def pipelined_scan(
             elif pick is not None:
                 new, out = pick(c, (stacked, v * chunk + j), r)
             else:
-                new, out = layer_fn(c, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v * chunk + j, keepdims=False), stacked), r)
+                layer = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v * chunk + j, keepdims=False), stacked)
+                new, out = layer_fn(c, layer, r)
             real = (v * stages + stage) * chunk + j < n_layers
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 

@@ -142,9 +142,9 @@ def plan_mesh(
     # keeps up to ~8% more than the cost model says, on XLA:CPU), so its miss lowers only its own.
     gpipe_budgets = budgets
     for attempt in range(4):
+        gpipe = virtual_stages is None and gpipe_budgets != budgets
         choices = [c for c in (_choose(cm, fixed_b, *budgets, virtual_stages),
-                               _choose(cm, fixed_b, *gpipe_budgets, 1) if virtual_stages is None and gpipe_budgets != budgets
-                               else None) if c is not None]  # fmt: skip
+                               _choose(cm, fixed_b, *gpipe_budgets, 1) if gpipe else None) if c is not None]  # fmt: skip
         if not choices:
             _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
         best = max(choices, key=lambda c: c[1] / cm.time(c[0], c[1], c[2], c[3], c[4])[0])  # tokens per second
