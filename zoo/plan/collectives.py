@@ -323,8 +323,7 @@ def collective_seconds(kind: str, nbytes: int | float, hw: Any, sizes: Mapping[s
         return 0.0
     bandwidth = link(hw, sizes, axes)
     k = spans(sizes, axes, hw.domain)
-    if k == 1 or not getattr(hw, "hierarchical", False) or kind not in ("all_gather", "reduce_scatter", "all_reduce") \
-            or n % k:  # fmt: skip
+    if k == 1 or not hw.hierarchical or kind not in ("all_gather", "reduce_scatter", "all_reduce") or n % k:
         return seconds(kind, nbytes, n, bandwidth)
     inside = n // k
     return seconds(kind, nbytes, inside, hw.domain_link) + seconds(kind, nbytes / inside, k, bandwidth)
@@ -356,7 +355,7 @@ class Traffic:
     bandwidth: dict[tuple[str, ...], float]
     sizes: dict[str, int]
     prefetch: float  # bytes: one more layer of gathered weights, the scheduler's prefetch buffer
-    hw: Any = None  # the hardware priced on (None: every collective one ring at ``bandwidth``)
+    hw: Any  # the hardware priced on (:func:`collective_seconds`)
 
     @classmethod
     def of(cls, one: list[Collective], two: list[Collective], b2: int, sizes: Mapping[str, int], hw: Any,
@@ -413,10 +412,7 @@ class Traffic:
             if scale and tick == "hoisted":
                 where = "forward"
             nbytes = self._at(cs, b) * (scale or {}).get(tick, 1.0)
-            if self.hw is not None:
-                out[where] += collective_seconds(kind, nbytes, self.hw, self.sizes, axes)
-            else:
-                out[where] += seconds(kind, nbytes, math.prod(self.sizes[x] for x in axes), self.bandwidth[axes])
+            out[where] += collective_seconds(kind, nbytes, self.hw, self.sizes, axes)
         return out
 
 

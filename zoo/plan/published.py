@@ -47,8 +47,8 @@ class Run:
     Megatron's PP is ``pipeline``, its EP ``expert``). ``per_device_batch``: the global batch over
     the devices (a pipelined run's devices each see its stages times that many rows, one
     micro-batch of MBS 1 each). ``placement``: the zoo map nearest the published ``policy``.
-    ``comparable``: False where the run uses what zoo cannot express (an interleaved pipeline
-    schedule, FP8): listed, never predicted or fitted.
+    ``comparable``: False where the run uses what zoo cannot express (a 1F1B pipeline schedule,
+    FP8): listed, never predicted or fitted.
     """
 
     name: str
@@ -128,15 +128,15 @@ RUNS: tuple[Run, ...] = (
         "parallelism of -g (25.04.01: ici_fsdp 8, dcn_fsdp 16, per_device_batch_size 2)", HELD_OUT,
         note="the recipe page does not state remat_policy: MaxText's default, full; Llama 3 70B is Llama 3.1 "
         "70B's shape"),  # fmt: skip
-    # -- Megatron-Bridge, GB200: interleaved 1F1B pipelines (VP > 1), not zoo's GPipe: not comparable ----
+    # -- Megatron-Bridge, GB200: interleaved 1F1B pipelines, not zoo's all-in-flight schedules: not comparable
     Run("DeepSeek-V3, 256 GB200 (PP 4)", "deepseek-v3-671b", "gb200", 256, "pipeline=4,expert=64", 16, 4096,
         "TP 1, PP 4, VP 4, EP 64, GBS 4096, MBS 1", None, 3139.0, _MBRIDGE, comparable=False,
         note="pipeline schedule differs: interleaved 1F1B (VP 4, at most about PP micro-batches in flight) against "
-        "zoo's GPipe (V 1, every micro-batch in flight)"),  # fmt: skip
+        "zoo's schedules (GPipe or interleaved: every micro-batch in flight)"),  # fmt: skip
     Run("Qwen3 235B-A22B, 256 GB200 (PP 8)", "qwen3-235b-a22b", "gb200", 256, "pipeline=8,expert=32", 32, 4096,
         "TP 1, PP 8, VP 3, EP 32, GBS 8192, MBS 1", None, 4916.0, _MBRIDGE, comparable=False,
         note="pipeline schedule differs: interleaved 1F1B (VP 3, at most about PP micro-batches in flight) against "
-        "zoo's GPipe (V 1, every micro-batch in flight)"),  # fmt: skip
+        "zoo's schedules (GPipe or interleaved: every micro-batch in flight)"),  # fmt: skip
 )
 
 
