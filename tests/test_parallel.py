@@ -563,7 +563,8 @@ def test_two_processes_train_on_a_text_file_like_one(tmp_path):
     each process tokenizes half the records and process 0 merges the halves into the cache
     entry one process writes (the same bytes)."""
     text = tmp_path / "corpus.jsonl"  # records: tokenized into the cache and packed (a text file is read as bytes)
-    chunks = ((ROOT / "zoo" / "train" / "loop.py").read_text() + (ROOT / "zoo" / "parallel.py").read_text()).split("\n\n")
+    chunks = ((ROOT / "zoo" / "train" / "loop.py").read_text() + (ROOT / "zoo" / "core" / "layout.py").read_text()
+              + (ROOT / "zoo" / "parallel" / "step.py").read_text()).split("\n\n")
     text.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

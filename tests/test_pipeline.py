@@ -439,7 +439,8 @@ def test_the_recipe_trains_pipelined_across_two_processes_like_one_and_resumes_b
     1 process x 8; the one-process run, its step-4 checkpoint deleted (as if stopped after
     step 2), resumes from step 2 and logs steps 3 and 4 bit for bit."""
     text = tmp_path / "corpus.txt"  # bytes: no tokenizer
-    text.write_text((ROOT / "zoo" / "train" / "loop.py").read_text() + (ROOT / "zoo" / "parallel.py").read_text())
+    text.write_text((ROOT / "zoo" / "train" / "loop.py").read_text() + (ROOT / "zoo" / "core" / "layout.py").read_text()
+              + (ROOT / "zoo" / "parallel" / "step.py").read_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
 

@@ -82,7 +82,7 @@ def test_a_tensor_the_backward_never_needs_would_be_a_dead_name(monkeypatch):
     real = zoo.llama.model.swiglu
     named = lambda *a, **k: jax.ad_checkpoint.checkpoint_name(real(*a, **k), "mlp_out")
     monkeypatch.setattr(zoo.llama.model, "swiglu", named)
-    monkeypatch.setattr(zoo.placement, "layer_policy", lambda policy, model: policy)
+    monkeypatch.setattr(zoo.llama.model, "layer_policy", lambda policy, model: policy)
     save = jax.checkpoint_policies.save_only_these_names(*NAMES, "mlp_out")
     skip = jax.checkpoint_policies.save_only_these_names(*NAMES)
     assert residuals(model, ids, save) == residuals(model, ids, skip)

@@ -121,7 +121,7 @@ def test_fresh_init_never_makes_a_whole_parameter_on_a_device():
     temporaries a few draw blocks (4 MB each), whatever the parameter's size; one program for
     the whole model held 7 GB of temporaries on every device, and one jax.random.normal per
     parameter 3x the device's share (threefry's counters and bits for all of it)."""
-    from zoo import params
+    from zoo.core import params
     from zoo.llama import preset
     from zoo.llama.model import llama_params
 
@@ -157,7 +157,7 @@ def test_a_draw_made_block_by_block_is_jax_random_normal(spec, monkeypatch):
     another, 1 ulp apart; the same std in both of zoo's paths is the test above.)"""
     from jax.sharding import NamedSharding
 
-    from zoo import params
+    from zoo.core import params
 
     monkeypatch.setattr(params, "DRAW_BLOCK", 48)
     params._maker.cache_clear()

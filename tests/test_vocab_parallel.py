@@ -21,7 +21,7 @@ import pytest
 
 import zoo
 from zoo.generate import generate
-import zoo.loss
+import zoo.hooks.vocab
 from zoo import parallel
 from zoo.deepseek_v3 import deepseek_v3_loss
 from zoo.deepseek_v3 import preset as deepseek_preset
@@ -95,7 +95,7 @@ def test_uneven_vocabulary_step_equals_one_device(name, spec, pack, extra, monke
     if "attention" in extra:
         m = with_attention(m, extra["attention"])
     if "chunk_bytes" in extra:
-        monkeypatch.setattr(zoo.loss, "CHUNK_BYTES", extra["chunk_bytes"])
+        monkeypatch.setattr(zoo.hooks.vocab, "CHUNK_BYTES", extra["chunk_bytes"])
     loss_fn, has_aux = LOSSES[name]
     ids = ids_for(m)
     kw = packed(ids) if pack else {}
@@ -140,9 +140,9 @@ def primitives(jaxpr):
 def test_the_head_is_never_gathered_whole(monkeypatch):
     """The step's all-gathers over fsdp never produce the vocabulary's rows all at once: the
     embedding and head are streamed in blocks (the old step gathered [V, D] at its start). The
-    blocks are sized for zoo.loss.CHUNK_BYTES (128 MiB: all of a tiny model's 257 rows), so
+    blocks are sized for zoo.hooks.vocab.CHUNK_BYTES (128 MiB: all of a tiny model's 257 rows), so
     here for a budget of a few rows."""
-    monkeypatch.setattr(zoo.loss, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(zoo.hooks.vocab, "CHUNK_BYTES", 4096)
     m = model("llama")
     mesh = parallel.make_mesh("fsdp=8")
     step = parallel.value_and_grad(zoo.lm_loss, mesh)

@@ -1,6 +1,6 @@
 """zoo: a pure-functional Equinox model zoo for memory-bound LLM training in JAX."""
 
-from zoo.causal_lm import CausalLM, ModelConfig
+from zoo.core.protocol import CausalLM, ModelConfig
 from zoo.deepseek_v3 import DeepseekV3, DeepseekV3Config, DeepseekV3Placement
 from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf.pretrained import from_pretrained, save_pretrained

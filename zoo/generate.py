@@ -29,7 +29,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.causal_lm import CausalLM
+from zoo.core.protocol import CausalLM
 from zoo.layers.kv_cache import KVCache, cached_attention  # noqa: F401  (re-exported)
 
 

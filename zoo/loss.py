@@ -17,11 +17,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from zoo.hooks import global_sum, sum_to_varying_of, varying_like
-
-# Tokens per chunk: as many as keep one chunk's float32 logits near this many bytes (a 128K
-# vocabulary: 256 tokens, 128 MiB). Larger chunks gain nothing measurable on CPU or GPU.
-CHUNK_BYTES = 128 * 2**20
+from zoo.hooks.step import (
+    context_gather,
+    context_positions,
+    context_size,
+    global_sum,
+    sum_to_varying_of,
+    varying_like,
+    vocab_split,
+)
+from zoo.hooks import vocab as vocab_parallel
 
 
 def cross_entropy(
@@ -68,8 +73,6 @@ def shifted_targets(
     (0 where there is none) and the mask says which count. Under context parallelism the
     target may live on another device: the ids (and segments and masks) of the whole sequence
     are gathered (integers, a few bytes a token) and each device reads its own targets."""
-    from zoo.hooks import context_gather, context_positions, context_size
-
     if input_ids.ndim != 2 or input_ids.shape[1] * context_size() < shift + 1:
         raise ValueError(
             f"a next-token loss needs input_ids of [batch, sequence] with at least {shift + 1} positions "
@@ -93,7 +96,7 @@ def shifted_targets(
 
 
 def _chunk_tokens(n: int, vocab: int, chunk_tokens: int | None) -> int:
-    c = chunk_tokens if chunk_tokens is not None else max(16, CHUNK_BYTES // (4 * vocab))
+    c = chunk_tokens if chunk_tokens is not None else max(16, vocab_parallel.CHUNK_BYTES // (4 * vocab))
     return max(1, min(c, n))
 
 
@@ -180,9 +183,6 @@ def chunked_cross_entropy(
     Inside the parallel step with the vocabulary split, ``head`` is this device's block and the
     head is streamed (:func:`zoo.vocab_parallel.weighted_nll_sum`): it is never gathered whole.
     """
-    from zoo import vocab_parallel
-    from zoo.hooks import vocab_split
-
     b, s, d = x.shape
     w = head.astype(x.dtype)
     # Typed as varying like the labels (a mask may be built from positions alone): inside the

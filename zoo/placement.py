@@ -41,6 +41,8 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import jax
 
+from zoo.core.registry import families
+
 Placement = Literal["device", "remat", "pinned_host"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 BUILTIN_PRESETS: tuple[str, ...] = ("device", "remat")
@@ -255,8 +257,6 @@ def placement_map_for(model: Any) -> type[PlacementMap]:
 def __getattr__(name: str) -> type[PlacementMap]:
     # The families' maps lived here before each moved to its family's folder
     # (``from zoo.placement import LlamaPlacement`` keeps working).
-    from zoo.registry import families
-
     for cls in families():
         found = getattr(cls, "placement_map", None)
         if found is not None and found.__name__ == name:

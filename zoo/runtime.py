@@ -14,6 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax._src import xla_bridge
+
+from zoo.errors import ConfigError
+
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _INT_MAX = 2**31 - 1
@@ -186,9 +192,6 @@ def parse_xla_option(text: str) -> tuple[str, bool | int | float | str]:
 def _known(platform: str, items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, str], ...]:
     """``(name, XLA's reason)`` of each option that a trivial program on ``platform``'s backend (the default
     backend where that one is absent: the debug options are one proto for every backend) fails to compile with."""
-    import jax
-    import jax.numpy as jnp
-
     try:
         device = jax.devices(platform)[0]
     except RuntimeError:
@@ -262,10 +265,6 @@ def size_host_pool(need: int | float, *, what: str = "the run") -> int:  # noqa:
     together) with a tenth and 1 GiB to spare; returns the pool's cap in GiB. Call before the backend
     starts. A :class:`~zoo.errors.ConfigError` when ``need`` exceeds the machine's memory, when the
     variable is set lower by the user, or when the backend already started with too small a pool."""
-    from jax._src import xla_bridge
-
-    from zoo.errors import ConfigError
-
     gib = math.ceil(need * 1.1 / _GIB) + 1
     total = physical_memory()
     if total is not None and need > total:

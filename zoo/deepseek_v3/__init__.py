@@ -1,5 +1,6 @@
 """DeepSeek-V3: config, model (MLA, sigmoid-routed MoE, MTP), loss, placement map, decoding, HF mapping."""
 
+from zoo.core.registry import register
 from zoo.deepseek_v3.config import PRESETS, DeepseekV3Config, preset
 from zoo.deepseek_v3.decode import MLA_DECODES, MLACache
 from zoo.deepseek_v3.loss import DeepseekV3Metrics, DeepseekV3Training, deepseek_v3_loss
@@ -12,7 +13,6 @@ from zoo.deepseek_v3.moe import (
     update_router_bias,
 )
 from zoo.deepseek_v3.placement import DeepseekV3Placement
-from zoo.registry import register
 
 register(DeepseekV3)
 

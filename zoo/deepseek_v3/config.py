@@ -6,10 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.causal_lm import AxisRule, ModelConfig, check_attention, check_positive
+from zoo.core.protocol import AxisRule, ModelConfig, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
-from zoo.layers.rope import Rope
+from zoo.layers.attention import check_attention
+from zoo.layers.rope import Rope, yarn_mscale
 
 DEEPSEEK_V3_ROPE = Rope(
     theta=10000.0, kind="yarn", factor=40.0, original_max_position_embeddings=4096,
@@ -168,8 +169,6 @@ class DeepseekV3Config(ModelConfig):
     @property
     def softmax_scale(self) -> float:
         """``qk_head_dim ** -0.5``, times YaRN's mscale² as the published model does."""
-        from zoo.layers.rope import yarn_mscale
-
         scale = self.qk_head_dim**-0.5
         if self.rope.kind == "yarn" and self.rope.mscale_all_dim:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)

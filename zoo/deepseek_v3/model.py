@@ -22,20 +22,24 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.causal_lm import CausalLM, positions_for
+from zoo.core.layout import init_arrays
+from zoo.core.named import named
+from zoo.core.params import Param, build, flatten, init_with_stacks
+from zoo.core.protocol import CausalLM, options_or_default
+from zoo.deepseek_v3.checkpoint import check_expert_count, mtp_keys_skipped
 from zoo.deepseek_v3.config import DeepseekV3Config
-from zoo.deepseek_v3.loss import DeepseekV3Training
-from zoo.deepseek_v3.moe import MoE, route, sequence_balance_loss
+from zoo.deepseek_v3.loss import DeepseekV3Training, deepseek_v3_loss
+from zoo.deepseek_v3.moe import MoE, route, sequence_balance_loss, update_router_bias
 from zoo.deepseek_v3.placement import DeepseekV3Placement
-from zoo.hooks import context_positions, context_size, gather_layer, tensor_psum
+from zoo.hooks.pipeline import per_layer_to_stored
+from zoo.hooks.step import context_positions, context_size, gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
-from zoo.pipeline import per_layer_to_stored
+from zoo.layers.embed import positions_for
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
-from zoo.layers.named import named
 from zoo.layers.stack import scan_layers
 from zoo.loss import shifted_targets
-from zoo.params import Param, build, flatten, init_arrays, init_with_stacks
+from zoo.placement import layer_policy
 
 
 def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
@@ -351,8 +355,6 @@ class DeepseekV3(CausalLM):
         model has MTP; position t predicts token t+2), and with ``return_hidden`` the hidden
         states as ``transformers`` reports them. ``head=False``: both logits fields hold the
         final-normed hidden states instead (the loss applies the head chunk by chunk)."""
-        from zoo.placement import layer_policy
-
         config, dtype = self.config, self.compute_dtype
         cos, sin = rope_cos_sin(config.rope, config.qk_rope_head_dim, positions_for(input_ids, positions))
         policy = layer_policy(placement, self)
@@ -439,9 +441,6 @@ class DeepseekV3(CausalLM):
     def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, loss_mask=None, placement=None):
         """``deepseek_v3_loss`` with the options' MTP weight and balance α; logs its parts and
         the per-layer expert load (summed over micro-batches and devices)."""
-        from zoo.causal_lm import options_or_default
-        from zoo.deepseek_v3.loss import deepseek_v3_loss
-
         o = options_or_default(self, options)
         total, m = deepseek_v3_loss(
             self, input_ids, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask, placement=placement,
@@ -454,9 +453,6 @@ class DeepseekV3(CausalLM):
 
     def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> DeepseekV3:
         """The aux-loss-free balancing step on the router bias from the step's expert load."""
-        from zoo.causal_lm import options_or_default
-        from zoo.deepseek_v3.moe import update_router_bias
-
         if self.moe_layers is None:
             return self
         rate = options_or_default(self, options).router_bias_rate
@@ -486,8 +482,6 @@ class DeepseekV3(CausalLM):
     # -- Hugging Face checkpoints (zoo/deepseek_v3/checkpoint.py) ---------------------------
     @classmethod
     def hf_skipped(cls, config: DeepseekV3Config, keys: set[str]) -> set[str]:
-        from zoo.deepseek_v3.checkpoint import mtp_keys_skipped
-
         return mtp_keys_skipped(config, keys)
 
     @classmethod
@@ -496,6 +490,4 @@ class DeepseekV3(CausalLM):
 
     @classmethod
     def hf_check(cls, config: DeepseekV3Config, keys: set[str]) -> None:
-        from zoo.deepseek_v3.checkpoint import check_expert_count
-
         check_expert_count(config, keys)

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zoo.hooks import context_size, context_sum
+from zoo.core.named import named
+from zoo.hooks.step import context_size, context_sum
 from zoo.layers.mlp import SwiGLU
-from zoo.layers.named import named
 from zoo.layers.moe import (  # noqa: F401  (re-exported: their home before the MoE layer was shared)
     EXPERT_IMPLS,
     ExpertImpl,

@@ -25,15 +25,18 @@ sequence.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from zoo.hooks import context_gather, context_positions, context_size
+from zoo.core.named import named, region
+from zoo.errors import ConfigError
+from zoo.hooks.step import context_gather, context_positions, context_size
 from zoo.layers import pallas_attention
 from zoo.layers.flash_attention import blockwise_attention
-from zoo.layers.named import named, region
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash", "pallas_gpu")
 NAMES = ("context", "attn_lse")  # checkpoint names of the output and the log-sum-exp
@@ -184,3 +187,12 @@ def dense_attention(
     probs = jnp.exp(scores - lse).astype(v.dtype).reshape(b, g, r * s, t)
     out = jnp.einsum("bgmt,bgtv->bgmv", probs, vh)
     return checkpoint_name(out.reshape(b, g, r, s, kv).transpose(0, 3, 1, 2, 4).reshape(b, s, h, kv), NAMES[0])
+
+
+def check_attention(config: Any) -> None:
+    """``config.attention`` one of :data:`IMPLEMENTATIONS`, else a
+    :class:`~zoo.errors.ConfigError` naming the field and the choices."""
+    if config.attention not in IMPLEMENTATIONS:
+        raise ConfigError(
+            f"{type(config).__name__}.attention must be one of {list(IMPLEMENTATIONS)}, got {config.attention!r}"
+        )

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from zoo.hooks import sum_to_varying_of
+from zoo.core.named import named, region
+from zoo.hooks.step import sum_to_varying_of
 from zoo.layers.grouped_matmul import _loop_matmul, _loop_weight_grad
-from zoo.layers.named import named, region
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
 CAPACITY_FACTOR = 1.25

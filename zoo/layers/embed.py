@@ -5,6 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from zoo.hooks.step import context_positions, vocab_split
+from zoo.hooks import vocab as vocab_parallel
+
 
 def check_ids_shape(ids, what: str = "input_ids") -> None:
     """``ids`` must be a ``[batch, sequence]`` integer array (named in the error otherwise)."""
@@ -38,10 +41,7 @@ def embed(table: Float[Array, "V D"], ids: Int[Array, "B S"], dtype, *, vocab_si
     """Rows of the embedding table, cast to the compute dtype. ``vocab_size``: the real rows (a
     table laid out on a mesh may have padding rows after them). Inside the parallel step with the
     vocabulary split, ``table`` is this device's block and the lookup is streamed
-    (:func:`zoo.vocab_parallel.embed`)."""
-    from zoo import vocab_parallel
-    from zoo.hooks import vocab_split
-
+    (:func:`zoo.hooks.vocab.embed`)."""
     check_token_ids(ids, table.shape[0] if vocab_size is None else vocab_size)
     if (split := vocab_split()) is not None:
         return vocab_parallel.embed(table, ids, dtype, split)
@@ -52,11 +52,17 @@ def unembed(x: Float[Array, "B S D"], head: Float[Array, "V D"], *, vocab_size: 
             ) -> Float[Array, "B S V1"]:  # fmt: skip
     """Logits in float32 whatever the compute dtype (accumulated in float32), for the first
     ``vocab_size`` rows of ``head`` (the real vocabulary; padding rows are never logits)."""
-    from zoo import vocab_parallel
-    from zoo.hooks import vocab_split
-
     if (split := vocab_split()) is not None:  # the whole head: every logit at once was asked for
         head = vocab_parallel.gather(head, split)
     if vocab_size is not None and vocab_size < head.shape[0]:
         head = head[:vocab_size]
     return jnp.einsum("bsd,vd->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def positions_for(input_ids: Int[Array, "B S"], positions: Int[Array, "B S"] | None) -> Int[Array, "B S"]:
+    """``positions`` or ``0..S-1`` for every row (a clear error for ids that are not ``[B, S]``);
+    under context parallelism the local tokens' places in the whole sequence."""
+    check_ids_shape(input_ids)
+    if positions is not None:
+        return positions
+    return jnp.broadcast_to(context_positions(input_ids.shape[1]), input_ids.shape)

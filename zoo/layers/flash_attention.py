@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from zoo.hooks import varying_axes, varying_over
+from zoo.hooks.step import varying_axes, varying_over
 
 # Fastest forward + backward on the 2-core CPU (B=1, H=G=8, K=64, float32, S 512..4096; 128,
 # 512, 1024 and mixed 256/512 blocks measured too). Accelerators likely want larger blocks.

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zoo.hooks import sum_to_varying_of, varying_like
+from zoo.hooks.step import sum_to_varying_of, varying_like
 
 
 class Tiles(NamedTuple):

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from zoo.hooks import tensor_psum
-from zoo.layers.named import named
+from zoo.core.named import named
+from zoo.hooks.step import tensor_psum
 
 
 class SwiGLU(eqx.Module):

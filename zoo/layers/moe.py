@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zoo.hooks import axis_size, current_step, psum_varying, varying_axes, varying_like
+from zoo.core.mesh import axis_size
+from zoo.core.named import named
+from zoo.hooks.step import current_step, psum_varying, varying_axes, varying_like
 from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
-from zoo.layers.named import named
 
 ExpertImpl = Literal["auto", "ragged_dot", "capacity", "grouped", "tiled", "dense"]
 

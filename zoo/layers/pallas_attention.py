@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from zoo.hooks import varying_over
+from zoo.hooks.step import varying_over
 from zoo.layers.flash_attention import _vma
 
 # Splash attention's block (queries and keys, forward and backward). 512 is what MaxText uses on

@@ -7,7 +7,8 @@ from typing import Any, TypeVar
 
 import jax
 
-from zoo.hooks import GATHERED, pipeline_of, remat_policy
+from zoo.hooks.pipeline import pipelined_scan
+from zoo.hooks.step import GATHERED, pipeline_of, remat_policy
 
 Carry = TypeVar("Carry")
 LAYER_SCOPE = "decoder_layer"  # the named scope of every scanned layer's ops (zoo.train.trace_report reads it)
@@ -51,8 +52,6 @@ def scan_layers(
 
     fn = scoped if policy is None else jax.checkpoint(scoped, policy=policy, prevent_cse=False)
     if (pipelined := pipeline if pipeline is not None else pipeline_of(stacked)) is not None:
-        from zoo.pipeline import pipelined_scan
-
         def picked(c: Carry, at: tuple[Any, Any], r: Any) -> tuple[Carry, Any]:
             block, i = at
             return scoped(c, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), block), r)

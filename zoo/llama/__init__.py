@@ -1,9 +1,9 @@
 """Llama 3.x: config, model, placement map, decoding, Hugging Face mapping."""
 
+from zoo.core.registry import register
 from zoo.llama.config import PRESETS, LlamaConfig, preset
 from zoo.llama.model import Llama, LlamaLayer, llama_params
 from zoo.llama.placement import LlamaPlacement
-from zoo.registry import register
 
 register(Llama)
 

@@ -6,9 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.causal_lm import AxisRule, ModelConfig, check_attention, check_positive
+from zoo.core.protocol import AxisRule, ModelConfig, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
+from zoo.layers.attention import check_attention
 from zoo.layers.rope import Rope
 
 LLAMA3_ROPE = Rope(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)

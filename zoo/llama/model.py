@@ -16,17 +16,21 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from zoo.causal_lm import CausalLM, positions_for
-from zoo.hooks import gather_layer, tensor_psum
+from zoo.core.layout import init_arrays
+from zoo.core.named import named
+from zoo.core.params import Param, build, init_with_stacks
+from zoo.core.protocol import CausalLM
+from zoo.hooks.step import gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.embed import positions_for
 from zoo.layers.mlp import SwiGLU
-from zoo.layers.named import named
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
 from zoo.llama.placement import LlamaPlacement
-from zoo.params import Param, build, init_arrays, init_with_stacks
+from zoo.loss import lm_loss
+from zoo.placement import layer_policy
 
 
 def llama_params(config: LlamaConfig) -> dict[str, Param]:
@@ -178,8 +182,6 @@ class Llama(CausalLM):
     ) -> tuple[Float[Array, "B S V"], Float[Array, "L1 B S D"] | None]:
         """Logits, and with ``return_hidden`` the hidden states as ``transformers`` reports them:
         the embedding output, the outputs of layers 1..L-1, then the final norm of layer L's output."""
-        from zoo.placement import layer_policy
-
         config, dtype = self.config, self.compute_dtype
         cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
         x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
@@ -204,6 +206,22 @@ class Llama(CausalLM):
     def unembedding(self) -> Float[Array, "V D"]:
         """The output head's matrix (the embedding where tied)."""
         return self.embed if self.head is None else self.head
+
+    def loss(
+        self,
+        input_ids: Int[Array, "B S"],
+        *,
+        options: Any = None,
+        positions: Int[Array, "B S"] | None = None,
+        segment_ids: Int[Array, "B S"] | None = None,
+        loss_mask: Bool[Array, "B S"] | None = None,
+        placement: Any = None,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """The plain next-token loss (``loss_mask``: which targets count); no training options."""
+        loss = lm_loss(
+            self, input_ids, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask, placement=placement
+        )
+        return loss, {"lm_loss": loss}
 
     @classmethod
     def param_specs(cls, config: LlamaConfig) -> dict[str, Param]:

@@ -38,7 +38,7 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
     if isinstance(mesh, Mapping):
         sizes = dict.fromkeys(parallel.AXES, 1)
         for name, size in mesh.items():
-            parallel._check_axis(name, "mesh")
+            parallel.check_axis(name, "mesh")
             sizes[name] = int(size)
         return sizes
     shape = dict(mesh.shape)

@@ -11,9 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
-from zoo.causal_lm import AxisRule, ModelConfig, check_attention, check_positive
+from zoo.core.protocol import AxisRule, ModelConfig, check_positive
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig
+from zoo.layers.attention import check_attention
 from zoo.layers.rope import Rope
 
 QWEN3_ROPE = Rope(theta=1000000.0)

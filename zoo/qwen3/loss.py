@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zoo.hooks import global_sum
+from zoo.hooks.step import global_sum
 from zoo.layers.moe import Routing, expert_load
 
 

@@ -21,15 +21,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.causal_lm import CausalLM, options_or_default, positions_for
+from zoo.core.layout import init_arrays
+from zoo.core.named import named
+from zoo.core.params import Param, build, flatten, init_with_stacks
+from zoo.core.protocol import CausalLM, options_or_default
 from zoo.errors import MeshError
-from zoo.hooks import PipelineSplit, gather_layer, pipeline_of, tensor_psum
+from zoo.hooks.step import PipelineSplit, gather_layer, pipeline_of, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.embed import positions_for
 from zoo.layers.mlp import SwiGLU
 from zoo.layers.moe import moe_experts, resolve_expert_impl
-from zoo.layers.named import named
 from zoo.layers.stack import scan_layers
-from zoo.params import Param, build, flatten, init_arrays, init_with_stacks
+from zoo.loss import chunked_cross_entropy, shifted_targets
+from zoo.placement import layer_policy
+from zoo.qwen3.checkpoint import check_layer_kinds
 from zoo.qwen3.config import Qwen3Config
 from zoo.qwen3.loss import Qwen3Training, RouterStats, layer_router_stats, switch_balance_loss
 from zoo.qwen3.placement import Qwen3Placement
@@ -315,8 +320,6 @@ class Qwen3(CausalLM):
     ) -> Qwen3Output:
         """Logits, the router statistics summed over the MoE layers (for the balance loss and the
         expert load), and with ``return_hidden`` the hidden states as ``transformers`` reports them."""
-        from zoo.placement import layer_policy
-
         config, dtype = self.config, self.compute_dtype
         cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
         policy = layer_policy(placement, self)
@@ -364,8 +367,6 @@ class Qwen3(CausalLM):
     def loss(self, input_ids, *, options: Any = None, positions=None, segment_ids=None, loss_mask=None, placement=None):
         """Next-token loss plus ``aux_loss_coef`` times the Switch-style balance loss of the
         MoE layers (``transformers``' ``router_aux_loss_coef``); logs both and the expert load."""
-        from zoo.loss import chunked_cross_entropy, shifted_targets
-
         o = options_or_default(self, options)
         labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
         out = self.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)
@@ -395,8 +396,6 @@ class Qwen3(CausalLM):
     # -- Hugging Face checkpoints ------------------------------------------------------------
     @classmethod
     def hf_check(cls, config: Qwen3Config, keys: set[str]) -> None:
-        from zoo.qwen3.checkpoint import check_layer_kinds
-
         check_layer_kinds(config, keys)
 
 

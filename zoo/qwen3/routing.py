@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from zoo.core.named import named
 from zoo.layers.moe import Routing
-from zoo.layers.named import named
 
 
 class Qwen3MoE(eqx.Module):

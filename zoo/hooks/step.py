@@ -27,19 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int, PyTree, Shaped
 
+from zoo.core.mesh import CONTEXT, PIPELINE, AnyMesh, axis_size
+from zoo.core.named import named
 from zoo.errors import MeshError
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
-# What reads only a mesh's axis names and sizes takes either: the planner traces on an abstract one.
-AnyMesh = Mesh | AbstractMesh
-
-
-def axis_size(mesh: AnyMesh, axis: str) -> int:
-    """Size of ``axis`` in ``mesh`` (1 when the mesh lacks it)."""
-    return int(mesh.shape.get(axis, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +57,6 @@ class VocabSplit:
         axes = tuple(a for a in (self.stage_axis, self.axis) if a is not None)
         return axes[0] if len(axes) == 1 else axes
 
-
-PIPELINE = "pipeline"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +133,6 @@ def gather_layer(tree: PyTree) -> PyTree:
     if plan is None:
         raise MeshError(f"gather_layer: {type(tree).__name__} is not a layer stack of the model in this step")
     step.gathered.add(treedef)
-    from zoo.layers.named import named  # here: zoo.layers imports this module
-
     return jax.tree.unflatten(treedef, [named(GATHERED, gather_fsdp, x, d) for x, d in zip(leaves, plan)])
 
 
@@ -154,8 +144,6 @@ def gather_fsdp(x, dims: Sequence[int]):
 
 
 # -- context parallelism ----------------------------------------------------------------------
-
-CONTEXT = "context"
 
 
 def context_order(seq_len: int, n: int) -> np.ndarray:

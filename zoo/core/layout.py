@@ -1,0 +1,249 @@
+"""Where every parameter lives on a mesh, derived from the family's parameter description.
+
+Each dimension letter of a :class:`~zoo.core.params.Param` maps to at most one mesh axis (or a
+few, outermost first) by its family's ``config.axis_rules`` (:class:`zoo.core.protocol.AxisRule`),
+so a new model gets its layout from its legend, not from a recipe. Loading
+(:mod:`zoo.hf`), initialising in place (:func:`init_arrays`), placing (:mod:`zoo.parallel`) and
+the planner all read the layout from here: the specs, the sizes a mesh pads letters to, and
+the checks that a mesh can split a model at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size
+from zoo.core.params import flatten, map_params
+from zoo.core.registry import family_of, is_model
+from zoo.errors import MeshError
+
+
+def rules_of(obj: Any) -> Mapping[str, Any]:
+    """The dimension-letter layout rules of a model's or config's family."""
+    config = getattr(obj, "config", obj)
+    return type(config).axis_rules
+
+
+def _mesh_axis(param, letter: str, rules: Mapping[str, Any]) -> tuple[str, ...]:
+    rule = rules.get(letter)
+    if rule is None or (rule.stored_apart_only and letter not in param.stacked):
+        return ()
+    return axis_names(rule.mesh_axis)
+
+
+def param_axes(param, mesh: AnyMesh | None = None, *, rules: Mapping[str, Any]
+               ) -> tuple[str | tuple[str, ...] | None, ...]:  # fmt: skip
+    """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole), or
+    its axes (``("pipeline", "fsdp")``: a rule that splits its letter over several), by the
+    family's ``rules`` (``config.axis_rules``). The first letter of the parameter's axes that
+    maps to a mesh axis gets it; each mesh axis splits at most one of its dimensions.
+
+    With a ``mesh``, axes of size 1 are left out: nothing is split over them, and the step's
+    type checks then need no collective over them.
+    """
+    out: list[str | tuple[str, ...] | None] = []
+    used: set[str] = set()
+    for letter in param.names:
+        axes = tuple(a for a in _mesh_axis(param, letter, rules)
+                     if a not in used and (mesh is None or axis_size(mesh, a) > 1))  # fmt: skip
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return tuple(out)
+
+
+def is_layer_stack(param) -> bool:
+    """Scanned layer stacks lead with a stacked layer letter (``L``, ``Ld``, ``Lm``)."""
+    names = param.names
+    return bool(names) and names[0].startswith("L") and names[0] in param.stacked
+
+
+def model_specs(model) -> dict[str, Any]:
+    return family_of(model).param_specs(model.config)
+
+
+def spec_tree(model, mesh: AnyMesh):
+    specs, rules = model_specs(model), rules_of(model)
+
+    def leaf(path: str, x):
+        if path not in specs:
+            raise KeyError(f"{type(model).__name__}: array {path!r} has no Param description")
+        return PartitionSpec(*param_axes(specs[path], mesh, rules=rules))
+
+    return map_params(leaf, model)
+
+
+def partition_specs(model: PyTree, mesh: AnyMesh) -> PyTree[PartitionSpec]:
+    """A ``PartitionSpec`` per array leaf, derived from the model's ``Param`` axes.
+
+    ``model`` may also be any tree holding models (an optimizer state's ``mu``/``nu`` are
+    models with the same leaves), or their ``jax.eval_shape``; arrays outside a model are
+    replicated (``P()``).
+    """
+
+    def sub(x):
+        if is_model(x):
+            return spec_tree(x, mesh)
+        return PartitionSpec() if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) else x
+
+    return jax.tree.map(sub, model, is_leaf=is_model)
+
+
+def param_shardings(config: Any, mesh: Mesh, *, memory_kind: str | None = None) -> dict[str, NamedSharding]:
+    """The ``NamedSharding`` of every parameter of ``config``'s family, by path, from its
+    description: what :func:`shard` would give the whole model, for arrays made in place."""
+    rules = rules_of(config)
+    specs = family_of(config).param_specs(config)
+    return {
+        path: NamedSharding(mesh, PartitionSpec(*param_axes(p, mesh, rules=rules)), memory_kind=memory_kind)
+        for path, p in specs.items()
+    }
+
+
+def _splits(config: Any, mesh: AnyMesh) -> dict[tuple[str, str | tuple[str, ...]], str]:
+    """``(letter, mesh axis) -> first parameter split so``, for every split of ``config``'s layout."""
+    rules = rules_of(config)
+    split: dict[tuple[str, str], str] = {}
+    for path, p in family_of(config).param_specs(config).items():
+        for letter, axis in zip(p.names, param_axes(p, mesh, rules=rules)):
+            if axis is not None:
+                split.setdefault((letter, axis), path)
+    return split
+
+
+def layout_sizes(config: Any, mesh: AnyMesh | None) -> dict[str, int]:
+    """The size of every dimension letter as laid out on ``mesh``: ``config.sizes``, except that
+    a letter whose rule pads (:class:`zoo.causal_lm.AxisRule` ``pad``) and that a mesh axis does
+    not divide is rounded up to the axis's next multiple. Arrays made, loaded or placed on the
+    mesh have these sizes; the entries beyond ``config.sizes`` are zeros that stay zeros."""
+    config = getattr(config, "config", config)
+    sizes = dict(config.sizes)
+    if mesh is None:
+        return sizes
+    rules = rules_of(config)
+    for letter, axis in _splits(config, mesh):
+        n = axis_size(mesh, axis)
+        if rules[letter].pad and sizes[letter] % n:
+            sizes[letter] = -(-sizes[letter] // n) * n
+    return sizes
+
+
+def is_padded(config: Any, mesh: AnyMesh | None) -> bool:
+    """Whether :func:`layout_sizes` pads any dimension of ``config`` on ``mesh``."""
+    config = getattr(config, "config", config)
+    return layout_sizes(config, mesh) != dict(config.sizes)
+
+
+def _resize(x: Any, shape: tuple[int, ...]) -> Any:
+    """``x`` cut or zero-padded at the end of each axis to ``shape`` (a shape struct: its shape)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=getattr(x, "sharding", None))
+    x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, shape))]
+    return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, shape)]) if x.shape != shape else x
+
+
+def _resized(model_or_tree: PyTree, sizes_of: Callable[[Any], Mapping[str, int]]) -> PyTree:
+    def sub(m):
+        if not is_model(m):
+            return m
+        specs, sizes = model_specs(m), sizes_of(m)
+        return map_params(lambda path, x: _resize(x, specs[path].shape(sizes)), m)
+
+    return jax.tree.map(sub, model_or_tree, is_leaf=is_model)
+
+
+def pad(model_or_tree: PyTree, mesh: AnyMesh | None) -> PyTree:
+    """Every model in the tree with its arrays at :func:`layout_sizes` (zeros appended where a
+    mesh axis does not divide a padded letter); a model already so is returned as it is."""
+    def sizes(m):
+        if mesh is not None:
+            validate_mesh(mesh, m.config)
+        return layout_sizes(m.config, mesh)
+
+    return _resized(model_or_tree, sizes)
+
+
+def unpad(model_or_tree: PyTree) -> PyTree:
+    """Every model in the tree with its arrays at its config's own sizes (padding cut off): what
+    one device, ``save_pretrained`` and ``transformers`` see."""
+    return _resized(model_or_tree, lambda m: m.config.sizes)
+
+
+def _would_work(size: int, axis: str, mesh: AnyMesh) -> str:
+    devices = math.prod(int(n) for n in mesh.shape.values())
+    divisors = [d for d in range(1, min(size, devices) + 1) if size % d == 0]
+    return f"{axis}={' or '.join(map(str, divisors))} would work"
+
+
+def validate_mesh(mesh: AnyMesh, config: Any) -> None:
+    """Every dimension a mesh axis splits must divide evenly or be padded, and every axis must
+    split something.
+
+    A letter whose rule pads (the vocabulary, MLP hidden units) is laid out padded
+    (:func:`layout_sizes`); any other split that does not divide raises :class:`MeshError`
+    naming the config field, its value, the axis and the sizes that would work. ``config`` may
+    also be a model. Checked up front because an uneven split fails deep inside XLA.
+    """
+    config = getattr(config, "config", config)
+    rules = rules_of(config)
+    sizes = config.sizes
+    name = type(config).__name__
+    for axis in AXES:
+        if axis not in mesh.shape:
+            raise MeshError(
+                f"mesh has no axis {axis!r}; build it with zoo.parallel.make_mesh (axes: {', '.join(AXES)})"
+            )
+    split = _splits(config, mesh)
+    order = list(rules)
+    for (letter, axis), path in sorted(split.items(), key=lambda kv: order.index(kv[0][0])):
+        n = axis_size(mesh, axis)
+        if sizes[letter] % n and not rules[letter].pad:
+            field = rules[letter].field
+            raise MeshError(
+                f"{name}.{field} = {sizes[letter]} is not divisible by mesh axis {axis!r} of size {n} "
+                f"(it splits dimension {letter} of {path}; {_would_work(sizes[letter], axis, mesh)}; "
+                f"{letter} is not padded: that would change the model's function)"
+            )
+    used = {a for _, axis in split for a in axis_names(axis)}
+    for axis in ("tensor", "expert", PIPELINE):
+        if axis_size(mesh, axis) > 1 and axis not in used:
+            what = {"expert": "experts", "tensor": "heads or hidden units", PIPELINE: "layer stack"}[axis]
+            raise MeshError(
+                f"mesh axis {axis!r} has size {axis_size(mesh, axis)} but {name} has no {what} to split over it; "
+                "every device on it would repeat the same work (use data or fsdp instead)"
+            )
+
+
+def check_padded(model, mesh: AnyMesh) -> None:
+    """The model's arrays must have the mesh's layout sizes (:func:`pad`, which :func:`shard`
+    applies): an unpadded embedding cannot be split, and the error names the array."""
+    specs, sizes = model_specs(model), layout_sizes(model.config, mesh)
+    for path, x in flatten(model).items():
+        want = specs[path].shape(sizes)
+        if tuple(x.shape) != want:
+            raise MeshError(
+                f"{type(model).__name__}.{path} has shape {tuple(x.shape)}, but on this mesh it is laid out as {want} "
+                "(padded where the mesh does not divide it): place the model with zoo.parallel.shard(model, mesh)"
+            )
+
+
+def init_arrays(init: Callable[..., Mapping[str, Array]], key: PRNGKeyArray, config: object,
+                mesh: object = None) -> dict[str, Array]:  # fmt: skip
+    """A family's fresh parameters, ``init(key, shardings, padded)``; with a ``mesh``, every
+    array made in place with the sharding :func:`param_shardings` gives it and the
+    sizes :func:`layout_sizes` gives its letters: each device computes only its
+    shard, with the values of the unsharded init (and zeros in padding)."""
+    if mesh is None:
+        return dict(init(key, None, None))
+    validate_mesh(mesh, config)
+    return dict(init(key, param_shardings(config, mesh), layout_sizes(config, mesh)))
+

@@ -1,0 +1,259 @@
+"""Pipeline parallelism: a layer stack split into stages over the ``"pipeline"`` mesh axis.
+
+Inside :func:`zoo.parallel.value_and_grad`'s ``shard_map`` each device of the ``pipeline`` axis
+holds one contiguous block of a pipelined stack's layers (the stacked ``L`` axis split over it,
+padded to a multiple of the stage count with zero layers that are skipped). The step's rows are
+not split over ``pipeline``: every stage sees the same rows, cuts them into ``M`` micro-batches,
+and the micro-batches flow through the stages on a GPipe schedule: at tick ``t`` stage ``s``
+runs its layers on micro-batch ``t - s`` and hands the result to stage ``s + 1`` with
+``ppermute``; ``M + P - 1`` ticks fill and drain the ``P`` stages, a bubble of
+``(P - 1) / (M + P - 1)`` of the step. The last stage's outputs are then broadcast to every
+stage (a ``psum`` of one non-zero term), so what follows the stack (final norm, head, loss)
+runs as without pipelining. Per-layer outputs (router statistics: expert load, balance
+losses) are combined over the micro-batches per stage and placed over the stages the same way
+(:func:`pipelined_scan`'s ``combine``). Autodiff gives the backward schedule: the transpose of each
+``ppermute`` sends gradients one stage back, ticks in reverse.
+
+Each stage's layers run under ``jax.lax.scan`` with the placement map's policy, as without
+pipelining, so every in-flight micro-batch's named tensors are kept, recomputed or offloaded
+as the map says; the backward pass finds all ``M`` micro-batches' saved tensors (GPipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, PyTree, Shaped
+
+from zoo.core.mesh import PIPELINE
+from zoo.errors import MeshError
+from zoo.hooks.step import PipelineSplit, varying_axes
+
+
+def bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The schedule's idle fraction: ``(P - 1) / (V·M + P - 1)`` (GPipe: ``V = 1``)."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def stage_order(layers: int, stages: int, virtual: int) -> Int[np.ndarray, " L"]:
+    """For a stack of ``layers`` (padded: ``stages · virtual`` divides it) in stage order, the
+    layer at each stored position: device ``s`` holds its ``virtual`` chunks of ``c`` layers,
+    chunk ``v`` being layers ``(v·P + s)·c ..``; stored position ``s·V·c + v·c + j`` holds
+    layer ``(v·P + s)·c + j``. ``virtual=1`` is the identity (contiguous stages)."""
+    if layers % (stages * virtual):
+        raise MeshError(f"pipeline: {stages} stages x {virtual} virtual stages do not divide {layers} layers")
+    c = layers // (stages * virtual)
+    r = np.arange(layers)
+    s, v, j = r // (virtual * c), r % (virtual * c) // c, r % c
+    return (v * stages + s) * c + j
+
+
+def _schedule(stages: int, microbatches: int, virtual: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each stage's work, in the order it does it (item ``i`` at tick ``stage + i``): the
+    micro-batch and the chunk of item ``i``. Micro-batches go round the ring in groups of
+    ``P``: group ``g``'s chunk ``v`` of micro-batch ``g·P + r`` is item ``g·V·P + v·P + r``, so
+    the last stage finishes chunk ``v`` of a micro-batch the tick before the first stage starts
+    its chunk ``v + 1``. With ``V = 1``, item ``i`` is micro-batch ``i``."""
+    i = np.arange(microbatches * virtual)
+    g, rem = i // (virtual * stages), i % (virtual * stages)
+    return g * stages + rem % stages, rem // stages
+
+
+def _split_rows(tree: PyTree, m: int, rows: int, what: str) -> PyTree:
+    def cut(x):
+        if x.ndim == 0 or x.shape[0] != rows:
+            raise MeshError(
+                f"pipeline: every {what} array must lead with the {rows} rows of the residual stream, "
+                f"got shape {tuple(x.shape)} (a sum over the rows goes out as a per-layer output with combine='sum', not in the carry)"
+            )
+        return x.reshape(m, rows // m, *x.shape[1:])
+
+    return jax.tree.map(cut, tree)
+
+
+def _typed_like(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+COMBINE = ("sum", "mean", "rows")
+
+
+def _combine_kinds(combine: PyTree, outs: PyTree) -> PyTree:
+    """Per leaf of the per-layer outputs, how its micro-batches' values combine: ``combine``
+    broadcast over ``outs`` (a prefix of it), or by dtype where ``None``: integer leaves
+    (counts) summed, floating leaves (means over equal-size micro-batches) averaged."""
+    if combine is None:
+        return jax.tree.map(lambda x: "sum" if jnp.issubdtype(x.dtype, jnp.integer) else "mean", outs)
+
+    def spread(kind, sub):
+        if kind not in COMBINE:
+            raise MeshError(f"pipeline: combine must name one of {COMBINE} per output, got {kind!r}")
+        return jax.tree.map(lambda _: kind, sub)
+
+    return jax.tree.map(spread, combine, outs)
+
+
+def pipelined_scan(
+    layer_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+    carry: PyTree,
+    stacked: PyTree,
+    rows: PyTree,
+    split: PipelineSplit,
+    n_layers: int,
+    combine: PyTree = None,
+    pick: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None,
+) -> tuple[PyTree, PyTree]:
+    """``layer_fn(carry, layer, rows) -> (carry, out)`` over every layer of a pipelined stack,
+    this device holding ``stacked``'s block of it; returns the whole stack's output carry and
+    its per-layer outputs stacked over the ``n_layers`` real layers, both on every stage, as
+    ``jax.lax.scan`` over the whole stack on one device would.
+
+    ``carry`` (the residual stream) and ``rows`` (per-row inputs: RoPE tables, segment ids) lead
+    with the device's rows, which ``split.microbatches`` must divide. (A quantity summed over
+    the rows is a per-layer output with ``combine="sum"``, not a carry.) Each per-layer output
+    is combined over the micro-batches as ``combine`` says, per leaf (a prefix of ``out``):
+    ``"sum"`` (counts, sums over rows), ``"mean"`` (means over the rows: exact, the micro-batches
+    are equal in size), ``"rows"`` (the leaf leads with the micro-batch's rows: concatenated
+    back); ``None``: integer leaves summed, floating leaves averaged. Padding layers' outputs
+    are zeros and cut off.
+
+    With ``split.virtual = V > 1`` (the interleaved schedule) ``stacked`` is this stage's block
+    of a stack in :func:`stage_order`, ``V`` chunks, and the micro-batches go round the ring of
+    stages ``V`` times (``split.microbatches`` a multiple of the stages). ``pick(carry, (block,
+    index), rows)`` is ``layer_fn`` on layer ``index`` of ``block``, picked where its
+    checkpoint redoes the pick in the backward pass (:func:`zoo.layers.stack.scan_layers`):
+    a chunk sliced out at each tick would be saved once per tick."""
+    stages, m, virtual = split.stages, split.microbatches, split.virtual
+    leaves = jax.tree.leaves(carry)
+    if not leaves:
+        raise MeshError("pipeline: a pipelined stack needs a carry (the residual stream)")
+    n_rows = leaves[0].shape[0]
+    if n_rows % m:
+        raise MeshError(
+            f"pipeline: microbatches={m} must divide each device's {n_rows} rows (the batch over its batch axes)"
+        )
+    per_stage = jax.tree.leaves(stacked)[0].shape[0]
+    if virtual > 1 and (m % stages or per_stage % virtual):
+        raise MeshError(
+            f"pipeline: the interleaved schedule (virtual_stages={virtual}) needs microbatches ({m}) a multiple of "
+            f"the {stages} stages and virtual_stages to divide each stage's {per_stage} layers"
+        )
+    chunk = per_stage // virtual
+    stage = jax.lax.axis_index(PIPELINE)
+    micro = _split_rows(carry, m, n_rows, "carry")
+    micro_rows = _split_rows(rows, m, n_rows, "row input")
+    item_batch, item_chunk = (jnp.asarray(a, jnp.int32) for a in _schedule(stages, m, virtual))
+
+    def chunk_layers(c, r, v):
+        """This stage's chunk ``v`` on one micro-batch; padding layers (past ``n_layers``) skipped."""
+
+        def one(c, layer_j):
+            layer, j = layer_j
+            if virtual == 1:
+                new, out = layer_fn(c, layer, r)
+            elif pick is not None:
+                new, out = pick(c, (stacked, v * chunk + j), r)
+            else:
+                layer = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v * chunk + j, keepdims=False), stacked)
+                new, out = layer_fn(c, layer, r)
+            real = (v * stages + stage) * chunk + j < n_layers
+            return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
+
+        return jax.lax.scan(one, c, (stacked if virtual == 1 else None, jnp.arange(chunk)))
+
+    # The hand-over buffer and the last stage's outputs vary over the pipeline axis (ppermute
+    # and the stage index make them differ) as well as over whatever the rows vary over.
+    kinds = jax.tree.map(lambda x: varying_axes(x) | {PIPELINE}, micro)
+    # The micro-batches, read by the first stage at every tick, typed as varying over the
+    # stages here, once: the transpose of that cast (a psum of their gradient over the stages)
+    # then runs once after the loop, not on every tick's whole [M, ...] gradient inside it.
+    micro = jax.tree.map(_typed_like, micro, kinds)
+    first = jax.tree.map(lambda x, k: _typed_like(jnp.zeros_like(x[0]), k), micro, kinds)
+    outputs = jax.tree.map(lambda x, k: _typed_like(jnp.zeros_like(x), k), micro, kinds)
+    # Forward to the next stage; interleaved, the last stage's output goes round to the first.
+    ring = [(i, (i + 1) % stages) for i in range(stages if virtual > 1 else stages - 1)]
+
+    def tick(state, t):
+        received, outputs = state
+        i = t - stage  # the item this stage works on at tick t
+        active = (i >= 0) & (i < m * virtual)
+        i = jnp.clip(i, 0, m * virtual - 1)
+        mb, v = item_batch[i], item_chunk[i]
+        fed = jax.tree.map(lambda x: x[mb], micro)
+        inputs = jax.tree.map(lambda a, b: jnp.where((stage == 0) & (v == 0), a, b), fed, received)
+        y, outs = chunk_layers(inputs, jax.tree.map(lambda x: x[mb], micro_rows), v)
+        keep = active & (stage == stages - 1) & (v == virtual - 1)
+        outputs = jax.tree.map(
+            lambda o, new: jax.lax.dynamic_update_index_in_dim(o, jnp.where(keep, new, o[mb]), mb, 0), outputs, y
+        )
+        sent = jax.tree.map(lambda x: jax.lax.ppermute(x, PIPELINE, ring), y)
+        return (sent, outputs), outs
+
+    (_, outputs), per_tick = jax.lax.scan(tick, (first, outputs), jnp.arange(m * virtual + stages - 1))
+    last = stage == stages - 1
+    whole = jax.tree.map(lambda o: jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), PIPELINE), outputs)
+    carry_out = jax.tree.map(lambda o: o.reshape(n_rows, *o.shape[2:]), whole)
+    return carry_out, _gather_outputs(per_tick, _combine_kinds(combine, per_tick), stage, split, chunk, n_layers)
+
+
+def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit, chunk: int, n_layers: int):
+    """The per-layer outputs of every stage's layers, ``[n_layers, ...]`` on every stage (in
+    layer order), from this stage's per-tick outputs ``[ticks, chunk, ...]``: stage ``s`` did
+    item ``i`` (:func:`_schedule`) at tick ``s + i``; padding layers' outputs zeroed and cut off."""
+    stages, m, virtual = split.stages, split.microbatches, split.virtual
+    item_batch, item_chunk = _schedule(stages, m, virtual)
+    by_chunk = np.zeros((virtual, m), np.int64)  # [v, micro-batch] -> item
+    by_chunk[item_chunk, item_batch] = np.arange(m * virtual)
+    layer = (np.arange(virtual)[:, None] * stages + stage) * chunk + np.arange(chunk)[None, :]  # [V, chunk]
+    real = layer < n_layers
+    mine = jnp.arange(stages) == stage
+
+    def one(y, kind):
+        y = jax.lax.dynamic_slice_in_dim(y, stage, m * virtual, axis=0)[by_chunk]  # [V, M, chunk, ...]
+        if kind == "sum":
+            y = jnp.sum(y, axis=1)
+        elif kind == "mean":
+            y = jnp.mean(y, axis=1)
+        else:  # [V, M, chunk, rows/M, ...] -> [V, chunk, rows, ...]
+            y = jnp.moveaxis(y, 1, 2)
+            y = y.reshape(virtual, chunk, -1, *y.shape[4:])
+        y = jnp.where(real.reshape(virtual, chunk, *(1,) * (y.ndim - 2)), y, jnp.zeros_like(y))
+        # Each stage's chunks in their places ([V, P, chunk]: layer order), the others zeros; a
+        # psum (not an all-gather) so the result is typed the same on every stage, as what
+        # follows the stack must be.
+        full = jnp.where(mine.reshape(1, -1, *(1,) * (y.ndim - 1)), y[:, None], jnp.zeros_like(y)[:, None])
+        full = jax.lax.psum(full.reshape(virtual * stages * chunk, *y.shape[2:]), PIPELINE)
+        return full[:n_layers]
+
+    return jax.tree.map(one, per_tick, kinds)
+
+
+_LAYOUT: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("zoo_stage_order", default=(1, 1))
+
+
+@contextlib.contextmanager
+def stacks_in_stage_order(stages: int, virtual: int) -> Iterator[None]:
+    """Code that updates a placed model's pipelined stacks from per-layer values (a family's
+    ``after_step``) runs under this where the stacks are in :func:`stage_order` (``zoo.train``
+    with ``virtual_stages``): :func:`per_layer_to_stored` then lays the values out as they are."""
+    token = _LAYOUT.set((stages, virtual))
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def per_layer_to_stored(values: Shaped[Array, "n *rest"], length: int) -> Shaped[Array, "L *rest"]:
+    """Per-layer values ``[n, ...]`` in layer order (a pipelined step's per-layer outputs) laid
+    out like a stored stack of ``length`` layers: zeros for its padding layers, and in stage
+    order under :func:`stacks_in_stage_order`."""
+    values = jnp.pad(values, [(0, length - values.shape[0])] + [(0, 0)] * (values.ndim - 1))
+    stages, virtual = _LAYOUT.get()
+    return values if virtual == 1 else values[stage_order(length, stages, virtual)]

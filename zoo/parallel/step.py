@@ -1,0 +1,274 @@
+"""The training step under ``jax.shard_map``: one program for pipeline, data, FSDP, context,
+tensor and expert parallelism.
+
+The step (:func:`value_and_grad`) runs the unchanged model code under ``jax.shard_map`` with
+explicit collectives. The model code calls the trace-time hooks of :mod:`zoo.hooks` (and
+:func:`zoo.layers.moe.routed_experts` for expert parallelism), which are the identity outside
+the step. Gradients need no hand-written collective: ``shard_map`` tracks which values vary
+across which mesh axes, so the transpose of the FSDP all-gather is a reduce-scatter, and a
+parameter replicated over the batch axes gets its gradient summed over them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+from jaxtyping import PyTree
+
+from zoo.core.layout import check_padded, is_layer_stack, model_specs, param_axes, rules_of, spec_tree, validate_mesh
+from zoo.core.mesh import BATCH_AXES, CONTEXT, PIPELINE, AnyMesh, axis_names, axis_size, check_axis
+from zoo.core.params import map_params
+from zoo.core.protocol import VOCAB
+from zoo.errors import MeshError
+from zoo.hooks.step import (
+    PipelineSplit,
+    VocabSplit,
+    context_order,
+    gather_fsdp,
+    step_context,
+    varying_axes,
+    varying_over,
+)
+
+
+def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
+    """Per layer stack (keyed by its tree structure), the dims each leaf of one layer is
+    all-gathered on; and per model leaf, the dims a non-layer leaf is gathered on at the
+    start of the step (none for layer-stack leaves: they are gathered layer by layer)."""
+
+    specs, rules = model_specs(model), rules_of(model)
+    stacks: dict[str, bool] = {}
+    for path, p in specs.items():
+        root = path.split(".")[0]
+        stacks[root] = stacks.get(root, True) and is_layer_stack(p)
+
+    vocab = vocab_split_of(model, mesh) is not None
+
+    def dims(path: str, drop: int) -> tuple[int, ...]:
+        p = specs[path]
+        axes = param_axes(p, mesh, rules=rules)
+        # The embedding and head split on the vocabulary stay split: zoo.vocab_parallel streams them.
+        return tuple(i - drop for i, a in enumerate(axes)
+                     if "fsdp" in axis_names(a) and not (vocab and p.names[i] == VOCAB))  # fmt: skip
+
+    plans = {}
+    for root, is_stack in stacks.items():
+        sub = getattr(model, root, None)
+        if is_stack and sub is not None:
+            plan = map_params(lambda path, x, root=root: dims(f"{root}.{path}", 1), sub)
+            plans[jax.tree.structure(sub)] = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
+    rest = map_params(lambda path, x: () if stacks[path.split(".")[0]] else dims(path, 0), model)
+    return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
+
+
+def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_stages: int = 1) -> PipelineSplit | None:
+    """How the step pipelines ``model``'s layer stacks on ``mesh`` (``None`` without a
+    ``pipeline`` axis): every stack whose layer letter the family maps to ``pipeline``, with its
+    real layer count, and ``microbatches`` (default: one per stage, the fewest that fill it;
+    with ``virtual_stages``, the stacks in :func:`zoo.pipeline.stage_order`)."""
+    stages = axis_size(mesh, PIPELINE)
+    if stages == 1:
+        return None
+    specs, rules = model_specs(model), rules_of(model)
+    sizes = model.config.sizes
+    layers = {}
+    for root in dict.fromkeys(path.split(".")[0] for path, p in specs.items() if is_layer_stack(p)):
+        sub = getattr(model, root, None)
+        stack = [p for path, p in specs.items() if path.split(".")[0] == root]
+        if sub is not None and all(param_axes(p, mesh, rules=rules)[0] == PIPELINE for p in stack):
+            layers[jax.tree.structure(sub)] = sizes[stack[0].names[0]]
+    m = stages if microbatches is None else microbatches
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise MeshError(f"value_and_grad: microbatches must be a positive integer, got {microbatches!r}")
+    v = virtual_stages
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise MeshError(f"value_and_grad: virtual_stages must be a positive integer, got {virtual_stages!r}")
+    return PipelineSplit(stages, m, layers, v)
+
+
+def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
+    """How the step splits ``model``'s vocabulary on ``mesh``, where the embedding and head are
+    streamed instead of gathered whole (:mod:`zoo.vocab_parallel`): over ``fsdp`` and over the
+    ``pipeline`` stages, those of the two that split the ``V`` of every parameter that has one;
+    ``None`` where neither does (a vocabulary kept whole)."""
+    specs, rules = model_specs(model), rules_of(model)
+    found = {param_axes(p, mesh, rules=rules)[p.names.index(VOCAB)] for p in specs.values() if VOCAB in p.names}
+    if len(found) != 1:
+        return None
+    axes = axis_names(found.pop())
+    if not axes or not set(axes) <= {PIPELINE, "fsdp"} or axes[0] != PIPELINE and len(axes) > 1:
+        return None
+    return VocabSplit("fsdp" if "fsdp" in axes else None, axis_size(mesh, "fsdp") if "fsdp" in axes else 1,
+                      model.config.vocab_size, PIPELINE if PIPELINE in axes else None, axis_size(mesh, PIPELINE))
+
+
+def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: AnyMesh, axes: tuple[str, ...]) -> None:
+    n = math.prod(axis_size(mesh, a) for a in axes)
+    context = axis_size(mesh, CONTEXT)
+    named = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
+    for key, arg in named:
+        what = f"batch argument {key}" if isinstance(key, int) else f"keyword argument {key}="
+        for leaf in jax.tree.leaves(arg):
+            if not hasattr(leaf, "shape") or not leaf.shape:
+                raise MeshError(f"{what}: the step splits arrays on their leading axis; got {leaf!r}")
+            if leaf.shape[0] % n:
+                raise MeshError(
+                    f"{what}: leading size {leaf.shape[0]} is not divisible by "
+                    f"{' x '.join(f'{a}={axis_size(mesh, a)}' for a in axes)} = {n}"
+                )
+            if context > 1 and (leaf.ndim < 2 or leaf.shape[1] % (2 * context)):
+                raise MeshError(
+                    f"{what}: context={context} splits the sequence (axis 1) into {2 * context} equal chunks; "
+                    f"got shape {tuple(leaf.shape)}"
+                )
+
+
+def _trainable_mask(model) -> PyTree:
+
+    specs = model_specs(model)
+    return map_params(lambda path, x: specs[path].trainable, model)
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    mesh: AnyMesh,
+    *,
+    has_aux: bool = False,
+    batch_axes: Sequence[str] = BATCH_AXES,
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
+) -> Callable[..., Any]:
+    """``f(model, *batch, **static) -> (loss[, aux]), grads`` computed under ``jax.shard_map``.
+
+    Each batch argument is split on its leading axis over ``batch_axes`` (default ``data``,
+    ``fsdp`` and ``expert``: the MoE layers move tokens to their experts by all-to-all; without
+    ``"expert"`` the expert group shares its tokens and repeats the non-expert work on them,
+    and the MoE layers combine by ``psum``). Parameters arrive with
+    their :func:`partition_specs` layout and the gradients leave with it. A loss already
+    reduced over the devices (``zoo.lm_loss`` sums its terms and count with
+    :func:`zoo.hooks.global_sum`: the exact mean over every counted prediction) is kept; what
+    still varies over the batch axes is averaged (``pmean``). ``aux``
+    leaves are reduced over the batch axes too: integer leaves (counts such as
+    ``expert_load``) summed, floating leaves averaged. Parameters with ``trainable=False``
+    (the router bias) get zero gradients. Keyword arguments are passed to ``loss_fn``: arrays
+    (``positions=``, ``segment_ids=``, ``loss_mask=``) split like the batch, anything else (``placement=``)
+    as a static value. The returned function is jitted with ``eqx.filter_jit``.
+
+    With a ``pipeline`` axis the layer stacks run as stages on it (:mod:`zoo.pipeline`): each
+    device's rows are cut into ``microbatches`` micro-batches (default: the stage count) that
+    flow through the stages; the rows are not split over ``pipeline``. ``virtual_stages=V``:
+    the interleaved schedule, each stage's layers in ``V`` chunks that the micro-batches visit
+    in ``V`` rounds of the stages (bubble ``(P-1)/(V·M+P-1)``); the model's pipelined stacks
+    must then be in stage order (:func:`zoo.pipeline.to_stage_order`, which ``zoo.train`` applies).
+    """
+    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=True)
+
+
+def value(
+    loss_fn: Callable[..., Any],
+    mesh: AnyMesh,
+    *,
+    has_aux: bool = False,
+    batch_axes: Sequence[str] = BATCH_AXES,
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
+) -> Callable[..., Any]:
+    """``f(model, *batch, **static) -> loss[, aux]``: :func:`value_and_grad` without the
+    gradient (an evaluation), the model laid out and run as in the training step: layers
+    gathered over ``fsdp`` one at a time, the vocabulary streamed, the stages pipelined. (A
+    plain ``jax.jit`` of the loss on the placed model leaves the layout to XLA, which gathers
+    a layer stack split over ``pipeline`` whole on every device.)"""
+    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=False)
+
+
+def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_axes: Sequence[str],
+             microbatches: int | None, virtual_stages: int, *, differentiate: bool) -> Callable[..., Any]:  # fmt: skip
+    batch_axes = tuple(batch_axes)
+    for a in batch_axes:
+        check_axis(a, "value_and_grad batch_axes")
+    if "tensor" in batch_axes:
+        raise MeshError("value_and_grad: 'tensor' cannot split the batch: its devices share tokens and split heads")
+
+    @eqx.filter_jit
+    def step(model, *batch, **kwargs):
+        validate_mesh(mesh, model.config)
+        check_padded(model, mesh)
+        axes = tuple(a for a in batch_axes if axis_size(mesh, a) > 1)
+        # Array keyword arguments (positions=, segment_ids=) are split like the batch.
+        arrays = {k: v for k, v in kwargs.items() if any(isinstance(x, jax.Array) for x in jax.tree.leaves(v))}
+        static = {k: v for k, v in kwargs.items() if k not in arrays}
+        _check_batch(batch, mesh, axes)
+        _check_batch(arrays, mesh, axes)
+        specs = spec_tree(model, mesh)
+        plans, rest = _layer_plans(model, mesh)
+        trainable = _trainable_mask(model)
+        bspec = PartitionSpec(axes if axes else None)
+        if (context := axis_size(mesh, CONTEXT)) > 1:
+            # Each device gets two of the sequence's 2N chunks (i and 2N-1-i): equal causal work.
+            bspec = PartitionSpec(axes if axes else None, CONTEXT)
+            order = context_order(jax.tree.leaves((batch, arrays))[0].shape[1], context)
+            batch, arrays = jax.tree.map(lambda x: jnp.take(x, order, axis=1), (batch, arrays))
+
+        vary = tuple(dict.fromkeys(a for a in (*axes, CONTEXT) if axis_size(mesh, a) > 1))
+        split = vocab_split_of(model, mesh)
+        pipelined = pipeline_split_of(model, mesh, microbatches, virtual_stages)
+
+        def body(params, local_arrays, *local_batch):
+            with step_context(mesh, plans, split, pipelined) as ctx:
+
+                def objective(p):
+                    leaves, treedef = jax.tree.flatten(p)
+                    # Each parameter is cast to varying over the batch axes once, here: its
+                    # gradient is then all-reduced once, as the sum of its uses' (a tied
+                    # embedding's lookup and head were two all-reduces of a [V, D] buffer).
+                    leaves = [varying_over(gather_fsdp(x, d), vary) for x, d in zip(leaves, rest)]
+                    p = jax.tree.unflatten(treedef, leaves)
+                    out = loss_fn(p, *local_batch, **static, **local_arrays)
+                    loss, aux = out if has_aux else (out, None)
+                    stray = varying_axes(loss) - set(axes)
+                    if stray:
+                        raise MeshError(
+                            f"the loss still varies over mesh axes {sorted(stray)}: the model code misses "
+                            "a zoo.hooks hook (tensor_psum / zoo.layers.moe.routed_experts)"
+                        )
+                    over = tuple(a for a in axes if a in varying_axes(loss))
+                    return (jax.lax.pmean(loss, over) if over else loss), aux
+
+                if differentiate:
+                    (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
+                else:
+                    (loss, aux), grads = objective(params), None
+                missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
+                if missing and axis_size(mesh, "fsdp") > 1:
+                    raise MeshError("the model's forward never called zoo.hooks.gather_layer on a layer stack")
+            aux = jax.tree.map(lambda a: _reduce_aux(a, (*axes, CONTEXT)), aux)
+            out = (loss, aux) if has_aux else loss
+            if not differentiate:
+                return out
+            return out, jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
+
+        in_specs = (specs, jax.tree.map(lambda _: bspec, arrays), *(jax.tree.map(lambda _: bspec, b) for b in batch))
+        value_spec = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
+        out_specs = (value_spec, specs) if differentiate else value_spec
+        fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+        return fn(model, arrays, *batch)
+
+    return step
+
+
+def _reduce_aux(a, axes: tuple[str, ...]):
+    if not isinstance(a, jax.Array):
+        return a
+    over = tuple(x for x in axes if x in varying_axes(a))
+    if not over:
+        return a
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return jax.lax.psum(a, over)
+    return jax.lax.pmean(a, over)
+
