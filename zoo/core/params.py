@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+from jax.extend.random import threefry2x32_p
 from jaxtyping import Array, Float32, Key, PRNGKeyArray, UInt32
 
 Init = Literal["normal", "ones", "zeros"]
@@ -128,8 +129,6 @@ def _normal_at(data: UInt32[Array, "2"], index: UInt32[Array, "*S"]) -> Float32[
     element, for the key with raw ``data``: JAX's partitionable threefry (each element's bits
     are the hash of its own index), then JAX's uniform-to-normal transform, so any block of a
     draw can be made alone with the values of the whole."""
-    from jax.extend.random import threefry2x32_p
-
     b1, b2 = threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(index), index)
     mantissa = jax.lax.shift_right_logical(b1 ^ b2, jnp.uint32(32 - 23)) | jnp.uint32(0x3F800000)
     floats = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1)

@@ -6,9 +6,11 @@ template, with the loss mask on what the model should learn to write.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -212,8 +214,6 @@ TOKENIZER_FILES = (
 def copy_tokenizer_files(source: str | Path, target: str | Path) -> list[str]:
     """Copy a checkpoint's tokenizer files next to a model saved from it (``save_pretrained``
     writes the model only), so the saved checkpoint tokenizes as the original did."""
-    import shutil
-
     copied = []
     for name in TOKENIZER_FILES:
         if (Path(source) / name).is_file():
@@ -250,8 +250,6 @@ def _compile_template(template: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt):
-        import datetime
-
         return datetime.datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])

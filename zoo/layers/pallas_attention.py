@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from typing import Any
 
 import jax
@@ -239,8 +240,6 @@ BACKENDS = {"splash": "tpu", "pallas_gpu": "gpu"}  # where each kernel is compil
 @functools.cache
 def warn_interpreted(path: str) -> None:
     """Once per path: a kernel forced off its backend runs in Pallas's (slow) interpreter."""
-    import warnings
-
     warnings.warn(
         f"attention {path!r} is a {BACKENDS[path].upper()} kernel; on {jax.default_backend()} it runs in "
         "Pallas's interpreter (correct, slow: for tests)",
