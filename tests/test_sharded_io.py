@@ -5,6 +5,7 @@ benchmarks/sharded_io.py's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -81,6 +82,33 @@ def test_a_fresh_model_is_made_in_place(family, spec):
     config = cls.config_cls.preset("tiny", family)
     mesh = parallel.make_mesh(spec)
     _check_layout(flatten(cls(config, key=jax.random.key(3), mesh=mesh)), mesh, config)
+
+
+# Meshes that pad what they split: layer stacks the stages do not divide (2 Llama layers on 4
+# stages, DeepSeek-V3 small's one dense layer and Qwen3-MoE small's stacks on 2) and an MLP width
+# the tensor axis does not divide (161 hidden units on tensor=2).
+PADDED = [("llama", "tiny", "pipeline=4,fsdp=2", {}), ("llama", "tiny", "tensor=2,fsdp=4", {"intermediate_size": 161}),
+          ("deepseek_v3", "small", "pipeline=2,fsdp=4", {}), ("qwen3_moe", "small", "pipeline=2,expert=4", {})]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, preset, spec, change", PADDED, ids=[f"{f}-{s}" for f, _, s, _ in PADDED])
+def test_a_fresh_model_made_in_place_is_padded_as_a_placed_one(family, preset, spec, change):
+    """Made on a mesh that pads, a fresh model has the layout a model made whole and placed with
+    zoo.parallel.shard has: the same shapes, the same values (within the suite's -O0 rounding of
+    a draw, 1 ulp) and zeros in the padding (it raised IndivisibleError or a scan TypeError)."""
+    cls = zoo.registry.by_model_type(family)
+    config = dataclasses.replace(cls.config_cls.preset(preset, family), **change)
+    mesh = parallel.make_mesh(spec)
+    assert parallel.is_padded(config, mesh)
+    made = flatten(cls(config, key=jax.random.key(3), mesh=mesh))
+    placed = flatten(parallel.pad(cls(config, key=jax.random.key(3)), mesh))
+    _check_layout(made, mesh, config)
+    assert made.keys() == placed.keys()
+    for path, x in made.items():
+        want = np.asarray(placed[path])
+        assert x.shape == want.shape, path
+        np.testing.assert_allclose(np.asarray(x), want, rtol=1e-6, atol=0, err_msg=path)
+        assert np.array_equal(np.asarray(x) == 0, want == 0), path  # the padding: exact zeros, nowhere else
 
 
 def test_a_fresh_model_made_in_place_has_the_unsharded_values():

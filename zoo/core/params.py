@@ -152,11 +152,14 @@ def _slabs(shape: tuple[int, ...], first: int) -> tuple[int, int]:
 
 
 def _draw(data: Array, shape: tuple[int, ...], stacked: bool, offsets: list[Array | int], local: tuple[int, ...],
-          std: float, dtype: jnp.dtype, padded: tuple[int, ...] | None = None) -> Array:  # fmt: skip
+          std: float, dtype: jnp.dtype, padded: tuple[int, ...] | None = None, vary: tuple[str, ...] = ()
+          ) -> Array:  # fmt: skip
     """Elements ``offsets : offsets + local`` of normal(0, std) draws of ``shape``, one per key of
     ``data`` (``[2]``; ``[L, 2]`` with ``stacked``: the first axis indexes the keys), slab by slab
     in a loop: values as the whole draw's, temporaries a few slabs'. ``padded``: the shape laid
-    out, ``shape`` with zeros appended (elements outside ``shape`` are 0)."""
+    out, ``shape`` with zeros appended (elements outside ``shape`` are 0; with ``stacked``, a
+    padding layer past the keys is all zeros). ``vary``: inside ``shard_map``, the mesh axes
+    ``offsets`` come from (the block, and so the loop's carry, differs along them)."""
     first = int(stacked)
     inner = shape[first:]
     padded = shape if padded is None else padded
@@ -180,11 +183,12 @@ def _draw(data: Array, shape: tuple[int, ...], stacked: bool, offsets: list[Arra
         start = [jnp.asarray(c, jnp.int32) for c in coords] + [jnp.int32(0)] * (len(local) - len(coords))
         index = jnp.zeros(slab, jnp.uint32)
         inside = None  # elements within ``shape`` (only where the layout pads)
-        for d in range(first, len(local)):
+        for d in range(len(local)):
             at = jnp.asarray(offsets[d] + start[d], jnp.uint32)
             if slab[d] > 1:
                 at = at + jax.lax.broadcasted_iota(jnp.uint32, slab, d)
-            index = index + at * jnp.uint32(strides[d - first])
+            if d >= first:
+                index = index + at * jnp.uint32(strides[d - first])
             if padded[d] != shape[d]:
                 within = jnp.broadcast_to(at < shape[d], slab)
                 inside = within if inside is None else inside & within
@@ -194,6 +198,8 @@ def _draw(data: Array, shape: tuple[int, ...], stacked: bool, offsets: list[Arra
         return jax.lax.dynamic_update_slice(out, values, start)
 
     out = jnp.zeros(local, dtype)
+    if vary:
+        out = jax.lax.pcast(out, vary, to="varying")
     if math.prod(local) == 0:
         return out
     return one(0, out) if steps == 1 else jax.lax.fori_loop(0, steps, one, out)
@@ -218,14 +224,17 @@ def _zero_pad(x: Array, shape: tuple[int, ...]) -> Array:
 
 @functools.cache
 def _maker(shape: tuple[int, ...], init: str, std: float, dtype: jnp.dtype, impl: str, length: int | None,
-           sharding: jax.sharding.Sharding | None, padded: tuple[int, ...] | None = None) -> Callable:  # fmt: skip
+           sharding: jax.sharding.Sharding | None, padded: tuple[int, ...] | None = None,
+           padded_length: int | None = None) -> Callable:  # fmt: skip
     """One parameter's jitted maker, from its key's raw data (``[length, 2]`` per layer for a
     stack): normal(0, std) draws (``jax.random.normal``'s values for each key) or a constant,
     laid out by ``sharding``, each device making only its own block, a slab at a time. One
     compile per distinct shape and layout, shared by every parameter that has them.
-    ``padded``: the parameter's shape as laid out, zeros after ``shape``'s values."""
+    ``padded``: the parameter's shape as laid out, zeros after ``shape``'s values;
+    ``padded_length``: a stack's layers as laid out, zero layers after ``length``."""
     full = shape if length is None else (length, *shape)
-    out = full if padded is None else (padded if length is None else (length, *padded))
+    inner = shape if padded is None else padded
+    out = inner if length is None else (padded_length or length, *inner)
     if init != "normal":
         fill = jnp.ones if init == "ones" else jnp.zeros
         return jax.jit(lambda data: _zero_pad(fill(full, dtype), out), out_shardings=sharding)
@@ -241,8 +250,10 @@ def _maker(shape: tuple[int, ...], init: str, std: float, dtype: jnp.dtype, impl
                        out_shardings=sharding)  # fmt: skip
     local = sharding.shard_shape(out)
 
+    vary = tuple(dict.fromkeys(a for e in sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)))
+
     def block(data):
-        return _draw(data, full, length is not None, _shard_offsets(sharding, local), local, std, dtype, out)
+        return _draw(data, full, length is not None, _shard_offsets(sharding, local), local, std, dtype, out, vary)
 
     spec = jax.sharding.PartitionSpec(*sharding.spec)
     mapped = jax.shard_map(block, mesh=sharding.mesh, in_specs=jax.sharding.PartitionSpec(), out_specs=spec)
@@ -269,6 +280,7 @@ def init_params(
     prefix: str = "",
     length: int | None = None,
     padded: Mapping[str, int] | None = None,
+    padded_length: int | None = None,
 ) -> dict[str, Array]:
     """Fresh arrays for every parameter: normal(0, std), ones or zeros.
 
@@ -279,7 +291,9 @@ def init_params(
     whole model held them all at once). ``length``: ``key`` holds one key per layer of a
     stack of that many (each layer splits its own keys, as a vmap over layers would).
     ``padded``: the letters' sizes as laid out on a mesh (:func:`zoo.core.layout.layout_sizes`):
-    each array has them, its values those of ``sizes`` and zeros after.
+    each array has them, its values those of ``sizes`` and zeros after; ``padded_length``: the
+    stack's layers as laid out (a pipelined stack the stages do not divide), zero layers after
+    ``length``, as :func:`zoo.core.layout.pad` lays out a model made elsewhere.
     """
     normal = [path for path, p in sorted(specs.items()) if p.init == "normal"]
     n = max(len(normal), 1)
@@ -291,7 +305,8 @@ def init_params(
     for path, p in sorted(specs.items()):
         sharding = None if shardings is None else shardings[prefix + path]
         laid = None if padded is None or p.shape(padded) == p.shape(sizes) else p.shape(padded)
-        make = _maker(p.shape(sizes), p.init, float(std), jnp.dtype(dtype), impl, length, sharding, laid)
+        more = None if padded_length == length else padded_length
+        make = _maker(p.shape(sizes), p.init, float(std), jnp.dtype(dtype), impl, length, sharding, laid, more)
         i = index.get(path, 0)
         out[path] = make(_host(data[i] if length is None else data[:, i]))
     return out
@@ -320,7 +335,8 @@ def init_with_stacks(
             continue
         layer_specs = strip_prefix(specs, prefix, axis)
         stacked = init_params(layer_specs, sizes, key=jr.split(keys[prefix], sizes[axis]), std=std, dtype=dtype,
-                              shardings=shardings, prefix=prefix + ".", length=sizes[axis], padded=padded)  # fmt: skip
+                              shardings=shardings, prefix=prefix + ".", length=sizes[axis], padded=padded,
+                              padded_length=None if padded is None else padded[axis])  # fmt: skip
         arrays.update({f"{prefix}.{p}": a for p, a in stacked.items()})
     return arrays
 
