@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import zoo  # noqa: E402
 from zoo import parallel  # noqa: E402
-from zoo.hf import pretrained  # noqa: E402
+from zoo.hf import load, save  # noqa: E402
 from zoo.params import flatten  # noqa: E402
 
 
@@ -33,16 +33,16 @@ def main() -> None:
     check_fresh = options.pop("check_fresh", True)  # fresh init compared bit for bit (under XLA's own settings)
     parallel.initialize_distributed()
     read: list[str] = []
-    region = pretrained._TensorSource.region
+    region = load._TensorSource.region
 
     def recording(self, key, indices):
         read.append(key)
         return region(self, key, indices)
 
-    pretrained._TensorSource.region = recording
+    load._TensorSource.region = recording
     mesh = parallel.make_mesh(spec)
     model = zoo.from_pretrained(checkpoint, mesh=mesh, **options)
-    pretrained._TensorSource.region = region
+    load._TensorSource.region = region
     whole = flatten(zoo.from_pretrained(checkpoint, **options))  # the reference, read whole (tiny)
     wrong = []
 
@@ -73,9 +73,9 @@ def main() -> None:
             wrong.append(f"optimizer state leaf {leaf.shape}: sharding {leaf.sharding.spec}, not {spec}")
     if not split:
         wrong.append("no optimizer state leaf is split")
-    shared, wrote = pretrained._shared_directory, pretrained._write_own_shards
+    shared, wrote = save._shared_directory, save._write_own_shards
     writes = []
-    pretrained._shared_directory = lambda tmp: None if gather and shared(tmp) else shared(tmp)
+    save._shared_directory = lambda tmp: None if gather and shared(tmp) else shared(tmp)
 
     def writing(*args):
         writes.append(1)
@@ -83,13 +83,13 @@ def main() -> None:
             raise OSError(28, "No space left on device")
         wrote(*args)
 
-    pretrained._write_own_shards = writing
+    save._write_own_shards = writing
     if lay_out_fails and jax.process_index() == 0:
 
         def full_disk(*args):
             raise OSError(28, "No space left on device")
 
-        pretrained._lay_out = full_disk
+        save._lay_out = full_disk
     error = None
     try:
         zoo.save_pretrained(model, out)

@@ -15,7 +15,7 @@ from conftest import FIXTURES
 from safetensors.numpy import load_file, save_file
 
 import zoo
-from zoo.hf import pretrained
+from zoo.hf import atomic, load, save
 from zoo.hf import safetensors as st
 from zoo.params import flatten
 
@@ -119,7 +119,7 @@ def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
     zoo.save_pretrained(model, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     calls = {"n": 0}
-    real = pretrained.write_safetensors
+    real = save.write_safetensors
 
     def failing(path, tensors, metadata=None, **kw):
         calls["n"] += 1
@@ -127,7 +127,7 @@ def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated kill mid-save")
         return real(path, tensors, metadata, **kw)
 
-    monkeypatch.setattr(pretrained, "write_safetensors", failing)
+    monkeypatch.setattr(save, "write_safetensors", failing)
     with pytest.raises(KeyboardInterrupt):
         zoo.save_pretrained(model, out, max_shard_bytes=40_000)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -160,12 +160,12 @@ def test_fp8_block_dequantization_with_partial_tiles():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((70, 45)).astype(ml_dtypes.float8_e4m3fn)
     scale = rng.uniform(0.5, 2, (3, 2)).astype(np.float32)
-    out = pretrained._block_dequantize(w, scale, (32, 32), "w", LLAMA)
+    out = load._block_dequantize(w, scale, (32, 32), "w", LLAMA)
     for i in range(70):
         for j in range(45):
             assert out[i, j] == np.float32(w[i, j]) * scale[i // 32, j // 32]
     with pytest.raises(zoo.CheckpointError, match=r"w_scale_inv has shape \(2, 2\), expected \(3, 2\)"):
-        pretrained._block_dequantize(w, scale[:2], (32, 32), "w", LLAMA)
+        load._block_dequantize(w, scale[:2], (32, 32), "w", LLAMA)
 
 
 # -- errors that name the culprit ---------------------------------------------------------
@@ -412,14 +412,14 @@ def test_exchange_swaps_two_directories(tmp_path):
     b.mkdir()
     (a / "x").write_text("from a")
     (b / "y").write_text("from b")
-    if not pretrained._exchange(a, b):
+    if not atomic._exchange(a, b):
         pytest.skip("no renameat2(RENAME_EXCHANGE) on this system")
     assert (a / "y").read_text() == "from b" and (b / "x").read_text() == "from a"
     assert sorted(p.name for p in a.iterdir()) == ["y"] and sorted(p.name for p in b.iterdir()) == ["x"]
 
 
 def test_save_over_a_checkpoint_never_leaves_its_path_missing(tmp_path, monkeypatch):
-    if not pretrained._exchange(tmp_path, tmp_path):
+    if not atomic._exchange(tmp_path, tmp_path):
         pytest.skip("no renameat2(RENAME_EXCHANGE) on this system")
     model = zoo.from_pretrained(LLAMA)
     out = tmp_path / "out"
@@ -445,7 +445,7 @@ def test_save_without_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):
     out = tmp_path / "out"
     zoo.save_pretrained(model, out, max_shard_bytes=40_000)
     (out / "README.md").write_text("kept")
-    monkeypatch.setattr(pretrained, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     zoo.save_pretrained(model, out)
     files = ["README.md", "config.json", "generation_config.json", "model.safetensors"]
     assert sorted(p.name for p in out.iterdir()) == files

@@ -63,11 +63,11 @@ def test_from_pretrained_onto_a_mesh_equals_the_whole_load(fixture, spec, option
 def test_each_device_reads_only_its_experts(monkeypatch):
     """Under expert parallelism a device's shard needs only its experts' stored tensors: the
     loader reads each expert tensor once, for the devices that hold it."""
-    from zoo.hf import pretrained
+    from zoo.hf import load
 
     reads: list[str] = []
-    region = pretrained._TensorSource.region
-    monkeypatch.setattr(pretrained._TensorSource, "region", lambda self, key, idx: reads.append(key) or region(self, key, idx))
+    region = load._TensorSource.region
+    monkeypatch.setattr(load._TensorSource, "region", lambda self, key, idx: reads.append(key) or region(self, key, idx))
     zoo.from_pretrained(FIXTURES / "qwen3_moe-tiny", mesh=parallel.make_mesh("expert=8"))
     experts = [k for k in reads if ".experts." in k]
     assert experts and len(experts) == len(set(experts))  # each once: 8 devices, one expert each
@@ -364,7 +364,7 @@ def test_the_recipe_fine_tunes_on_two_processes_each_holding_its_half(tmp_path):
                                  num_heads=4, num_kv_heads=2, head_dim=64)  # fmt: skip
     zoo.save_pretrained(zoo.Llama(config, key=jax.random.key(0)), tmp_path / "base")
     size = sum(p.stat().st_size for p in (tmp_path / "base").glob("*.safetensors"))
-    (tmp_path / "corpus.txt").write_text((ROOT / "zoo" / "hf" / "pretrained.py").read_text())
+    (tmp_path / "corpus.txt").write_text((ROOT / "zoo" / "hf" / "load.py").read_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
     env |= {"PYTHONPATH": str(ROOT)}
     port = free_port()
@@ -389,3 +389,9 @@ def test_the_recipe_fine_tunes_on_two_processes_each_holding_its_half(tmp_path):
     assert tuned.keys() == base.keys()
     assert all(tuned.shape(k) == base.shape(k) for k in base.keys())
     assert not np.array_equal(tuned.get("model.embed_tokens.weight"), base.get("model.embed_tokens.weight"))
+
+
+def test_a_mesh_given_as_a_spec_string_is_named_with_the_call_that_builds_it():
+    """It raised AttributeError: 'str' object has no attribute 'shape' (issue #42, point 9)."""
+    with pytest.raises(TypeError, match=r"mesh= takes a jax Mesh, got str 'fsdp=8' \(build it with zoo.parallel.make_mesh\('fsdp=8'\)\)"):
+        zoo.from_pretrained(FIXTURES / "llama3_1-tiny", mesh="fsdp=8")

@@ -3,7 +3,8 @@
 from zoo.core.protocol import CausalLM, ModelConfig
 from zoo.deepseek_v3 import DeepseekV3, DeepseekV3Config, DeepseekV3Placement
 from zoo.errors import CheckpointError, ConfigError, MeshError
-from zoo.hf.pretrained import from_pretrained, save_pretrained
+from zoo.hf.load import from_pretrained
+from zoo.hf.save import save_pretrained
 from zoo.llama import Llama, LlamaConfig, LlamaPlacement
 from zoo.loss import lm_loss
 from zoo.placement import Placement, PlacementError, PlacementMap

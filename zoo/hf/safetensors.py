@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from zoo.errors import CheckpointError
+from zoo.hf.atomic import umask
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -222,20 +223,6 @@ def safetensors_header(path: str | Path, layout: Sequence[tuple[str, tuple[int, 
     blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes, as the reference writer does
     blob = struct.pack("<Q", len(blob)) + blob
     return blob, [len(blob) + s for s in starts]
-
-
-def umask() -> int:
-    """The process's umask, read without changing it where Linux allows (os.umask alone must set it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 class CheckpointFiles:

@@ -143,7 +143,7 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     import orbax.checkpoint as ocp
 
     from zoo import parallel
-    from zoo.hf.pretrained import _DTYPE_NAMES, read_config
+    from zoo.hf.load import DTYPE_NAMES, read_config
     from zoo.params import is_param
     from zoo.train.config import TrainConfig, optimizer
 
@@ -151,7 +151,7 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     if not is_run_dir(run_dir):
         raise CheckpointError(f"{run_dir}: not a training run directory (no config.json beside checkpoints/)")
     family, config, raw = read_config(run_dir)
-    dtype = _DTYPE_NAMES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", jnp.float32)
+    dtype = DTYPE_NAMES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", jnp.float32)
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     abstract = jax.eval_shape(lambda: family(config, key=jax.random.key(0), param_dtype=dtype, compute_dtype=compute_dtype))
     settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}

@@ -154,7 +154,7 @@ class RunDirLock:
 def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
     """``run_dir/config.json`` (the model's Hugging Face config, as a save writes it) and
     ``run_dir/run.json`` (the run's settings), each written atomically."""
-    from zoo.hf.pretrained import hf_config
+    from zoo.hf.load import hf_config
     from zoo.train.metrics import jsonable
 
     for name, value in (("config.json", hf_config(model)), ("run.json", jsonable(dict(settings)))):
