@@ -511,6 +511,23 @@ def test_train_recipe_tokenizes_with_the_checkpoint_and_refuses_bad_data(tmp_pat
     assert "tokenizer: bytes" in capsys.readouterr().out
 
 
+def test_text_streams_a_piece_per_token():
+    """Characters a token ends halfway through wait for the token that completes them; the
+    spaces a tokenizer puts between tokens come with the token they precede."""
+    text = "naïve café ✓ done"
+    stream = data.TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    pieces = [stream.add(b) for b in text.encode()]
+    assert "".join(pieces) == text
+    assert pieces[2:4] == ["", "ï"] and pieces[-8:-5] == ["", "", "✓"]  # 2 and 3 bytes: shown when whole
+    words = ["hello", "world", "again"]  # a decoder that joins tokens with spaces (no token holds one)
+    stream = data.TextStream(lambda ids: " ".join(words[i] for i in ids))
+    assert [stream.add(i) for i in range(3)] == ["hello", " world", " again"]
+    tokenizer = load_tokenizer(TINY)  # the checkpoint's tokenizer.json: its decoding of the whole, a piece at a time
+    ids = tokenizer.encode_batch(["def stream(self):\n    return self.text"])[0].tolist()
+    stream = data.TextStream(tokenizer.decode)
+    assert "".join(stream.add(i) for i in ids) == tokenizer.decode(ids) == "def stream(self):\n    return self.text"
+
+
 def test_saved_checkpoints_keep_the_tokenizer(tmp_path):
     assert data.copy_tokenizer_files(TINY, tmp_path) == ["tokenizer.json", "tokenizer_config.json"]
     a, b = load_tokenizer(tmp_path), load_tokenizer(TINY)
