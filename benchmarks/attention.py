@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo.layers import pallas_attention  # noqa: E402
-from zoo.layers.attention import _use_cudnn, causal_attention  # noqa: E402
+from zoo.layers import pallas_attention
+from zoo.layers.attention import _use_cudnn, causal_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

@@ -24,11 +24,7 @@ import argparse
 import dataclasses
 import re
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def permutes(hlo: str, sizes: dict[str, int]) -> dict[tuple[str, ...], tuple[int, int]]:

@@ -37,7 +37,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 # Let XLA overlap the offload copies (async host<->device transfers) with compute, and let
@@ -128,7 +127,6 @@ def fmt_bytes(n: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     setup_platform(args.platform)
 
     import equinox as eqx

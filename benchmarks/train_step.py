@@ -44,8 +44,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 from placement import setup_platform  # noqa: E402  (the GPU XLA flags the placement benchmark documents)
 
 BATCH, SEQ = 4, 256
