@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo.layers import pallas_attention  # noqa: E402
-from zoo.layers.attention import _use_cudnn, causal_attention  # noqa: E402
+from zoo.layers import pallas_attention
+from zoo.layers.attention import causal_attention, use_cudnn
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -43,7 +41,7 @@ def parse_args(argv):
 
 def paths_here(dtype, packed: bool) -> list[str]:
     paths = ["xla", "blockwise"]
-    if _use_cudnn(dtype, packed):
+    if use_cudnn(dtype, packed):
         paths.append("cudnn")
     paths += [k for k, backend in pallas_attention.BACKENDS.items() if backend == jax.default_backend()]
     return paths

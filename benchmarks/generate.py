@@ -16,19 +16,16 @@ bytes per token (all layers), decode tokens/s (batch x steps over the fastest of
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import zoo  # noqa: E402
-from zoo import generate as gen  # noqa: E402
-from zoo.deepseek_v3.model import mla_expand  # noqa: E402
+import zoo
+from zoo import generate as gen
+from zoo.deepseek_v3.model import mla_expand
 
 
 def random_cache(model, batch: int, context: int, max_len: int, mla: str, key) -> gen.Cache:

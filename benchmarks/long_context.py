@@ -51,8 +51,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 from placement import fmt_bytes, known_compile_options, setup_platform  # noqa: E402  (no JAX at module level)
 
 GiB = 2**30

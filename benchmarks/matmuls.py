@@ -73,8 +73,6 @@ def step_dots(model: str, platform: str) -> tuple[list[dict], int, list[str]]:
     specs of the dots whose calls follow the data (inside a ``while`` or ``cond``)."""
     import jax
     import jax.numpy as jnp
-
-    sys.path.insert(0, str(HERE))
     from train_step import zoo_setup
 
     step, params, opt_state, batch, _ = zoo_setup(model, platform)
@@ -252,8 +250,6 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent))
     from placement import setup_platform
     from train_step import MODELS
 

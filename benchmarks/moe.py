@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo.deepseek_v3.moe import EXPERT_IMPLS, resolve_expert_impl, route  # noqa: E402
-from zoo.runtime import RETAIN_HOST_MEMORY_ENV, retain_host_memory  # noqa: E402
-from zoo.train import matmul_peak_flops  # noqa: E402
+from zoo.deepseek_v3.moe import EXPERT_IMPLS, resolve_expert_impl, route
+from zoo.runtime import RETAIN_HOST_MEMORY_ENV, retain_host_memory
+from zoo.train import matmul_peak_flops
 
 SHAPES = {  # tokens, width, experts, expert hidden, top-k, groups, groups kept
     "bench": (1024, 512, 16, 256, 2, 1, 1),

@@ -36,7 +36,6 @@ import time
 os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peer_maxtext import overrides  # noqa: E402  (the step-time peer's MaxText config)
 from placement import known_compile_options  # noqa: E402  (no JAX at its module level)
 

@@ -24,11 +24,7 @@ import argparse
 import dataclasses
 import re
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def permutes(hlo: str, sizes: dict[str, int]) -> dict[tuple[str, ...], tuple[int, int]]:
@@ -74,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     import zoo
     from zoo import parallel
-    from zoo.pipeline import bubble, to_stage_order
+    from zoo.hooks.pipeline import bubble
+    from zoo.parallel.place import to_stage_order
     from zoo.plan.collectives import hlo_traffic
 
     config = dataclasses.replace(

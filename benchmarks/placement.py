@@ -37,7 +37,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 # Let XLA overlap the offload copies (async host<->device transfers) with compute, and let
@@ -61,7 +60,7 @@ def _family(model_type: str) -> Callable[[], tuple[Callable[[Any], Any], type]]:
     """Any registered model type at its ``bench`` preset, with its family's placement map."""
 
     def build() -> tuple[Callable[[Any], Any], type]:
-        from zoo import registry
+        from zoo.core import registry
 
         cls = registry.by_model_type(model_type)
         config = cls.config_cls.preset("bench", model_type)
@@ -128,7 +127,6 @@ def fmt_bytes(n: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     setup_platform(args.platform)
 
     import equinox as eqx

@@ -20,7 +20,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from zoo import plan, registry  # noqa: E402
+from zoo import plan  # noqa: E402
+from zoo.core import registry
 
 # (family, mesh, map, parameters, optimizer state, batch, tokens, expert kernel)
 GRID = [

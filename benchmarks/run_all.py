@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 import train_step  # noqa: E402  (imports no JAX at module level)
 
 # The targets (benchmarks, not tests).

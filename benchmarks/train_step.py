@@ -44,8 +44,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 from placement import setup_platform  # noqa: E402  (the GPU XLA flags the placement benchmark documents)
 
 BATCH, SEQ = 4, 256
@@ -76,7 +74,7 @@ def zoo_config(name: str, num_layers: int | None = None):
     """The ``bench`` preset of model type ``name`` (any registered one)."""
     import dataclasses
 
-    from zoo import registry
+    from zoo.core import registry
 
     config = registry.by_model_type(name).config_cls.preset("bench", name)
     return config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import sys
 import time
 from pathlib import Path
 
@@ -31,10 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import zoo  # noqa: E402
-from zoo import generate as gen  # noqa: E402
-from zoo.deepseek_v3 import MLA_DECODES  # noqa: E402
+import zoo
+from zoo import generate as gen
+from zoo.core import registry
+from zoo.data import TextStream
+
+# The keyword options of the families' generation caches (DeepSeek-V3's MLA decoding ...), a flag each.
+CACHE_OPTIONS = {name: option for family in registry.families() for name, option in family.cache_options.items()}
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama3_1-tiny"
 
@@ -64,20 +66,13 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_file(str(path))
-        self.done: list[int] = []
-        self.shown = ""
+        self.text = TextStream(self.tok.decode)  # the completion decoded whole each time: characters and spaces right
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
     def stream(self, token: int) -> str:
-        # Decoding the whole completion each time keeps multi-token characters and spaces right.
-        self.done.append(token)
-        text = self.tok.decode(self.done)
-        if text.endswith("\ufffd"):  # an unfinished character: wait for the next token
-            return ""
-        new, self.shown = text[len(self.shown) :], text
-        return new
+        return self.text.add(token)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tok.decode(tokens)
@@ -117,9 +112,8 @@ def parser() -> argparse.ArgumentParser:
     stop.add_argument("--eos", type=parse_eos, default=None, metavar="ID[,ID...]",
                       help="end-of-sequence token ids (default: the checkpoint's generation_config.json)")  # fmt: skip
     stop.add_argument("--ignore-eos", action="store_true", help="never stop before --max-new-tokens")
-    p.add_argument("--mla", choices=MLA_DECODES, default=None,
-                   help="DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same cache "
-                        "re-expanded every step, or an expanded per-head cache")  # fmt: skip
+    for name, (choices, text) in CACHE_OPTIONS.items():  # --mla ...: the family's default where not given
+        p.add_argument(f"--{name.replace('_', '-')}", choices=choices, default=None, help=text)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--bytes", action="store_true", help="tokenize as bytes even if the checkpoint has a tokenizer.json")
     p.add_argument("--chat", nargs="?", const="", default=None, metavar="TEXT",
@@ -231,8 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens, "key": jax.random.key(args.seed), "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "eos_token_id": eos,
     }  # fmt: skip
-    if args.mla is not None:  # a cache option of DeepSeek-V3's (other families take none)
-        kw["mla"] = args.mla
+    # The cache options given (a family whose cache takes none refuses them, named: a usage error below).
+    kw.update({name: getattr(args, name) for name in CACHE_OPTIONS if getattr(args, name) is not None})
 
     print(f"{type(model).__name__} from {path}: {model.config.num_layers} layers, vocab {vocab}, "
           f"{'tokenizer.json' if use_hf else 'byte'} tokens, end of sequence {list(eos) or 'off'}")  # fmt: skip

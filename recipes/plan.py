@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zoo import registry
+from zoo.core import registry
 from zoo.plan.hardware import HARDWARE
 
 

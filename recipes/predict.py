@@ -10,14 +10,12 @@ says), bytes where it has none, and every token is printed as its text.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import zoo  # noqa: E402
+import zoo
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama3_1-tiny"
 

@@ -21,6 +21,7 @@ from zoo import data
 from zoo.data import DataError, PackedData, TokenData, load_data, load_tokenizer, pack_documents, plan_rows
 from zoo.errors import ConfigError
 from zoo.metrics_log import read_events
+from zoo.train.setup import load_training_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = FIXTURES / "tokenizer-tiny"
@@ -494,21 +495,37 @@ def test_eval_recipe_reports_loss_perplexity_and_bits_per_byte(tmp_path, capsys)
     assert "beyond the model's max_position_embeddings 2048" in capsys.readouterr().err
 
 
-def test_train_recipe_tokenizes_with_the_checkpoint_and_refuses_bad_data(tmp_path, capsys):
-    recipe = _recipe("train")
+def test_train_setup_tokenizes_with_the_checkpoint_and_refuses_bad_data(tmp_path, capsys):
     path = _jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
-    args = recipe.parse_args(["--checkpoint", str(TINY), "--data", str(path), "--data-cache", str(tmp_path / "c")])
-    d = recipe.load_training_data(args, 256)
+    d = load_training_data(str(path), 256, checkpoint=str(TINY), seq_len=128, cache_dir=str(tmp_path / "c"))
     assert isinstance(d, PackedData) and "tokenizer: " + str(TINY / "tokenizer.json") in capsys.readouterr().out
     _jsonl(path, [{"content": "x"}])
-    with pytest.raises(SystemExit):
-        recipe.load_training_data(args, 256)
-    assert "d.jsonl:1: no field 'text' (fields: 'content')" in capsys.readouterr().err
-    plain = recipe.parse_args(["--data", str(path)])
+    with pytest.raises(ConfigError, match=r"d.jsonl:1: no field 'text' \(fields: 'content'\)"):
+        load_training_data(str(path), 256, checkpoint=str(TINY), seq_len=128, cache_dir=str(tmp_path / "c"))
     (tmp_path / "a.txt").write_text("bytes as before " * 400)
-    plain.data = str(tmp_path / "a.txt")
-    assert isinstance(recipe.load_training_data(plain, 256), TokenData)
+    assert isinstance(load_training_data(str(tmp_path / "a.txt"), 256, checkpoint=None, seq_len=128), TokenData)
     assert "tokenizer: bytes" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the recipe: a usage error naming the record
+        _recipe("train").main(["--data", str(path), "--data-cache", str(tmp_path / "c"), "--checkpoint", str(TINY),
+                               "--run-dir", str(tmp_path / "run"), "--steps", "1"])  # fmt: skip
+    assert "d.jsonl:1: no field 'text' (fields: 'content')" in capsys.readouterr().err
+
+
+def test_text_streams_a_piece_per_token():
+    """Characters a token ends halfway through wait for the token that completes them; the
+    spaces a tokenizer puts between tokens come with the token they precede."""
+    text = "naïve café ✓ done"
+    stream = data.TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    pieces = [stream.add(b) for b in text.encode()]
+    assert "".join(pieces) == text
+    assert pieces[2:4] == ["", "ï"] and pieces[-8:-5] == ["", "", "✓"]  # 2 and 3 bytes: shown when whole
+    words = ["hello", "world", "again"]  # a decoder that joins tokens with spaces (no token holds one)
+    stream = data.TextStream(lambda ids: " ".join(words[i] for i in ids))
+    assert [stream.add(i) for i in range(3)] == ["hello", " world", " again"]
+    tokenizer = load_tokenizer(TINY)  # the checkpoint's tokenizer.json: its decoding of the whole, a piece at a time
+    ids = tokenizer.encode_batch(["def stream(self):\n    return self.text"])[0].tolist()
+    stream = data.TextStream(tokenizer.decode)
+    assert "".join(stream.add(i) for i in ids) == tokenizer.decode(ids) == "def stream(self):\n    return self.text"
 
 
 def test_saved_checkpoints_keep_the_tokenizer(tmp_path):

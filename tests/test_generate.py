@@ -145,6 +145,21 @@ def test_mla_cache_holds_only_the_latent_and_the_rope_key():
     assert kv.bytes_per_token == 2 * llama.config.num_layers * llama.config.num_kv_heads * llama.config.head_dim * 4
 
 
+@pytest.mark.parametrize("name", ["llama3_1-tiny", "deepseek_v3-tiny", "qwen3_moe-tiny"])
+def test_families_declare_the_cache_options_they_take(name):
+    """What recipes offer as flags (recipes/generate.py's --mla): a family's declared cache
+    options, each choice one its init_cache takes; a family declaring none refuses any."""
+    m = model(name)
+    for option, (choices, text) in type(m).cache_options.items():
+        assert choices and text
+        for choice in choices:
+            eqx.filter_eval_shape(gen.init_cache, m, 2, 8, **{option: choice})
+    assert bool(type(m).cache_options) == isinstance(m, zoo.DeepseekV3)
+    if not type(m).cache_options:
+        with pytest.raises(ValueError, match=f"{type(m).__name__} takes no cache options, got mla='absorbed'"):
+            eqx.filter_eval_shape(gen.init_cache, m, 2, 8, mla="absorbed")
+
+
 def _context_sized(mla: str, t: int = 37, b: int = 3) -> list[tuple[int, ...]]:
     """Shapes in the decode step's program holding, per head, something per cached slot."""
     m = model("deepseek_v3-tiny")
@@ -360,6 +375,7 @@ def test_recipe_streams_with_the_checkpoints_tokenizer(tmp_path, monkeypatch, ca
         (["--eos", "2,x"], "--eos takes token ids separated by commas, got '2,x'"),
         (["--eos", "2", "--ignore-eos"], "not allowed with argument --eos"),
         (["--mla", "fast"], "invalid choice: 'fast'"),
+        (["--mla", "absorbed"], "Llama takes no cache options, got mla='absorbed'"),
         (["/nowhere"], "/nowhere is not a checkpoint directory"),
         (["--max-new-tokens", "200000"], "prompt length 19 \\+ max_new_tokens 200000 = 200019 tokens exceeds"),
     ],

@@ -16,6 +16,7 @@ import pytest
 import zoo
 from zoo import runtime
 from zoo import train as ztrain
+from zoo.plan import auto
 from zoo.llama import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,52 +141,55 @@ def test_recipe_flags(capsys):
         assert message in capsys.readouterr().err
 
 
-def test_recipe_sizes_the_pool_from_the_placements(fresh_backend, capsys):
+def test_recipe_sizes_the_pool_from_the_placements(fresh_backend, capsys, tmp_path):
     """Parameters and optimizer state in host memory: the pool holds the step's estimated host
-    bytes; a machine too small for them is a usage error naming both figures."""
+    bytes; a machine too small for them is an error naming both figures (the recipe's usage error)."""
     import os
 
     recipe = _recipe()
     fresh_backend.delenv("JAX_PLATFORMS", raising=False)
     base = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32"]
-    recipe.size_host_pool(recipe.parse_args(base))  # nothing in host memory: nothing to size
+    auto.size_host_pool_from_flags(recipe.parse_args(base))  # nothing in host memory: nothing to size
     assert "pinned host memory" not in capsys.readouterr().out
     args = recipe.parse_args([*base, "--param-memory", "pinned_host", "--opt-memory", "pinned_host"])
-    recipe.size_host_pool(args)
+    auto.size_host_pool_from_flags(args)
     assert "GiB estimated for this process; XLA's pool capped at 64 GiB" in capsys.readouterr().out
     assert runtime.HOST_POOL_ENV not in os.environ  # the default holds a tiny model's 1 MB
     fresh_backend.setattr(runtime, "physical_memory", lambda: 2**20)  # a 1 MiB machine
-    with pytest.raises(SystemExit):
-        recipe.size_host_pool(args)
+    with pytest.raises(zoo.ConfigError, match="more than the machine's 0.0 GiB"):
+        auto.size_host_pool_from_flags(args)
+    with pytest.raises(SystemExit):  # the recipe, before anything compiles
+        recipe.main([*base, "--param-memory", "pinned_host", "--opt-memory", "pinned_host", "--steps", "1",
+                     "--run-dir", str(tmp_path / "run")])  # fmt: skip
     assert "more than the machine's 0.0 GiB" in capsys.readouterr().err
+    fresh_backend.setenv("JAX_PLATFORMS", "cpu")  # XLA:CPU has one memory and no pool: nothing sized
+    auto.size_host_pool_from_flags(args)
 
 
 def test_recipe_placement_auto_caps_the_pool_at_the_machine_and_checks_the_plan(fresh_backend, capsys):
     """``--placement auto`` plans after the backend starts, so the pool is capped at the machine's
     memory beforehand; the plan's host bytes for this process's devices are then checked against
-    the machine and against a cap the user set lower, each a usage error naming the figures."""
+    the machine and against a cap the user set lower, each an error naming the figures."""
     import os
     import types
 
     recipe = _recipe()
     fresh_backend.delenv("JAX_PLATFORMS", raising=False)
-    recipe.size_host_pool(recipe.parse_args(["--preset", "tiny", "--placement", "auto"]))
+    auto.size_host_pool_from_flags(recipe.parse_args(["--preset", "tiny", "--placement", "auto"]))
     assert os.environ[runtime.HOST_POOL_ENV] == "100"  # the 100 GiB machine, over XLA's 64 GiB default
 
     def plan(host_gib: float):
         return types.SimpleNamespace(estimate=types.SimpleNamespace(host_bytes=host_gib * GiB))
 
-    recipe.check_plan_host_memory(plan(40), devices=2)  # 80 GiB of 100: fits
-    recipe.check_plan_host_memory(plan(0), devices=8)  # nothing on host: nothing to check
-    with pytest.raises(SystemExit):
-        recipe.check_plan_host_memory(plan(30), devices=4)
-    err = capsys.readouterr().err
-    assert ("--placement auto: the plan needs 120.0 GiB of pinned host memory on this process, more than the "
-            "machine's 100.0 GiB") in err
+    auto.check_plan_host_memory(plan(40), devices=2)  # 80 GiB of 100: fits
+    auto.check_plan_host_memory(plan(0), devices=8)  # nothing on host: nothing to check
+    with pytest.raises(zoo.ConfigError, match=r"the plan needs 120.0 GiB of pinned host memory on this process, "
+                                              r"more than the machine's 100.0 GiB"):  # fmt: skip
+        auto.check_plan_host_memory(plan(30), devices=4)
     fresh_backend.setenv(runtime.HOST_POOL_ENV, "32")  # the user's own, lower cap
-    with pytest.raises(SystemExit):
-        recipe.check_plan_host_memory(plan(40), devices=1)
-    assert f"{runtime.HOST_POOL_ENV}=32 caps XLA's pool at 32 GiB: set {runtime.HOST_POOL_ENV}=45" in capsys.readouterr().err
+    with pytest.raises(zoo.ConfigError, match=f"{runtime.HOST_POOL_ENV}=32 caps XLA's pool at 32 GiB: "
+                                              f"set {runtime.HOST_POOL_ENV}=45"):  # fmt: skip
+        auto.check_plan_host_memory(plan(40), devices=1)
 
 
 @pytest.mark.host_memory

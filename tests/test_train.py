@@ -22,6 +22,7 @@ import pytest
 import zoo
 from zoo import train as ztrain
 from zoo.data import TokenData, stdlib_corpus, text_files
+from zoo.plan import auto
 from zoo.deepseek_v3 import DeepseekV3Training
 from zoo.deepseek_v3 import preset as ds_preset
 from zoo.llama import preset
@@ -444,35 +445,36 @@ def _recipe_module():
     return module
 
 
-def test_recipe_placement_auto_plans_within_the_budget(capsys):
+def test_placement_auto_plans_within_the_budget(tmp_path, capsys):
     """``--placement auto`` asks zoo.plan for the fastest map within ``--device-budget-gib``: a
     budget the unmapped step does not fit gets a map that recomputes, and the plan is printed."""
-    recipe = _recipe_module()
     model = zoo.Llama(zoo.llama.preset("tiny"), key=jr.key(0))
-    base = ["--model", "llama", "--preset", "tiny", "--seq-len", "64", "--batch-size", "4", "--placement", "auto"]
-    roomy = recipe.parse_args([*base, "--device-budget-gib", "1"])
-    recipe.plan_placement(roomy, model, None)
+    at = {"seq_len": 64, "batch_size": 4}
+    roomy = auto.plan_placement(model, None, **at, device_budget_gib=1)
     assert not roomy.placement.placed("remat")  # everything kept: nothing to save
-    tight = recipe.parse_args([*base, "--device-budget-gib", str(4.8 / 1024)])  # under the unmapped 5.8 MiB
-    recipe.plan_placement(tight, model, None)
+    tight = auto.plan_placement(model, None, **at, device_budget_gib=4.8 / 1024)  # under the unmapped 5.8 MiB
     assert tight.placement.placed("remat")
     assert tight.param_memory == tight.opt_memory == "device"  # one memory on CPU: nothing offloaded
     assert "chosen: batch 4" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # nothing fits: a usage error with the planner's message
-        recipe.plan_placement(recipe.parse_args([*base, "--device-budget-gib", "1e-5"]), model, None)
+    with pytest.raises(zoo.ConfigError):  # nothing fits: the planner's message
+        auto.plan_placement(model, None, **at, device_budget_gib=1e-5)
+    recipe = _recipe_module()  # the recipe: a usage error naming the flag
+    with pytest.raises(SystemExit):
+        recipe.main(["--preset", "tiny", "--seq-len", "64", "--batch-size", "4", "--placement", "auto",
+                     "--device-budget-gib", "1e-5", "--run-dir", str(tmp_path / "run")])  # fmt: skip
+    assert "--placement auto: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind, name", [("NVIDIA H200", "h200"), ("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200"),
                                         ("TPU v5p", "tpu-v5p"), ("TPU v5", "tpu-v5p"), ("TPU v6 lite", "tpu-v6e")])  # fmt: skip
-def test_recipe_hardware_from_device_kind(kind, name):
-    recipe = _recipe_module()
+def test_hardware_from_device_kind(kind, name):
     device = type("Device", (), {"platform": "gpu", "device_kind": kind})()
-    assert recipe.hardware_name(device) == name
+    assert auto.hardware_name(device) == name
     # Kinds not in zoo.plan's table, including those containing an entry's name (a GH200 is
-    # not an H200, a v5e not a v5p): a usage error naming the kind.
+    # not an H200, a v5e not a v5p): an error naming the kind and the flag that names one.
     for other in ("NVIDIA A100", "NVIDIA GH200 480GB", "TPU v5 lite"):
-        with pytest.raises(SystemExit):
-            recipe.hardware_name(type("Device", (), {"platform": "gpu", "device_kind": other})())
+        with pytest.raises(zoo.ConfigError, match=f"device kind '{other}' is not in zoo.plan's hardware table .*--hardware"):
+            auto.hardware_name(type("Device", (), {"platform": "gpu", "device_kind": other})())
 
 
 def test_a_process_reads_only_its_rows_of_each_batch(tmp_path):

@@ -120,6 +120,9 @@ class CausalLM(eqx.Module):
     model_types: eqx.AbstractClassVar[tuple[str, ...]]  # Hugging Face ``model_type`` values it loads
     placement_map: eqx.AbstractClassVar[type]  # its zoo.placement.PlacementMap subclass
     training_options: ClassVar[type] = NoTrainingOptions  # settings of its training objective
+    # Keyword options its generation cache takes (init_cache, prefill, zoo.generate's cache_options):
+    # name -> (choices, the first the default; what they do, for a recipe's flag). Default: none.
+    cache_options: ClassVar[Mapping[str, tuple[tuple[str, ...], str]]] = {}
 
     # -- parameters --------------------------------------------------------------------
     @classmethod

@@ -32,6 +32,7 @@ from zoo.data.tokenizer import (
     ChatEncoder,
     DataError,
     HFTokenizer,
+    TextStream,
     check_vocabulary,
     copy_tokenizer_files,
     load_tokenizer,
@@ -39,7 +40,7 @@ from zoo.data.tokenizer import (
 
 __all__ = [
     "FORMATS", "ByteTokenizer", "ChatEncoder", "DataError", "Documents", "HFTokenizer", "PackedData", "PackedRows",
-    "Plan", "Source", "TokenData", "check_token_range", "check_vocabulary", "copy_tokenizer_files", "default_cache_dir", "load_data",
+    "Plan", "Source", "TextStream", "TokenData", "check_token_range", "check_vocabulary", "copy_tokenizer_files", "default_cache_dir", "load_data",
     "Share", "load_documents", "load_tokenizer", "pack_documents", "plan_rows", "source", "stdlib_corpus", "stdlib_files",
     "text_files", "token_file", "valid_by_hash",
 ]  # fmt: skip

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -230,6 +230,28 @@ def check_vocabulary(tokenizer: HFTokenizer | ByteTokenizer, vocab_size: int) ->
             f"{where}: the tokenizer's ids go up to {tokenizer.vocab_size - 1} (vocabulary {tokenizer.vocab_size}) "
             f"but the model's vocab_size is {vocab_size} (config.json): a token past the embedding table"
         )
+
+
+class TextStream:
+    """The text of token ids arriving one at a time, a piece per token (what a generation loop
+    prints as it goes). ``decode`` turns ids into text (a tokenizer's ``decode``). The ids so far
+    are decoded whole each time, which keeps right the characters a token ends halfway through
+    and the spaces a tokenizer puts between tokens; while the text ends in an unfinished
+    character (U+FFFD), nothing is shown until a later token completes it."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def add(self, token: int) -> str:
+        """The text ``token`` adds to what was shown (``""`` while a character is unfinished)."""
+        self.tokens.append(int(token))
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):  # an unfinished character: wait for the next token
+            return ""
+        new, self.shown = text[len(self.shown) :], text
+        return new
 
 
 # --- chat templates, rendered as transformers renders them ---------------------------------

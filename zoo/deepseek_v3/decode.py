@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from zoo.deepseek_v3.config import DeepseekV3Config
-from zoo.deepseek_v3.model import MLA, dense_layer_ffn, mla_expand, mla_project, moe_layer_ffn
+from zoo.deepseek_v3.model import MLA, MLA_DECODES, dense_layer_ffn, mla_expand, mla_project, moe_layer_ffn
 from zoo.layers import causal_attention, embed, rms_norm, rope_cos_sin, unembed
 from zoo.layers.kv_cache import (
     KVCache,
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from zoo.deepseek_v3.model import DeepseekV3
 
 MLADecode = Literal["absorbed", "reexpand", "expanded"]
-MLA_DECODES: tuple[str, ...] = ("absorbed", "reexpand", "expanded")
 
 
 class MLACache(eqx.Module):

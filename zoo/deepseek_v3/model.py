@@ -42,6 +42,10 @@ from zoo.loss import shifted_targets
 from zoo.placement import layer_policy
 
 
+# How generation decodes with the MLA cache (zoo/deepseek_v3/decode.py; the first is the default).
+MLA_DECODES: tuple[str, ...] = ("absorbed", "reexpand", "expanded")
+
+
 def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
     """Every parameter of :class:`DeepseekV3`: layout, init and Hugging Face checkpoint key."""
     specs = {"embed": Param("V D", "model.embed_tokens.weight", "V D")}
@@ -303,6 +307,10 @@ class DeepseekV3(CausalLM):
     model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
     placement_map: ClassVar[type] = DeepseekV3Placement
     training_options: ClassVar[type] = DeepseekV3Training
+    cache_options: ClassVar[Mapping[str, tuple[tuple[str, ...], str]]] = {
+        "mla": (MLA_DECODES, ("DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same "
+                              "cache re-expanded every step, or an expanded per-head cache")),
+    }  # fmt: skip
 
     def __init__(
         self,

@@ -46,8 +46,8 @@ NAMES = ("context", "attn_lse")  # checkpoint names of the output and the log-su
 BLOCKWISE_FROM = 512
 
 
-def _use_cudnn(dtype, masked: bool) -> bool:
-    # cuDNN's fused kernel takes half precision and no arbitrary mask.
+def use_cudnn(dtype, masked: bool) -> bool:
+    """Whether cuDNN's fused kernel can run here: on a GPU, in half precision, with no arbitrary mask."""
     return jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and not masked
 
 
@@ -55,7 +55,7 @@ def resolve_attention(implementation: str, dtype, seq_len: int, masked: bool) ->
     """The path ``causal_attention`` runs for ``implementation`` (``"auto"`` resolved)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
-    if implementation == "cudnn" and not _use_cudnn(dtype, masked or context_size() > 1):
+    if implementation == "cudnn" and not use_cudnn(dtype, masked or context_size() > 1):
         raise ValueError(
             "attention implementation 'cudnn' needs a GPU, bfloat16 or float16 inputs and no packed "
             f"segments or context parallelism (backend {jax.default_backend()}, dtype {jnp.dtype(dtype).name}, "
@@ -73,7 +73,7 @@ def resolve_attention(implementation: str, dtype, seq_len: int, masked: bool) ->
     backend = jax.default_backend()
     if backend == "tpu":
         return "splash"
-    if _use_cudnn(dtype, masked):
+    if use_cudnn(dtype, masked):
         return "cudnn"
     if backend == "gpu" and masked and dtype in (jnp.bfloat16, jnp.float16):
         # Float32 stays on the blockwise path: Triton's float32 dots may run as TF32.

@@ -14,6 +14,8 @@ the loop around it is the only place with I/O. One module a concern, none import
 - ``verify``: the placements proven on the compiled step before it runs
 - ``profile`` / ``trace_report``: ``train(profile=...)``'s trace of some steps, and its per-step report
 - ``loop``: ``train``
+- ``setup``: a run set up from ``recipes/train.py``'s flags (model, mesh, data, checks), its names
+  in ``zoo.train.setup`` only
 
 Every name is importable from ``zoo.train`` itself (``from zoo import train; train.TrainConfig``).
 """

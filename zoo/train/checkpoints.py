@@ -1,6 +1,6 @@
 """Training checkpoints: the orbax manager of a run dir, a save that first checks every array
 is finite and records its bit sums (their restore, verified: ``zoo.train.restore``), a failed
-save in one line (``SaveFailed``), and ``NonFiniteLoss``, the guard's stop."""
+save in one line (``SaveFailed``; ``quiet_closed_loops``), and ``NonFiniteLoss``, the guard's stop."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import shutil
+import sys
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
@@ -100,6 +101,20 @@ def newest(manager: Any, run_dir: Path | None) -> int | None:
 class SaveFailed(CheckpointError):
     """A checkpoint could not be written (a full disk ...); the message names the disk and the
     last good checkpoint, which is untouched."""
+
+
+def quiet_closed_loops() -> None:
+    """TensorStore's callbacks into the event loop of an orbax save that failed (a full disk)
+    each report "RuntimeError: Event loop is closed" as an unraisable exception, from C, after
+    the loop is gone: dropped (the failure itself is reported in one line); the rest as before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def save_failure(manager: Any, run_dir: Path | None, e: BaseException) -> str:
