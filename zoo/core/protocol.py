@@ -172,8 +172,7 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """The training objective and what to log about it (``lm_loss`` at least). Floating
         metrics are averaged over micro-batches and devices, integer ones (counts) summed.
-        A family with nothing but the next-token loss returns ``zoo.loss.lm_loss`` (``loss_mask``:
-        which targets count) and ``{"lm_loss": loss}``."""
+        A family with nothing but the next-token loss derives from ``zoo.loss.NextTokenLM``."""
 
     def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> CausalLM:
         """What the training step changes outside the gradient, from the step's metrics
@@ -216,6 +215,14 @@ class CausalLM(eqx.Module):
     @classmethod
     def hf_check(cls, config: Any, keys: set[str]) -> None:
         """Consistency checks of a file's keys against the config (raise ``CheckpointError``)."""
+
+    # -- layout on a mesh ---------------------------------------------------------------
+    @classmethod
+    def check_layout(cls, config: Any, mesh: Any, *, virtual_stages: int = 1) -> None:
+        """The family's own checks that ``mesh`` can run ``config`` (raise ``MeshError``), beyond
+        what its axis rules make :func:`zoo.core.layout.validate_mesh` check, which calls this
+        before anything is placed or traced. ``virtual_stages``: the interleaved pipeline
+        schedule's chunks per stage. The default accepts every layout."""
 
 
 def options_or_default(model: CausalLM, options: Any) -> Any:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from zoo.core.protocol import AxisRule, ModelConfig, check_positive
-from zoo.errors import ConfigError
+from zoo.errors import ConfigError, MeshError
 from zoo.hf.config import HFConfig
 from zoo.layers.attention import check_attention
 from zoo.layers.rope import Rope
@@ -155,6 +155,38 @@ class Qwen3Config(ModelConfig):
             out.append(Block((kind,), seen["dense"], seen["moe"], end - first))
             seen[kind] += end - first
         return tuple(out)
+
+    def check_pipeline(self, stages: int, virtual_stages: int = 1) -> None:
+        """That ``stages`` pipeline stages can run the layers (a :class:`MeshError` if not): each
+        block of the forward pass is a GPipe pass over its repeats, a stage holding whole
+        repeats. That needs every block to hold the whole stack of each kind in its pattern (no
+        kind split into runs between the other's) and, where a repeat has several layers of a
+        kind, the repeats to divide the stages or their padding to line up (each stack is padded
+        on its own), and one layer of it per repeat on the interleaved schedule."""
+        if stages == 1:
+            return
+        for block in self.blocks:
+            for kind in dict.fromkeys(block.pattern):
+                n = len(self.dense_layer_ids if kind == "dense" else self.moe_layer_ids)
+                if block.count(kind) != n:
+                    raise MeshError(
+                        f"Qwen3Config: a pipeline axis needs each kind of layer in one block, but layer kinds "
+                        f"{self.layer_kinds} (mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step="
+                        f"{self.decoder_sparse_step}) split the {kind} layers into runs; use a mesh without pipeline"
+                    )
+                if virtual_stages > 1 and block.pattern.count(kind) > 1:
+                    # zoo.hooks.pipeline.stage_order permutes single layers, not repeats of several.
+                    raise MeshError(
+                        f"Qwen3Config: the interleaved schedule (virtual_stages={virtual_stages}) needs one {kind} "
+                        f"layer per repeat of the layer pattern, but {block.pattern} has {block.pattern.count(kind)}; "
+                        "use virtual_stages=1"
+                    )
+                if -(-n // stages) != block.pattern.count(kind) * -(-block.repeats // stages):
+                    raise MeshError(
+                        f"Qwen3Config: pipeline={stages} does not divide the {block.repeats} repeats of the layer "
+                        f"pattern {block.pattern}, whose {kind} layers would then not line up with the other kind's "
+                        "across the stages; use a pipeline size that divides them"
+                    )
 
     @property
     def runs(self) -> tuple[tuple[str, int, int], ...]:
