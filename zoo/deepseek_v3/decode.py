@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from zoo.deepseek_v3.config import DeepseekV3Config
-from zoo.deepseek_v3.model import MLA, dense_layer_ffn, mla_expand, mla_project, moe_layer_ffn
+from zoo.deepseek_v3.layer import cast_moe, dense_layer_ffn, moe_layer_ffn
+from zoo.deepseek_v3.mla import MLA, mla_expand, mla_project
 from zoo.layers import causal_attention, embed, rms_norm, rope_cos_sin, unembed
 from zoo.layers.kv_cache import (
     KVCache,
@@ -158,7 +159,7 @@ def _head(model: DeepseekV3, x: Float[Array, "B S D"]) -> Float[Array, "B S V"]:
 
 def _cast(model: DeepseekV3, layer, moe: bool):
     if moe:
-        return model._cast_moe(layer, model.compute_dtype)
+        return cast_moe(layer, model.compute_dtype)
     return jax.tree.map(lambda w: w.astype(model.compute_dtype), layer)
 
 
