@@ -101,6 +101,14 @@ def check_positive(config: Any, *fields: str) -> None:
             raise ConfigError(f"{type(config).__name__}.{name} must be a positive finite number, got {value!r}")
 
 
+def check_positive_ints(config: Any, *fields: str) -> None:
+    """Each field a positive integer (not a bool), else a :class:`~zoo.errors.ConfigError` naming it."""
+    for name in fields:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{type(config).__name__}.{name} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class NoTrainingOptions:
     """A family whose training objective is the plain next-token loss has no options."""
