@@ -34,14 +34,8 @@ class MLA(eqx.Module):
     wo: Float[Array, "*L H U D"]
 
 
-def mla(
-    config: DeepseekV3Config,
-    p: MLA,
-    h: Float[Array, "B S D"],
-    cos: Float[Array, "B S R"],
-    sin: Float[Array, "B S R"],
-    segment_ids: Int[Array, "B S"] | None,
-) -> Float[Array, "B S D"]:
+def mla(config: DeepseekV3Config, p: MLA, h: Float[Array, "B S D"], cos: Float[Array, "B S R"], sin: Float[Array, "B S R"],
+        segment_ids: Int[Array, "B S"] | None) -> Float[Array, "B S D"]:  # fmt: skip
     """Queries from the (optionally low-rank) query path; keys and values expanded from the
     normalised kv latent; RoPE on the decoupled rope part only, shared by all heads for keys."""
     q, kv_latent, k_rope = mla_project(config, p, h, cos, sin)
@@ -51,13 +45,8 @@ def mla(
     return named("attn_out", lambda: tensor_psum(jnp.einsum("bshu,hud->bsd", ctx, p.wo)))
 
 
-def mla_project(
-    config: DeepseekV3Config,
-    p: MLA,
-    h: Float[Array, "B S D"],
-    cos: Float[Array, "B S R"],
-    sin: Float[Array, "B S R"],
-) -> tuple[Float[Array, "B S H K"], Float[Array, "B S C"], Float[Array, "B S P"]]:
+def mla_project(config: DeepseekV3Config, p: MLA, h: Float[Array, "B S D"], cos: Float[Array, "B S R"],
+                sin: Float[Array, "B S R"]) -> tuple[Float[Array, "B S H K"], Float[Array, "B S C"], Float[Array, "B S P"]]:  # fmt: skip
     """MLA's projections: queries (RoPE on their last P), the normalised kv latent and the
     rotated rope key shared by all heads. The latent and the rope key are all that a
     compressed generation cache keeps (``zoo.generate``)."""
