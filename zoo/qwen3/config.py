@@ -30,7 +30,7 @@ QWEN3_AXES: dict[str, AxisRule] = {
     "V": AxisRule(("pipeline", "fsdp"), "vocab_size", pad=True),
     # Both layer stacks are pipelined (zoo.pipeline): each block of the forward pass (one
     # repeating pattern of kinds, or one run of a kind) is a GPipe pass over its repeats, which
-    # needs each block to hold its kinds' whole stacks (zoo.qwen3.model.block_pipeline).
+    # needs each block to hold its kinds' whole stacks (Qwen3Config.check_pipeline, run by the mesh check).
     "Ld": AxisRule("pipeline", "num_layers (its dense layers)", pad=True),
     "Lm": AxisRule("pipeline", "num_layers (its MoE layers)", pad=True),
 }
