@@ -16,13 +16,12 @@ FAMILY_FILES = sorted(p for name in registry.FAMILY_PACKAGES for p in (ZOO / nam
 
 
 def _zoo_imports(node: ast.AST) -> list[int]:
-    lines = []
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.ImportFrom) and (sub.module or "").split(".")[0] == "zoo":
-            lines.append(sub.lineno)
-        elif isinstance(sub, ast.Import) and any(a.name.split(".")[0] == "zoo" for a in sub.names):
-            lines.append(sub.lineno)
-    return lines
+    def modules(sub: ast.AST) -> list[str]:
+        if isinstance(sub, ast.ImportFrom):
+            return [sub.module or ""]
+        return [a.name for a in sub.names] if isinstance(sub, ast.Import) else []
+
+    return [sub.lineno for sub in ast.walk(node) if any(m.split(".")[0] == "zoo" for m in modules(sub))]
 
 
 @pytest.mark.parametrize("path", FAMILY_FILES, ids=[str(p.relative_to(ZOO)) for p in FAMILY_FILES])
