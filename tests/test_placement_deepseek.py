@@ -187,8 +187,8 @@ def test_the_swiglu_down_projections_would_be_dead_names(monkeypatch):
     def named(*a, **k):
         return jax.ad_checkpoint.checkpoint_name(real(*a, **k), "down")
 
-    monkeypatch.setattr(zoo.deepseek_v3.model, "swiglu", named)
-    monkeypatch.setattr(zoo.placement, "layer_policy", lambda policy, model: policy)
+    monkeypatch.setattr(zoo.deepseek_v3.layer, "swiglu", named)
+    monkeypatch.setattr(zoo.deepseek_v3.model, "layer_policy", lambda policy, model: policy)
     assert sum(b.names["down"] for b in layer_bodies(lm, model, ids, None)) == 2  # dense MLP, shared experts
     save = jax.checkpoint_policies.save_only_these_names(*NAMES, "down")
     skip = jax.checkpoint_policies.save_only_these_names(*NAMES)

@@ -10,9 +10,9 @@ the row's last real token, and a decoded token overwrites slot ``lengths[b]`` be
 read.
 
 Everything model-specific is the model's own (:class:`zoo.causal_lm.CausalLM`):
-``model.init_cache``, ``model.prefill`` and ``model.decode_step``, each family's in its own
-``decode.py`` (a grouped-query :class:`~zoo.layers.kv_cache.KVCache`, or a cache of the
-family's own). A family's cache options pass through as keyword arguments.
+``model.init_cache``, ``model.prefill`` and ``model.decode_step``: a grouped-query
+:class:`~zoo.layers.kv_cache.KVCache` (:class:`zoo.layers.gqa_decode.GQAGeneration`), or a
+cache of the family's own (its ``decode.py``). A family's cache options pass through as keyword arguments.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from zoo.core.protocol import CausalLM
 from zoo.hooks.step import (
     context_gather,
     context_positions,
@@ -215,3 +216,14 @@ def lm_loss(
     labels, mask = shifted_targets(input_ids, segment_ids, loss_mask)
     features = model.forward(input_ids, positions=positions, segment_ids=segment_ids, placement=placement, head=False)[0]
     return chunked_cross_entropy(features, model.unembedding(), labels, mask, vocab_size=model.config.vocab_size)
+
+
+class NextTokenLM(CausalLM):
+    """A family trained on the plain next-token loss alone (no training options): its
+    :meth:`loss` is :func:`lm_loss` (``loss_mask``: which targets count), logged as ``lm_loss``."""
+
+    def loss(self, input_ids, *, options=None, positions=None, segment_ids=None, loss_mask=None, placement=None):
+        loss = lm_loss(
+            self, input_ids, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask, placement=placement
+        )
+        return loss, {"lm_loss": loss}

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size
-from zoo.core.params import flatten, map_params
+from zoo.core.params import Param, flatten, init_with_stacks, map_params
 from zoo.core.registry import family_of, is_model
 from zoo.errors import MeshError
 
@@ -184,9 +184,10 @@ def _would_work(size: int, axis: str, mesh: AnyMesh) -> str:
     return f"{axis}={' or '.join(map(str, divisors))} would work"
 
 
-def validate_mesh(mesh: AnyMesh, config: Any) -> None:
-    """Every dimension a mesh axis splits must divide evenly or be padded, and every axis must
-    split something.
+def validate_mesh(mesh: AnyMesh, config: Any, *, virtual_stages: int = 1) -> None:
+    """Every dimension a mesh axis splits must divide evenly or be padded, every axis must
+    split something, and the family must accept the layout (its ``check_layout``; with
+    ``virtual_stages``, the interleaved pipeline schedule's chunks per stage).
 
     A letter whose rule pads (the vocabulary, MLP hidden units) is laid out padded
     (:func:`layout_sizes`); any other split that does not divide raises :class:`MeshError`
@@ -221,6 +222,9 @@ def validate_mesh(mesh: AnyMesh, config: Any) -> None:
                 f"mesh axis {axis!r} has size {axis_size(mesh, axis)} but {name} has no {what} to split over it; "
                 "every device on it would repeat the same work (use data or fsdp instead)"
             )
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+        raise MeshError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    family_of(config).check_layout(config, mesh, virtual_stages=virtual_stages)
 
 
 def check_padded(model, mesh: AnyMesh) -> None:
@@ -247,3 +251,20 @@ def init_arrays(init: Callable[..., Mapping[str, Array]], key: PRNGKeyArray, con
     validate_mesh(mesh, config)
     return dict(init(key, param_shardings(config, mesh), layout_sizes(config, mesh)))
 
+
+
+def model_arrays(model: str, config: Any, specs: Mapping[str, Param], stacks: Mapping[str, str], *,
+                 key: PRNGKeyArray | None, arrays: Mapping[str, Array] | None, mesh: object, dtype) -> Mapping[str, Array]:  # fmt: skip
+    """What a family's ``__init__`` builds its model from: ``arrays`` as given (loaded weights),
+    or fresh ones from ``key`` (:func:`init_with_stacks`: each layer stack ``{path prefix:
+    stacked letter}`` from per-layer keys; with ``mesh``, made in place: :func:`init_arrays`)."""
+    if arrays is not None:
+        return arrays
+    if key is None:
+        raise TypeError(f"{model} needs key= (fresh init) or arrays= (loaded weights)")
+
+    def init(k: PRNGKeyArray, shardings: Any, padded: Any) -> dict[str, Array]:
+        return init_with_stacks(specs, config.sizes, stacks, key=k, std=config.initializer_range, dtype=dtype,
+                                shardings=shardings, padded=padded)  # fmt: skip
+
+    return init_arrays(init, key, config, mesh)

@@ -101,6 +101,14 @@ def check_positive(config: Any, *fields: str) -> None:
             raise ConfigError(f"{type(config).__name__}.{name} must be a positive finite number, got {value!r}")
 
 
+def check_positive_ints(config: Any, *fields: str) -> None:
+    """Each field a positive integer (not a bool), else a :class:`~zoo.errors.ConfigError` naming it."""
+    for name in fields:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{type(config).__name__}.{name} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class NoTrainingOptions:
     """A family whose training objective is the plain next-token loss has no options."""
@@ -175,8 +183,7 @@ class CausalLM(eqx.Module):
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """The training objective and what to log about it (``lm_loss`` at least). Floating
         metrics are averaged over micro-batches and devices, integer ones (counts) summed.
-        A family with nothing but the next-token loss returns ``zoo.loss.lm_loss`` (``loss_mask``:
-        which targets count) and ``{"lm_loss": loss}``."""
+        A family with nothing but the next-token loss derives from ``zoo.loss.NextTokenLM``."""
 
     def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> CausalLM:
         """What the training step changes outside the gradient, from the step's metrics
@@ -219,6 +226,14 @@ class CausalLM(eqx.Module):
     @classmethod
     def hf_check(cls, config: Any, keys: set[str]) -> None:
         """Consistency checks of a file's keys against the config (raise ``CheckpointError``)."""
+
+    # -- layout on a mesh ---------------------------------------------------------------
+    @classmethod
+    def check_layout(cls, config: Any, mesh: Any, *, virtual_stages: int = 1) -> None:
+        """The family's own checks that ``mesh`` can run ``config`` (raise ``MeshError``), beyond
+        what its axis rules make :func:`zoo.core.layout.validate_mesh` check, which calls this
+        before anything is placed or traced. ``virtual_stages``: the interleaved pipeline
+        schedule's chunks per stage. The default accepts every layout."""
 
 
 def options_or_default(model: CausalLM, options: Any) -> Any:

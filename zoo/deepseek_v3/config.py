@@ -6,10 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.core.protocol import AxisRule, ModelConfig, check_positive
+from zoo.core.protocol import AxisRule, check_positive_ints
 from zoo.errors import ConfigError
-from zoo.hf.config import HFConfig
-from zoo.layers.attention import check_attention
+from zoo.hf.config import HFConfig, decoder_hf
+from zoo.layers.decoder import DecoderConfig
 from zoo.layers.rope import Rope, yarn_mscale
 
 DEEPSEEK_V3_ROPE = Rope(
@@ -38,8 +38,9 @@ DEEPSEEK_V3_AXES: dict[str, AxisRule] = {
 
 
 @dataclass(frozen=True)
-class DeepseekV3Config(ModelConfig):
-    """Architecture of a DeepSeek-V3 decoder. Field names follow Hugging Face's where they exist.
+class DeepseekV3Config(DecoderConfig):
+    """Architecture of a DeepSeek-V3 decoder. Field names follow Hugging Face's where they exist
+    (the shared ones: :class:`~zoo.layers.decoder.DecoderConfig`).
 
     ``q_lora_rank=None`` gives a plain query projection (as in DeepSeek-V2-Lite).
     ``mtp`` (a loading option, not in config.json): build the multi-token-prediction module
@@ -48,12 +49,7 @@ class DeepseekV3Config(ModelConfig):
 
     axis_rules: ClassVar[dict[str, AxisRule]] = DEEPSEEK_V3_AXES
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
     moe_intermediate_size: int
-    num_layers: int
-    num_heads: int
     q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -70,32 +66,17 @@ class DeepseekV3Config(ModelConfig):
     rms_norm_eps: float = 1e-6
     rope: Rope = field(default_factory=lambda: DEEPSEEK_V3_ROPE)
     rope_interleave: bool = True
-    tie_word_embeddings: bool = False
     max_position_embeddings: int = 163840
-    initializer_range: float = 0.02
     num_nextn_predict_layers: int = 0
     mtp: bool = False
     aux_loss_alpha: float = 0.0
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    # Not architecture: which attention path runs (zoo.layers.attention; never in config.json).
-    attention: str = "auto"
-    # The source config.json's fields this config does not model (pad_token_id, architectures'
-    # companions, custom keys), as (name, JSON text) pairs: a save writes them back unchanged.
-    hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
-        check_attention(self)
-        check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
-        positive = (
-            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers", "num_heads",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-            "num_experts_per_tok", "n_group", "topk_group",
+        super().__post_init__()
+        check_positive_ints(
+            self, "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
         )  # fmt: skip
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"DeepseekV3Config.{name} must be a positive integer, got {value!r}")
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
             raise ConfigError(f"DeepseekV3Config.q_lora_rank must be a positive integer or None, got {self.q_lora_rank!r}")
         if self.n_routed_experts % self.n_group:
@@ -143,12 +124,8 @@ class DeepseekV3Config(ModelConfig):
         return self.num_layers - self.first_k_dense_replace
 
     @property
-    def sizes(self) -> dict[str, int]:
-        """Size of every dimension letter in the model file's legend."""
+    def own_sizes(self) -> dict[str, int]:
         return {
-            "V": self.vocab_size,
-            "D": self.hidden_size,
-            "F": self.intermediate_size,
             "M": self.moe_intermediate_size,
             "X": self.moe_intermediate_size * self.n_shared_experts,
             "Ld": self.num_dense_layers,
@@ -207,17 +184,9 @@ class DeepseekV3Config(ModelConfig):
         method = c.get("topk_method", str, "noaux_tc")
         if method != "noaux_tc":
             raise ConfigError(f"{source}: field 'topk_method' is {method!r}; only 'noaux_tc' (DeepSeek-V3) is supported")
-        try:
-            rope = Rope.from_hf(data)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{source}: rope settings: {e}") from None
         return cls(
-            vocab_size=c.get("vocab_size", int),
-            hidden_size=c.get("hidden_size", int),
-            intermediate_size=c.get("intermediate_size", int),
+            **c.decoder_fields(max_position_embeddings=163840),
             moe_intermediate_size=c.get("moe_intermediate_size", int),
-            num_layers=c.get("num_hidden_layers", int),
-            num_heads=c.get("num_attention_heads", int),
             q_lora_rank=c.get("q_lora_rank", int, None),
             kv_lora_rank=c.get("kv_lora_rank", int),
             qk_nope_head_dim=c.get("qk_nope_head_dim", int),
@@ -231,29 +200,19 @@ class DeepseekV3Config(ModelConfig):
             first_k_dense_replace=c.get("first_k_dense_replace", int, 0),
             routed_scaling_factor=c.get("routed_scaling_factor", float, 1.0),
             norm_topk_prob=c.get("norm_topk_prob", bool, False),
-            rms_norm_eps=c.get("rms_norm_eps", float, 1e-6),
-            rope=rope,
+            rope=c.parsed("rope settings", Rope.from_hf),
             rope_interleave=c.get("rope_interleave", bool, True),
-            tie_word_embeddings=c.get("tie_word_embeddings", bool, False),
-            max_position_embeddings=c.get("max_position_embeddings", int, 163840),
-            initializer_range=c.get("initializer_range", float, 0.02),
             num_nextn_predict_layers=c.get("num_nextn_predict_layers", int, 0),
             mtp=mtp,
             aux_loss_alpha=c.get("aux_loss_alpha", float, 0.0),
-            bos_token_id=c.get("bos_token_id", int, None),
-            eos_token_id=c.get("eos_token_id", (int, list), None),
         )
 
     def to_hf(self) -> dict[str, Any]:
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
+            **decoder_hf(self),
             "moe_intermediate_size": self.moe_intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_heads,
             "q_lora_rank": self.q_lora_rank,
             "kv_lora_rank": self.kv_lora_rank,
@@ -271,17 +230,9 @@ class DeepseekV3Config(ModelConfig):
             "norm_topk_prob": self.norm_topk_prob,
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
-            "rms_norm_eps": self.rms_norm_eps,
             "rope_interleave": self.rope_interleave,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
             "num_nextn_predict_layers": self.num_nextn_predict_layers if self.mtp else 0,
             "aux_loss_alpha": self.aux_loss_alpha,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
             **self.rope.to_hf(),
         }
 

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from zoo.deepseek_v3.config import DeepseekV3Config
-from zoo.deepseek_v3.model import MLA, MLA_DECODES, dense_layer_ffn, mla_expand, mla_project, moe_layer_ffn
+from zoo.deepseek_v3.layer import cast_moe, dense_layer_ffn, moe_layer_ffn
+from zoo.deepseek_v3.mla import MLA, mla_expand, mla_project
 from zoo.layers import causal_attention, embed, rms_norm, rope_cos_sin, unembed
 from zoo.layers.kv_cache import (
     KVCache,
-    bytes_per_token,
+    SlotCache,
     cached_attention,
     check_cache_size,
     check_prefill,
@@ -52,12 +53,14 @@ if TYPE_CHECKING:
     from zoo.deepseek_v3.model import DeepseekV3
 
 MLADecode = Literal["absorbed", "reexpand", "expanded"]
+MLA_DECODES: tuple[str, ...] = ("absorbed", "reexpand", "expanded")
 
 
-class MLACache(eqx.Module):
+class MLACache(SlotCache):
     """DeepSeek-V3's compressed cache: per token and layer, the normalised kv latent (C)
-    and the rotated rope key (P), shared by every head. ``absorb``: decode by weight
-    absorption (``False``: re-expand keys and values for the whole context every step)."""
+    and the rotated rope key (P), shared by every head (``L · (C + P) · itemsize`` bytes a
+    token). ``absorb``: decode by weight absorption (``False``: re-expand keys and values for
+    the whole context every step)."""
 
     latent: Float[Array, "L B T C"]
     k_rope: Float[Array, "L B T P"]
@@ -67,11 +70,6 @@ class MLACache(eqx.Module):
     @property
     def max_len(self) -> int:
         return self.latent.shape[2]
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies over all layers: ``L · (C + P) · itemsize``."""
-        return bytes_per_token(self, self.latent, self.k_rope)
 
 
 def init_cache(model: DeepseekV3, batch: int, max_len: int, *, mla: MLADecode = "absorbed") -> KVCache | MLACache:
@@ -157,7 +155,7 @@ def _head(model: DeepseekV3, x: Float[Array, "B S D"]) -> Float[Array, "B S V"]:
 
 def _cast(model: DeepseekV3, layer, moe: bool):
     if moe:
-        return model._cast_moe(layer, model.compute_dtype)
+        return cast_moe(layer, model.compute_dtype)
     return jax.tree.map(lambda w: w.astype(model.compute_dtype), layer)
 
 

@@ -22,28 +22,28 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.core.layout import init_arrays
-from zoo.core.named import named
-from zoo.core.params import Param, build, flatten, init_with_stacks
+from zoo.core.layout import model_arrays
+from zoo.core.params import Param, build, flatten
 from zoo.core.protocol import CausalLM, options_or_default
+from zoo.deepseek_v3 import decode
 from zoo.deepseek_v3.checkpoint import check_expert_count, mtp_keys_skipped
 from zoo.deepseek_v3.config import DeepseekV3Config
+from zoo.deepseek_v3.layer import DenseLayer, MoELayer, cast_moe, dense_layer, moe_layer
 from zoo.deepseek_v3.loss import DeepseekV3Training, deepseek_v3_loss
-from zoo.deepseek_v3.moe import MoE, route, sequence_balance_loss, update_router_bias
+from zoo.deepseek_v3.mla import MLA, mla, mla_expand, mla_project  # noqa: F401  (re-exported: their home before mla.py)
+from zoo.deepseek_v3.moe import update_router_bias
 from zoo.deepseek_v3.placement import DeepseekV3Placement
 from zoo.hooks.pipeline import per_layer_to_stored
-from zoo.hooks.step import context_positions, context_size, gather_layer, tensor_psum
-from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.hooks.step import context_positions, context_size, gather_layer
+from zoo.layers import embed, rms_norm, rope_cos_sin, unembed
 from zoo.layers.embed import positions_for
-from zoo.layers.mlp import SwiGLU
-from zoo.layers.moe import expert_load, moe_experts, resolve_expert_impl
+from zoo.layers.moe import resolve_expert_impl
 from zoo.layers.stack import scan_layers
 from zoo.loss import shifted_targets
 from zoo.placement import layer_policy
 
 
 # How generation decodes with the MLA cache (zoo/deepseek_v3/decode.py; the first is the default).
-MLA_DECODES: tuple[str, ...] = ("absorbed", "reexpand", "expanded")
 
 
 def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
@@ -111,34 +111,6 @@ def mtp_duplicates(config: DeepseekV3Config) -> dict[str, str]:
     return out
 
 
-class MLA(eqx.Module):
-    """Multi-head Latent Attention projections. With ``q_lora_rank`` the query goes through
-    ``wq_a`` → RMSNorm → ``wq_b``; without, through ``wq``."""
-
-    wq: Float[Array, "*L D H K"] | None
-    wq_a: Float[Array, "*L D Q"] | None
-    q_norm: Float[Array, "*L Q"] | None
-    wq_b: Float[Array, "*L Q H K"] | None
-    wkv_a: Float[Array, "*L D A"]
-    kv_norm: Float[Array, "*L C"]
-    wkv_b: Float[Array, "*L C H W"]
-    wo: Float[Array, "*L H U D"]
-
-
-class DenseLayer(eqx.Module):
-    attn_norm: Float[Array, "*L D"]
-    attn: MLA
-    mlp_norm: Float[Array, "*L D"]
-    mlp: SwiGLU
-
-
-class MoELayer(eqx.Module):
-    attn_norm: Float[Array, "*L D"]
-    attn: MLA
-    mlp_norm: Float[Array, "*L D"]
-    moe: MoE
-
-
 class MTP(eqx.Module):
     """Multi-token prediction, depth 1: from the main model's last hidden state at t and the
     embedding of token t+1, predict token t+2 (embedding and output head shared)."""
@@ -148,123 +120,6 @@ class MTP(eqx.Module):
     proj: Float[Array, "D2 D"]
     block: MoELayer
     final_norm: Float[Array, " D"]
-
-
-def mla(
-    config: DeepseekV3Config,
-    p: MLA,
-    h: Float[Array, "B S D"],
-    cos: Float[Array, "B S R"],
-    sin: Float[Array, "B S R"],
-    segment_ids: Int[Array, "B S"] | None,
-) -> Float[Array, "B S D"]:
-    """Queries from the (optionally low-rank) query path; keys and values expanded from the
-    normalised kv latent; RoPE on the decoupled rope part only, shared by all heads for keys."""
-    q, kv_latent, k_rope = mla_project(config, p, h, cos, sin)
-    k, v = mla_expand(config, p, kv_latent, k_rope)
-    ctx = causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids, implementation=config.attention)
-    # The projection only feeds the residual add, but the add's result feeds the MLP norm.
-    return named("attn_out", lambda: tensor_psum(jnp.einsum("bshu,hud->bsd", ctx, p.wo)))
-
-
-def mla_project(
-    config: DeepseekV3Config,
-    p: MLA,
-    h: Float[Array, "B S D"],
-    cos: Float[Array, "B S R"],
-    sin: Float[Array, "B S R"],
-) -> tuple[Float[Array, "B S H K"], Float[Array, "B S C"], Float[Array, "B S P"]]:
-    """MLA's projections: queries (RoPE on their last P), the normalised kv latent and the
-    rotated rope key shared by all heads. The latent and the rope key are all that a
-    compressed generation cache keeps (``zoo.generate``)."""
-    eps, n, c = config.rms_norm_eps, config.qk_nope_head_dim, config.kv_lora_rank
-    if p.wq is None:
-        # RMSNorm's backward needs its input: naming it spares recomputing the projection.
-        q_a = named("q_a", jnp.einsum, "bsd,dq->bsq", h, p.wq_a)
-        q_latent = named("q_latent", rms_norm, q_a, p.q_norm, eps)
-
-    def query() -> Float[Array, "B S H K"]:
-        if p.wq is not None:
-            q = jnp.einsum("bsd,dhk->bshk", h, p.wq)
-        else:
-            q = jnp.einsum("bsq,qhk->bshk", q_latent, p.wq_b)
-        q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
-        return jnp.concatenate([q[..., :n], q_rope], axis=-1)
-
-    # The down projection's columns are kv_a's and the rope key's: it runs outside both scopes.
-    kv = jnp.einsum("bsd,da->bsa", h, p.wkv_a)
-    kv_a = named("kv_a", lambda: kv[..., :c])
-    kv_latent = named("kv_latent", rms_norm, kv_a, p.kv_norm, eps)
-    k_rope = apply_rope(kv[..., None, c:], cos, sin, interleaved=config.rope_interleave)[..., 0, :]
-    return named("query", query), kv_latent, k_rope
-
-
-def mla_expand(
-    config: DeepseekV3Config, p: MLA, kv_latent: Float[Array, "B T C"], k_rope: Float[Array, "B T P"]
-) -> tuple[Float[Array, "B T H K"], Float[Array, "B T H U"]]:
-    """Per-head keys and values from the latent through ``wkv_b`` (its first N columns per
-    head make the keys' no-rope part, the last U the values); the rope key is shared."""
-    n = config.qk_nope_head_dim
-    # The up projection's columns are the keys' and the values': it runs outside both scopes.
-    expanded = jnp.einsum("bsc,chw->bshw", kv_latent, p.wkv_b)
-
-    def key() -> Float[Array, "B T H K"]:
-        k_nope = expanded[..., :n]
-        shared = jnp.broadcast_to(k_rope[..., None, :], (*k_nope.shape[:-1], k_rope.shape[-1]))
-        return jnp.concatenate([k_nope, shared], axis=-1)
-
-    return named("key", key), named("value", lambda: expanded[..., n:])
-
-
-def moe_ffn(
-    config: DeepseekV3Config, p: MoE, h: Float[Array, "B S D"], impl: str
-) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""]]:
-    """Routed + shared experts. Returns the output, the per-expert load and the (un-weighted)
-    sequence-wise balance loss."""
-    b, s, d = h.shape
-    x = h.reshape(b * s, d)
-    routing = route(
-        x, p.router, p.router_bias, top_k=config.num_experts_per_tok, n_group=config.n_group,
-        topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
-    )  # fmt: skip
-    out = moe_experts(x, routing, p.w_gate, p.w_up, p.w_down, impl=impl).reshape(b, s, d)
-    if p.shared is not None:
-        out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")
-    k = config.num_experts_per_tok
-    balance = sequence_balance_loss(routing.scores.reshape(b, s, -1), routing.experts.reshape(b, s, k))
-    return out, expert_load(routing.experts, config.n_routed_experts), balance
-
-
-def dense_layer(config, layer: DenseLayer, x, cos, sin, segment_ids):
-    """Pre-norm MLA then pre-norm SwiGLU, each added to the residual stream."""
-    x = named("layer_input", lambda: x)
-    h = named("attn_norm", rms_norm, x, layer.attn_norm, config.rms_norm_eps)
-    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)  # mla names "attn_out"
-    return dense_layer_ffn(config, layer, x)
-
-
-def dense_layer_ffn(config: DeepseekV3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
-    """A dense layer after its attention: pre-norm SwiGLU added to the residual stream."""
-    h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
-    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
-
-
-def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
-    """Pre-norm MLA then pre-norm MoE; also the layer's expert load and balance loss."""
-    x = named("layer_input", lambda: x)
-    h = named("attn_norm", rms_norm, x, layer.attn_norm, config.rms_norm_eps)
-    x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
-    return moe_layer_ffn(config, layer, x, impl)
-
-
-def moe_layer_ffn(
-    config: DeepseekV3Config, layer: MoELayer, x: Float[Array, "B S D"], impl: str
-) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""]]:
-    """An MoE layer after its attention: pre-norm MoE added to the residual stream; also the
-    layer's expert load and balance loss."""
-    h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
-    out, load, balance = moe_ffn(config, layer.moe, h, impl)
-    return x + out, load, balance
 
 
 class DeepseekV3Output(NamedTuple):
@@ -308,28 +163,17 @@ class DeepseekV3(CausalLM):
     placement_map: ClassVar[type] = DeepseekV3Placement
     training_options: ClassVar[type] = DeepseekV3Training
     cache_options: ClassVar[Mapping[str, tuple[tuple[str, ...], str]]] = {
-        "mla": (MLA_DECODES, ("DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same "
+        "mla": (decode.MLA_DECODES, ("DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same "
                               "cache re-expanded every step, or an expanded per-head cache")),
     }  # fmt: skip
 
-    def __init__(
-        self,
-        config: DeepseekV3Config,
-        *,
-        key: PRNGKeyArray | None = None,
-        arrays: Mapping[str, Array] | None = None,
-        mesh: Any = None,
-        param_dtype=jnp.float32,
-        compute_dtype=jnp.float32,
-        expert_impl: str = "auto",
-    ):
+    def __init__(self, config: DeepseekV3Config, *, key: PRNGKeyArray | None = None, arrays=None, mesh: Any = None,
+                 param_dtype=jnp.float32, compute_dtype=jnp.float32, expert_impl: str = "auto"):  # fmt: skip
         resolve_expert_impl(expert_impl)  # validates the name
         self.config, self.compute_dtype, self.expert_impl = config, jnp.dtype(compute_dtype), expert_impl
-        specs = deepseek_v3_params(config)
-        if arrays is None:
-            if key is None:
-                raise TypeError("DeepseekV3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k, sh, pad: self._init(specs, k, param_dtype, sh, pad), key, config, mesh)
+        stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
+        arrays = model_arrays("DeepseekV3", config, deepseek_v3_params(config), stacks, key=key, arrays=arrays,
+                              mesh=mesh, dtype=param_dtype)  # fmt: skip
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.num_dense_layers else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.num_moe_layers else None
@@ -343,22 +187,8 @@ class DeepseekV3(CausalLM):
             self.config, arrays=flatten(self), compute_dtype=self.compute_dtype, expert_impl=expert_impl
         )
 
-    def _init(self, specs, key, dtype, shardings=None, padded=None) -> dict[str, Array]:
-        """Fresh weights; each layer stack from per-layer keys (``shardings``, ``padded``: made in place)."""
-        stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
-        return init_with_stacks(specs, self.config.sizes, stacks, key=key, std=self.config.initializer_range, dtype=dtype,
-                                shardings=shardings, padded=padded)  # fmt: skip
-
-    def forward(
-        self,
-        input_ids: Int[Array, "B S"],
-        *,
-        positions: Int[Array, "B S"] | None = None,
-        segment_ids: Int[Array, "B S"] | None = None,
-        placement=None,
-        return_hidden: bool = False,
-        head: bool = True,
-    ) -> DeepseekV3Output:
+    def forward(self, input_ids: Int[Array, "B S"], *, positions=None, segment_ids=None, placement=None,
+                return_hidden: bool = False, head: bool = True) -> DeepseekV3Output:  # fmt: skip
         """Logits, per-MoE-layer expert load, the summed balance loss, MTP logits (when the
         model has MTP; position t predicts token t+2), and with ``return_hidden`` the hidden
         states as ``transformers`` reports them. ``head=False``: both logits fields hold the
@@ -384,7 +214,7 @@ class DeepseekV3(CausalLM):
 
             def moe_body(h, layer, rows):
                 h, layer_load, layer_balance = moe_layer(
-                    config, gather_layer(self._cast_moe(layer, dtype)), h, *rows, self.expert_impl
+                    config, gather_layer(cast_moe(layer, dtype)), h, *rows, self.expert_impl
                 )
                 return h, (layer_load, layer_balance, h if return_hidden else None)
 
@@ -410,13 +240,6 @@ class DeepseekV3(CausalLM):
             hidden = jnp.concatenate([outputs[0][None], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
         return DeepseekV3Output(logits, hidden, load, balance, mtp_logits)
 
-    @staticmethod
-    def _cast_moe(layer: MoELayer, dtype) -> MoELayer:
-        """Compute-dtype copy of a layer's weights; the router stays float32 (it routes)."""
-        router = (layer.moe.router, layer.moe.router_bias)
-        layer = jax.tree.map(lambda w: w.astype(dtype), layer)
-        return eqx.tree_at(lambda l: (l.moe.router, l.moe.router_bias), layer, router)
-
     def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype, policy=None) -> Float[Array, "B S _"]:
         m, eps = self.mtp, self.config.rms_norm_eps
         # Token t+1 for position t (the last repeats: its prediction is masked out); under
@@ -433,7 +256,7 @@ class DeepseekV3(CausalLM):
 
         if policy is not None:  # the placement map places the MTP block's tensors as a layer's
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
-        x = block(x, self._cast_moe(m.block, dtype))
+        x = block(x, cast_moe(m.block, dtype))
         x = rms_norm(x, m.final_norm, eps)
         return x if head is None else unembed(x, head, vocab_size=self.config.vocab_size)
 
@@ -471,21 +294,10 @@ class DeepseekV3(CausalLM):
         bias = update_router_bias(bias, load, rate)
         return eqx.tree_at(lambda m: m.moe_layers.moe.router_bias, self, bias)
 
-    # -- generation (zoo/deepseek_v3/decode.py) --------------------------------------------
-    def init_cache(self, batch: int, max_len: int, **options: Any):
-        from zoo.deepseek_v3.decode import init_cache
-
-        return init_cache(self, batch, max_len, **options)
-
-    def prefill(self, input_ids, lengths, *, max_len: int, all_logits: bool = False, **options: Any):
-        from zoo.deepseek_v3.decode import prefill
-
-        return prefill(self, input_ids, lengths, max_len=max_len, all_logits=all_logits, **options)
-
-    def decode_step(self, cache, tokens):
-        from zoo.deepseek_v3.decode import decode_step
-
-        return decode_step(self, cache, tokens)
+    # -- generation (zoo/deepseek_v3/decode.py: its functions are the methods) -------------
+    init_cache = decode.init_cache
+    prefill = decode.prefill
+    decode_step = decode.decode_step
 
     # -- Hugging Face checkpoints (zoo/deepseek_v3/checkpoint.py) ---------------------------
     @classmethod

@@ -11,8 +11,8 @@ from zoo.placement import Placement, PlacementMap, layer_input_slot
 
 @dataclass(frozen=True)
 class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"):
-    """Placement of every named tensor of a DeepSeek-V3 layer (``zoo/deepseek_v3/model.py``,
-    ``zoo/deepseek_v3/moe.py``). One map places the dense and the MoE layers (two scans, one
+    """Placement of every named tensor of a DeepSeek-V3 layer (``zoo/deepseek_v3/layer.py``,
+    ``mla.py``, ``moe.py``). One map places the dense and the MoE layers (two scans, one
     policy) and the MTP block (checkpointed with the same policy); a name absent from a layer
     kind is simply not there (``mlp_*`` in the dense layers only; ``router_logits``, ``moe_*``
     and ``shared_*`` in the MoE layers only).

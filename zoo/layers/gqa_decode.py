@@ -2,7 +2,9 @@
 prefill and one-token decode steps, given the family's two halves of a layer.
 
 The cache keeps the keys as attention reads them (after RoPE, and whatever the family applies
-before it) and the values: ``2·G·K`` numbers per token per layer. A family supplies
+before it) and the values: ``2·G·K`` numbers per token per layer. A family's model class
+derives from :class:`GQAGeneration` and describes its layer (:meth:`GQAGeneration.decode_layers`,
+a :class:`GQALayers`):
 
 - ``qkv(layer, h, cos, sin) -> (q, k, v)``: its queries, keys and values of ``h``;
 - ``finish(layer, h, ctx, kind) -> h``: the rest of the layer after attention;
@@ -14,12 +16,14 @@ Dimension letters: B batch, S prompt positions, T cache slots, D model width, V 
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from zoo.core.protocol import CausalLM
 from zoo.layers.attention import causal_attention
 from zoo.layers.embed import embed, unembed
 from zoo.layers.kv_cache import (
@@ -37,6 +41,15 @@ from zoo.layers.rope import rope_cos_sin
 
 QKV = Callable[[Any, Array, Array, Array], tuple[Array, Array, Array]]
 Finish = Callable[[Any, Array, Array, Any], Array]
+
+
+class GQALayers(NamedTuple):
+    """A grouped-query family's layer as the decoder runs it (see the module's docstring)."""
+
+    runs: Sequence[tuple[Any, Any]]
+    qkv: QKV
+    finish: Finish
+    cast: Callable[[Any], Any]
 
 
 def init_gqa_cache(model: Any, batch: int, max_len: int, **options: Any) -> KVCache:
@@ -59,13 +72,11 @@ def gqa_prefill(
     max_len: int,
     all_logits: bool,
     options: dict[str, Any],
-    runs: Sequence[tuple[Any, Any]],
-    qkv: QKV,
-    finish: Finish,
-    cast: Callable[[Any], Any],
+    layers: GQALayers,
 ) -> tuple[Array, KVCache]:
     """The prompts' cache and the logits of each row's last real token (every position's
     with ``all_logits``)."""
+    runs, qkv, finish, cast = layers
     check_prefill(input_ids, max_len)
     cache = init_gqa_cache(model, input_ids.shape[0], max_len, **options)
     config = model.config
@@ -89,13 +100,10 @@ def gqa_decode_step(
     model: Any,
     cache: KVCache,
     tokens: Int[Array, " B"],
-    *,
-    runs: Sequence[tuple[Any, Any]],
-    qkv: QKV,
-    finish: Finish,
-    cast: Callable[[Any], Any],
+    layers: GQALayers,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """One token per row at each row's next slot: its logits and the cache with it written."""
+    runs, qkv, finish, cast = layers
     if not isinstance(cache, KVCache):
         raise TypeError(f"a {type(model).__name__} model decodes with a KVCache, got {type(cache).__name__}")
     config = model.config
@@ -112,3 +120,23 @@ def gqa_decode_step(
     x, cache = decode_stacks(embed(model.embed, tokens[:, None], model.compute_dtype, vocab_size=model.config.vocab_size), cache, runs, body)
     cache = KVCache(cache.k, cache.v, cache.lengths + 1)
     return _head(model, x)[:, 0], cache
+
+
+class GQAGeneration(CausalLM):
+    """A grouped-query family's generation: the shared cache, prefill and decode step above,
+    with the family's layer (:meth:`decode_layers`)."""
+
+    @abc.abstractmethod
+    def decode_layers(self) -> GQALayers:
+        """The model's layer as the decoder runs it: its halves around attention, its stacks."""
+
+    def init_cache(self, batch: int, max_len: int, **options: Any) -> KVCache:
+        return init_gqa_cache(self, batch, max_len, **options)
+
+    def prefill(self, input_ids, lengths, *, max_len: int, all_logits: bool = False, **options: Any):
+        return gqa_prefill(
+            self, input_ids, lengths, max_len=max_len, all_logits=all_logits, options=options, layers=self.decode_layers()
+        )
+
+    def decode_step(self, cache, tokens):
+        return gqa_decode_step(self, cache, tokens, self.decode_layers())

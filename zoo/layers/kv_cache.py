@@ -11,6 +11,7 @@ compressed latent cache) keep it in their own folder and reuse :func:`write_toke
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,13 +21,28 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-class KVCache(eqx.Module):
-    """Keys (after RoPE) and values of every layer for ``T`` positions of ``B`` rows.
+class SlotCache(eqx.Module):
+    """A generation cache: every layer's entries for ``max_len`` slots of each row, and a field
+    ``lengths`` (``[B]``): the tokens row ``b`` holds, which is also the position of its next token."""
+
+    @property
+    @abc.abstractmethod
+    def max_len(self) -> int:
+        """The slots of each row."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies over all layers: its share of every buffer but ``lengths``."""
+        return bytes_per_token(self, *(a for a in jax.tree.leaves(self) if a is not self.lengths))
+
+
+class KVCache(SlotCache):
+    """Keys (after RoPE) and values of every layer for ``T`` positions of ``B`` rows: a token
+    takes ``L · G · (K + U) · itemsize`` bytes.
 
     Grouped-query caches (G key/value heads), and per-head caches with a value head size U
     other than K (DeepSeek-V3's expanded reference). Heads come before positions so that a
     layer's slice is already in the layout the attention products read.
-    ``lengths[b]``: the tokens row ``b`` holds, which is also the position of its next token.
     """
 
     k: Float[Array, "L B G T K"]
@@ -44,11 +60,6 @@ class KVCache(eqx.Module):
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies over all layers: ``L · G · (K + U) · itemsize``."""
-        return bytes_per_token(self, self.k, self.v)
 
     def filled(self, k: Float[Array, "L B S G K"], v: Float[Array, "L B S G U"], lengths: Int[Array, " B"]) -> KVCache:
         """The cache with the prompt's keys and values in slots ``0..S-1`` and ``lengths`` set."""

@@ -6,10 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.core.protocol import AxisRule, ModelConfig, check_positive
+from zoo.core.protocol import AxisRule
 from zoo.errors import ConfigError
-from zoo.hf.config import HFConfig
-from zoo.layers.attention import check_attention
+from zoo.hf.config import HFConfig, decoder_hf
+from zoo.layers.decoder import GQAConfig
 from zoo.layers.rope import Rope
 
 LLAMA3_ROPE = Rope(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
@@ -28,57 +28,20 @@ LLAMA_AXES: dict[str, AxisRule] = {
 
 
 @dataclass(frozen=True)
-class LlamaConfig(ModelConfig):
-    """Architecture of a Llama 3.x decoder. Field names follow Hugging Face's where they exist."""
+class LlamaConfig(GQAConfig):
+    """Architecture of a Llama 3.x decoder. Field names follow Hugging Face's where they exist
+    (the shared ones, from ``vocab_size`` to ``head_dim`` and the keyword-only ``tie_word_embeddings``,
+    ``initializer_range``, special tokens, ``attention`` and ``hf_extra``: :class:`GQAConfig`)."""
 
     axis_rules: ClassVar[dict[str, AxisRule]] = LLAMA_AXES
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float = 1e-5
     rope: Rope = field(default_factory=lambda: LLAMA3_ROPE)
-    tie_word_embeddings: bool = False
     max_position_embeddings: int = 131072
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    # Not architecture: which attention path runs (zoo.layers.attention; never in config.json).
-    attention: str = "auto"
-    # The source config.json's fields this config does not model (pad_token_id, architectures'
-    # companions, custom keys), as (name, JSON text) pairs: a save writes them back unchanged.
-    hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
-
-    def __post_init__(self):
-        check_attention(self)
-        check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"LlamaConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"LlamaConfig.head_dim ({self.head_dim}) must be even for rotary embeddings")
 
     @property
-    def sizes(self) -> dict[str, int]:
-        """Size of every dimension letter in the model file's legend."""
-        return {
-            "V": self.vocab_size,
-            "D": self.hidden_size,
-            "F": self.intermediate_size,
-            "L": self.num_layers,
-            "H": self.num_heads,
-            "G": self.num_kv_heads,
-            "K": self.head_dim,
-        }
+    def own_sizes(self) -> dict[str, int]:
+        return {"L": self.num_layers, "H": self.num_heads, "G": self.num_kv_heads, "K": self.head_dim}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward = 3x forward) per token at sequence length ``seq_len``.
@@ -99,49 +62,23 @@ class LlamaConfig(ModelConfig):
     @classmethod
     def from_hf(cls, data: dict[str, Any], source: str = "config.json") -> LlamaConfig:
         c = HFConfig(data, source)
-        heads = c.get("num_attention_heads", int)
-        hidden = c.get("hidden_size", int)
-        try:
-            rope = Rope.from_hf(data)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{source}: rope settings: {e}") from None
+        shared = c.decoder_fields(max_position_embeddings=131072)
+        heads = shared["num_heads"]
         return cls(
-            vocab_size=c.get("vocab_size", int),
-            hidden_size=hidden,
-            intermediate_size=c.get("intermediate_size", int),
-            num_layers=c.get("num_hidden_layers", int),
-            num_heads=heads,
+            **shared,
             num_kv_heads=c.get("num_key_value_heads", int, heads),
-            head_dim=c.get("head_dim", int, hidden // heads),
-            rms_norm_eps=c.get("rms_norm_eps", float, 1e-6),
-            rope=rope,
-            tie_word_embeddings=c.get("tie_word_embeddings", bool, False),
-            max_position_embeddings=c.get("max_position_embeddings", int, 131072),
-            initializer_range=c.get("initializer_range", float, 0.02),
-            bos_token_id=c.get("bos_token_id", int, None),
-            eos_token_id=c.get("eos_token_id", (int, list), None),
+            head_dim=c.get("head_dim", int, shared["hidden_size"] // heads),
+            rope=c.parsed("rope settings", Rope.from_hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
+            **decoder_hf(self),
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "attention_bias": False,
             "mlp_bias": False,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
             **self.rope.to_hf(),
         }

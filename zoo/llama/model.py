@@ -10,26 +10,25 @@ Layer parameters are stored stacked (leading ``L``) and the decoder runs them wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.core.layout import init_arrays
+from zoo.core.layout import model_arrays
 from zoo.core.named import named
-from zoo.core.params import Param, build, init_with_stacks
-from zoo.core.protocol import CausalLM
+from zoo.core.params import Param, build
 from zoo.hooks.step import gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.decoder import DenseBlock, GQAttention
 from zoo.layers.embed import positions_for
-from zoo.layers.mlp import SwiGLU
+from zoo.layers.gqa_decode import GQAGeneration, GQALayers
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
 from zoo.llama.placement import LlamaPlacement
-from zoo.loss import lm_loss
+from zoo.loss import NextTokenLM
 from zoo.placement import layer_policy
 
 
@@ -54,22 +53,10 @@ def llama_params(config: LlamaConfig) -> dict[str, Param]:
     return specs
 
 
-class GQAttention(eqx.Module):
-    """Projections of grouped-query attention."""
-
-    wq: Float[Array, "*L D H K"]
-    wk: Float[Array, "*L D G K"]
-    wv: Float[Array, "*L D G K"]
-    wo: Float[Array, "*L H K D"]
-
-
-class LlamaLayer(eqx.Module):
+class LlamaLayer(DenseBlock):
     """One decoder layer (or, stacked, all of them)."""
 
-    attn_norm: Float[Array, "*L D"]
     attn: GQAttention
-    mlp_norm: Float[Array, "*L D"]
-    mlp: SwiGLU
 
 
 def llama_layer(
@@ -121,14 +108,7 @@ def llama_post_attention(
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 
-def _init_llama(config: LlamaConfig, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None,
-                padded=None) -> dict[str, Array]:  # fmt: skip
-    """Fresh weights; the layer stack from per-layer keys (``shardings``, ``padded``: made in place)."""
-    return init_with_stacks(specs, config.sizes, {"layers": "L"}, key=key, std=config.initializer_range, dtype=dtype,
-                            shardings=shardings, padded=padded)  # fmt: skip
-
-
-class Llama(CausalLM):
+class Llama(GQAGeneration, NextTokenLM):
     """Llama 3.x causal language model: ``model(input_ids) -> logits``.
 
     Build fresh with ``Llama(config, key=key)``, or from arrays (``{path: array}``, as
@@ -148,38 +128,19 @@ class Llama(CausalLM):
     model_types: ClassVar[tuple[str, ...]] = ("llama",)
     placement_map: ClassVar[type] = LlamaPlacement
 
-    def __init__(
-        self,
-        config: LlamaConfig,
-        *,
-        key: PRNGKeyArray | None = None,
-        arrays: Mapping[str, Array] | None = None,
-        mesh: Any = None,
-        param_dtype=jnp.float32,
-        compute_dtype=jnp.float32,
-    ):
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray | None = None, arrays=None, mesh: Any = None,
+                 param_dtype=jnp.float32, compute_dtype=jnp.float32):  # fmt: skip
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
-        specs = llama_params(config)
-        if arrays is None:
-            if key is None:
-                raise TypeError("Llama needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k, sh, pad: _init_llama(config, specs, k, param_dtype, sh, pad), key, config, mesh)
+        arrays = model_arrays("Llama", config, llama_params(config), {"layers": "L"}, key=key, arrays=arrays, mesh=mesh,
+                              dtype=param_dtype)  # fmt: skip
         self.layers = build(LlamaLayer, arrays, "layers.")
         self.embed = arrays["embed"]
         self.final_norm = arrays["final_norm"]
         self.head = None if config.tie_word_embeddings else arrays["head"]
 
-    def forward(
-        self,
-        input_ids: Int[Array, "B S"],
-        *,
-        positions: Int[Array, "B S"] | None = None,
-        segment_ids: Int[Array, "B S"] | None = None,
-        placement=None,
-        return_hidden: bool = False,
-        head: bool = True,
-    ) -> tuple[Float[Array, "B S V"], Float[Array, "L1 B S D"] | None]:
+    def forward(self, input_ids: Int[Array, "B S"], *, positions=None, segment_ids=None, placement=None,
+                return_hidden: bool = False, head: bool = True) -> tuple[Float[Array, "B S V"], Float[Array, "L1 B S D"] | None]:  # fmt: skip
         """Logits, and with ``return_hidden`` the hidden states as ``transformers`` reports them:
         the embedding output, the outputs of layers 1..L-1, then the final norm of layer L's output."""
         config, dtype = self.config, self.compute_dtype
@@ -207,38 +168,17 @@ class Llama(CausalLM):
         """The output head's matrix (the embedding where tied)."""
         return self.embed if self.head is None else self.head
 
-    def loss(
-        self,
-        input_ids: Int[Array, "B S"],
-        *,
-        options: Any = None,
-        positions: Int[Array, "B S"] | None = None,
-        segment_ids: Int[Array, "B S"] | None = None,
-        loss_mask: Bool[Array, "B S"] | None = None,
-        placement: Any = None,
-    ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        """The plain next-token loss (``loss_mask``: which targets count); no training options."""
-        loss = lm_loss(
-            self, input_ids, positions=positions, segment_ids=segment_ids, loss_mask=loss_mask, placement=placement
-        )
-        return loss, {"lm_loss": loss}
-
     @classmethod
     def param_specs(cls, config: LlamaConfig) -> dict[str, Param]:
         return llama_params(config)
 
-    # -- generation (zoo/llama/decode.py) ---------------------------------------------------
-    def init_cache(self, batch: int, max_len: int, **options: Any):
-        from zoo.llama.decode import init_cache
-
-        return init_cache(self, batch, max_len, **options)
-
-    def prefill(self, input_ids, lengths, *, max_len: int, all_logits: bool = False, **options: Any):
-        from zoo.llama.decode import prefill
-
-        return prefill(self, input_ids, lengths, max_len=max_len, all_logits=all_logits, **options)
-
-    def decode_step(self, cache, tokens):
-        from zoo.llama.decode import decode_step
-
-        return decode_step(self, cache, tokens)
+    # -- generation: the shared grouped-query decoder (zoo.layers.gqa_decode) ----------------
+    def decode_layers(self) -> GQALayers:
+        """Llama's layer around attention; the cache keeps the keys after RoPE and the values."""
+        config = self.config
+        return GQALayers(
+            runs=[(self.layers, None)],
+            qkv=lambda layer, h, cos, sin: llama_qkv(config, layer, h, cos, sin),
+            finish=lambda layer, h, ctx, _: llama_post_attention(config, layer, h, ctx),
+            cast=lambda layer: jax.tree.map(lambda w: w.astype(self.compute_dtype), layer),
+        )

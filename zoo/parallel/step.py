@@ -197,7 +197,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
 
     @eqx.filter_jit
     def step(model, *batch, **kwargs):
-        validate_mesh(mesh, model.config)
+        validate_mesh(mesh, model.config, virtual_stages=virtual_stages)
         check_padded(model, mesh)
         axes = tuple(a for a in batch_axes if axis_size(mesh, a) > 1)
         # Array keyword arguments (positions=, segment_ids=) are split like the batch.

@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
-from zoo.core.protocol import AxisRule, ModelConfig, check_positive
-from zoo.errors import ConfigError
-from zoo.hf.config import HFConfig
-from zoo.layers.attention import check_attention
+from zoo.core.protocol import AxisRule
+from zoo.errors import ConfigError, MeshError
+from zoo.hf.config import HFConfig, decoder_hf
+from zoo.layers.decoder import GQAConfig
 from zoo.layers.rope import Rope
 
 QWEN3_ROPE = Rope(theta=1000000.0)
@@ -30,7 +30,7 @@ QWEN3_AXES: dict[str, AxisRule] = {
     "V": AxisRule(("pipeline", "fsdp"), "vocab_size", pad=True),
     # Both layer stacks are pipelined (zoo.pipeline): each block of the forward pass (one
     # repeating pattern of kinds, or one run of a kind) is a GPipe pass over its repeats, which
-    # needs each block to hold its kinds' whole stacks (zoo.qwen3.model.block_pipeline).
+    # needs each block to hold its kinds' whole stacks (Qwen3Config.check_pipeline, run by the mesh check).
     "Ld": AxisRule("pipeline", "num_layers (its dense layers)", pad=True),
     "Lm": AxisRule("pipeline", "num_layers (its MoE layers)", pad=True),
 }
@@ -52,8 +52,9 @@ class Block(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Qwen3Config(ModelConfig):
-    """Architecture of a Qwen3 or Qwen3-MoE decoder. Field names follow Hugging Face's.
+class Qwen3Config(GQAConfig):
+    """Architecture of a Qwen3 or Qwen3-MoE decoder. Field names follow Hugging Face's (the shared
+    ones: :class:`~zoo.layers.decoder.GQAConfig`).
 
     ``model_type="qwen3"`` has no experts; ``"qwen3_moe"`` has ``num_experts`` routed experts
     (softmax router, top ``num_experts_per_tok``, renormalised when ``norm_topk_prob``, no
@@ -62,13 +63,6 @@ class Qwen3Config(ModelConfig):
 
     axis_rules: ClassVar[dict[str, AxisRule]] = QWEN3_AXES
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     model_type: ModelType = "qwen3"
     num_experts: int = 0
     num_experts_per_tok: int = 1
@@ -79,31 +73,13 @@ class Qwen3Config(ModelConfig):
     router_aux_loss_coef: float = 0.001
     rms_norm_eps: float = 1e-6
     rope: Rope = field(default_factory=lambda: QWEN3_ROPE)
-    tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    # Not architecture: which attention path runs (zoo.layers.attention; never in config.json).
-    attention: str = "auto"
-    # The source config.json's fields this config does not model (pad_token_id, architectures'
-    # companions, custom keys), as (name, JSON text) pairs: a save writes them back unchanged.
-    hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
-        check_attention(self)
-        check_positive(self, "rms_norm_eps", "max_position_embeddings", "initializer_range")
+        super().__post_init__()
         name = "Qwen3Config"
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, f)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}.{f} must be a positive integer, got {value!r}")
         if self.model_type not in ("qwen3", "qwen3_moe"):
             raise ConfigError(f"{name}.model_type must be 'qwen3' or 'qwen3_moe', got {self.model_type!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"{name}.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"{name}.head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.model_type == "qwen3" and self.num_experts:
             raise ConfigError(f"{name}: model_type 'qwen3' has no experts, got num_experts={self.num_experts}")
         if self.model_type == "qwen3_moe":
@@ -156,6 +132,38 @@ class Qwen3Config(ModelConfig):
             seen[kind] += end - first
         return tuple(out)
 
+    def check_pipeline(self, stages: int, virtual_stages: int = 1) -> None:
+        """That ``stages`` pipeline stages can run the layers (a :class:`MeshError` if not): each
+        block of the forward pass is a GPipe pass over its repeats, a stage holding whole
+        repeats. That needs every block to hold the whole stack of each kind in its pattern (no
+        kind split into runs between the other's) and, where a repeat has several layers of a
+        kind, the repeats to divide the stages or their padding to line up (each stack is padded
+        on its own), and one layer of it per repeat on the interleaved schedule."""
+        if stages == 1:
+            return
+        for block in self.blocks:
+            for kind in dict.fromkeys(block.pattern):
+                n = len(self.dense_layer_ids if kind == "dense" else self.moe_layer_ids)
+                if block.count(kind) != n:
+                    raise MeshError(
+                        f"Qwen3Config: a pipeline axis needs each kind of layer in one block, but layer kinds "
+                        f"{self.layer_kinds} (mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step="
+                        f"{self.decoder_sparse_step}) split the {kind} layers into runs; use a mesh without pipeline"
+                    )
+                if virtual_stages > 1 and block.pattern.count(kind) > 1:
+                    # zoo.hooks.pipeline.stage_order permutes single layers, not repeats of several.
+                    raise MeshError(
+                        f"Qwen3Config: the interleaved schedule (virtual_stages={virtual_stages}) needs one {kind} "
+                        f"layer per repeat of the layer pattern, but {block.pattern} has {block.pattern.count(kind)}; "
+                        "use virtual_stages=1"
+                    )
+                if -(-n // stages) != block.pattern.count(kind) * -(-block.repeats // stages):
+                    raise MeshError(
+                        f"Qwen3Config: pipeline={stages} does not divide the {block.repeats} repeats of the layer "
+                        f"pattern {block.pattern}, whose {kind} layers would then not line up with the other kind's "
+                        "across the stages; use a pipeline size that divides them"
+                    )
+
     @property
     def runs(self) -> tuple[tuple[str, int, int], ...]:
         """Runs of consecutive layers of one kind: ``(kind, first, end)`` as indices into that
@@ -171,12 +179,8 @@ class Qwen3Config(ModelConfig):
         return tuple(out)
 
     @property
-    def sizes(self) -> dict[str, int]:
-        """Size of every dimension letter in the model file's legend."""
+    def own_sizes(self) -> dict[str, int]:
         return {
-            "V": self.vocab_size,
-            "D": self.hidden_size,
-            "F": self.intermediate_size,
             "H": self.num_heads,
             "G": self.num_kv_heads,
             "K": self.head_dim,
@@ -220,11 +224,8 @@ class Qwen3Config(ModelConfig):
         act = c.get("hidden_act", str, "silu")
         if act != "silu":
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; Qwen3's MLP is SwiGLU ('silu')")
-        try:
-            rope = Rope.from_hf(data)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{source}: rope settings: {e}") from None
-        heads, hidden = c.get("num_attention_heads", int), c.get("hidden_size", int)
+        shared = c.decoder_fields(max_position_embeddings=40960)
+        heads = shared["num_heads"]
         moe: dict[str, Any] = {}
         if model_type == "qwen3_moe":
             experts = c.get("num_experts", int, None)
@@ -241,21 +242,11 @@ class Qwen3Config(ModelConfig):
                 router_aux_loss_coef=c.get("router_aux_loss_coef", float, 0.001),
             )
         return cls(
-            vocab_size=c.get("vocab_size", int),
-            hidden_size=hidden,
-            intermediate_size=c.get("intermediate_size", int),
-            num_layers=c.get("num_hidden_layers", int),
-            num_heads=heads,
+            **shared,
             num_kv_heads=c.get("num_key_value_heads", int, heads),
-            head_dim=c.get("head_dim", int, hidden // heads),
+            head_dim=c.get("head_dim", int, shared["hidden_size"] // heads),
             model_type=model_type,
-            rms_norm_eps=c.get("rms_norm_eps", float, 1e-6),
-            rope=rope,
-            tie_word_embeddings=c.get("tie_word_embeddings", bool, False),
-            max_position_embeddings=c.get("max_position_embeddings", int, 40960),
-            initializer_range=c.get("initializer_range", float, 0.02),
-            bos_token_id=c.get("bos_token_id", int, None),
-            eos_token_id=c.get("eos_token_id", (int, list), None),
+            rope=c.parsed("rope settings", Rope.from_hf),
             **moe,
         )
 
@@ -263,23 +254,11 @@ class Qwen3Config(ModelConfig):
         out: dict[str, Any] = {
             "architectures": ["Qwen3MoeForCausalLM" if self.model_type == "qwen3_moe" else "Qwen3ForCausalLM"],
             "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
+            **decoder_hf(self),
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "attention_bias": False,
             "use_sliding_window": False,
             "sliding_window": None,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
             **self.rope.to_hf(),
         }
         out.setdefault("rope_scaling", None)

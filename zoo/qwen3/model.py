@@ -13,7 +13,6 @@ alternating), or one per run of a kind.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
@@ -21,15 +20,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.core.layout import init_arrays
+from zoo.core.layout import model_arrays
+from zoo.core.mesh import PIPELINE, axis_size
 from zoo.core.named import named
-from zoo.core.params import Param, build, flatten, init_with_stacks
-from zoo.core.protocol import CausalLM, options_or_default
-from zoo.errors import MeshError
+from zoo.core.params import Param, build, flatten
+from zoo.core.protocol import options_or_default
 from zoo.hooks.step import PipelineSplit, gather_layer, pipeline_of, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
+from zoo.layers.decoder import DenseBlock, GQAttention, MoEBlock
 from zoo.layers.embed import positions_for
-from zoo.layers.mlp import SwiGLU
+from zoo.layers.gqa_decode import GQAGeneration, GQALayers
 from zoo.layers.moe import moe_experts, resolve_expert_impl
 from zoo.layers.stack import scan_layers
 from zoo.loss import chunked_cross_entropy, shifted_targets
@@ -79,28 +79,19 @@ def qwen3_params(config: Qwen3Config) -> dict[str, Param]:
     return specs
 
 
-class QKNormAttention(eqx.Module):
+class QKNormAttention(GQAttention):
     """Grouped-query attention projections with RMSNorm over each query and key head."""
 
-    wq: Float[Array, "*L D H K"]
-    wk: Float[Array, "*L D G K"]
-    wv: Float[Array, "*L D G K"]
-    wo: Float[Array, "*L H K D"]
     q_norm: Float[Array, "*L K"]
     k_norm: Float[Array, "*L K"]
 
 
-class DenseLayer(eqx.Module):
-    attn_norm: Float[Array, "*L D"]
+class DenseLayer(DenseBlock):
     attn: QKNormAttention
-    mlp_norm: Float[Array, "*L D"]
-    mlp: SwiGLU
 
 
-class MoELayer(eqx.Module):
-    attn_norm: Float[Array, "*L D"]
+class MoELayer(MoEBlock):
     attn: QKNormAttention
-    mlp_norm: Float[Array, "*L D"]
     moe: Qwen3MoE
 
 
@@ -204,41 +195,10 @@ def block_stacks(model: Qwen3, pipelined: bool = False) -> list[tuple[Any, Any, 
 
 def block_pipeline(model: Qwen3) -> PipelineSplit | None:
     """How the step pipelines each block (``None`` outside a pipelined step): each block is a
-    GPipe pass over its repeats, a stage holding whole repeats. That needs every block to hold
-    the whole stack of each kind in its pattern (no kind split into runs between the other's)
-    and, where a repeat has several layers of a kind, the repeats to divide the stages or their
-    padding to line up (each stack is padded on its own)."""
-    stacks = {"dense": model.dense_layers, "moe": model.moe_layers}
-    found = {kind: pipeline_of(s) for kind, s in stacks.items() if s is not None}
-    if all(v is None for v in found.values()):
-        return None
-    config, blocks = model.config, model.config.blocks
-    for block in blocks:
-        for kind in dict.fromkeys(block.pattern):
-            if found[kind] is None:
-                raise MeshError(f"Qwen3: the {kind} layers are not split over pipeline but the others are")
-            split, n = found[kind]
-            if block.count(kind) != n:
-                raise MeshError(
-                    f"Qwen3Config: a pipeline axis needs each kind of layer in one block, but layer kinds "
-                    f"{config.layer_kinds} (mlp_only_layers={config.mlp_only_layers}, decoder_sparse_step="
-                    f"{config.decoder_sparse_step}) split the {kind} layers into runs; use a mesh without pipeline"
-                )
-            if split.virtual > 1 and block.pattern.count(kind) > 1:
-                # zoo.pipeline.stage_order permutes single layers, not repeats of several.
-                raise MeshError(
-                    f"Qwen3Config: the interleaved schedule (virtual_stages={split.virtual}) needs one {kind} layer "
-                    f"per repeat of the layer pattern, but {block.pattern} has {block.pattern.count(kind)}; "
-                    "use virtual_stages=1"
-                )
-            local = jax.tree.leaves(stacks[kind])[0].shape[0]
-            if local != block.pattern.count(kind) * -(-block.repeats // split.stages):
-                raise MeshError(
-                    f"Qwen3Config: pipeline={split.stages} does not divide the {block.repeats} repeats of the layer "
-                    f"pattern {block.pattern}, whose {kind} layers would then not line up with the other kind's "
-                    "across the stages; use a pipeline size that divides them"
-                )
-    return next(v for v in found.values() if v is not None)[0]
+    GPipe pass over its repeats, a stage holding whole repeats (the mesh check made sure it
+    can: :meth:`~zoo.qwen3.config.Qwen3Config.check_pipeline`)."""
+    found = [pipeline_of(s) for s in (model.dense_layers, model.moe_layers) if s is not None]
+    return next((f[0] for f in found if f is not None), None)
 
 
 class Qwen3Output(NamedTuple):
@@ -249,7 +209,7 @@ class Qwen3Output(NamedTuple):
     router: RouterStats | None  # the MoE layers' router statistics (None without any)
 
 
-class Qwen3(CausalLM):
+class Qwen3(GQAGeneration):
     """Qwen3 / Qwen3-MoE causal language model: ``model(input_ids) -> logits``.
 
     Build fresh with ``Qwen3(config, key=key)``, or from arrays with ``Qwen3(config, arrays=arrays)``.
@@ -272,24 +232,13 @@ class Qwen3(CausalLM):
     placement_map: ClassVar[type] = Qwen3Placement
     training_options: ClassVar[type] = Qwen3Training
 
-    def __init__(
-        self,
-        config: Qwen3Config,
-        *,
-        key: PRNGKeyArray | None = None,
-        arrays: Mapping[str, Array] | None = None,
-        mesh: Any = None,
-        param_dtype=jnp.float32,
-        compute_dtype=jnp.float32,
-        expert_impl: str = "auto",
-    ):
+    def __init__(self, config: Qwen3Config, *, key: PRNGKeyArray | None = None, arrays=None, mesh: Any = None,
+                 param_dtype=jnp.float32, compute_dtype=jnp.float32, expert_impl: str = "auto"):  # fmt: skip
         resolve_expert_impl(expert_impl)  # validates the name
         self.config, self.compute_dtype, self.expert_impl = config, jnp.dtype(compute_dtype), expert_impl
-        specs = qwen3_params(config)
-        if arrays is None:
-            if key is None:
-                raise TypeError("Qwen3 needs key= (fresh init) or arrays= (loaded weights)")
-            arrays = init_arrays(lambda k, sh, pad: _init(config, specs, k, param_dtype, sh, pad), key, config, mesh)
+        stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
+        arrays = model_arrays("Qwen3", config, qwen3_params(config), stacks, key=key, arrays=arrays, mesh=mesh,
+                              dtype=param_dtype)  # fmt: skip
         self.embed = arrays["embed"]
         self.dense_layers = build(DenseLayer, arrays, "dense_layers.") if config.dense_layer_ids else None
         self.moe_layers = build(MoELayer, arrays, "moe_layers.") if config.moe_layer_ids else None
@@ -308,16 +257,8 @@ class Qwen3(CausalLM):
     def param_specs(cls, config: Qwen3Config) -> dict[str, Param]:
         return qwen3_params(config)
 
-    def forward(
-        self,
-        input_ids: Int[Array, "B S"],
-        *,
-        positions: Int[Array, "B S"] | None = None,
-        segment_ids: Int[Array, "B S"] | None = None,
-        placement=None,
-        return_hidden: bool = False,
-        head: bool = True,
-    ) -> Qwen3Output:
+    def forward(self, input_ids: Int[Array, "B S"], *, positions=None, segment_ids=None, placement=None,
+                return_hidden: bool = False, head: bool = True) -> Qwen3Output:  # fmt: skip
         """Logits, the router statistics summed over the MoE layers (for the balance loss and the
         expert load), and with ``return_hidden`` the hidden states as ``transformers`` reports them."""
         config, dtype = self.config, self.compute_dtype
@@ -377,31 +318,30 @@ class Qwen3(CausalLM):
         balance = switch_balance_loss(out.router, self.config.num_experts_per_tok)
         return lm + coef * balance, {"lm_loss": lm, "balance_loss": balance, "expert_load": out.router.load}
 
-    # -- generation (zoo/qwen3/decode.py) --------------------------------------------------
-    def init_cache(self, batch: int, max_len: int, **options: Any):
-        from zoo.qwen3.decode import init_cache
+    # -- generation: the shared grouped-query decoder (zoo.layers.gqa_decode) ----------------
+    def decode_layers(self) -> GQALayers:
+        """Qwen3's layers around attention, dense and MoE; the cache keeps the keys after their
+        per-head norm and RoPE, and the values."""
+        config = self.config
 
-        return init_cache(self, batch, max_len, **options)
+        def finish(layer, h, ctx, kind):
+            h = qwen3_attention_out(layer, h, ctx)
+            return dense_ffn(config, layer, h) if kind == "dense" else moe_ffn(config, layer, h, self.expert_impl)[0]
 
-    def prefill(self, input_ids, lengths, *, max_len: int, all_logits: bool = False, **options: Any):
-        from zoo.qwen3.decode import prefill
-
-        return prefill(self, input_ids, lengths, max_len=max_len, all_logits=all_logits, **options)
-
-    def decode_step(self, cache, tokens):
-        from zoo.qwen3.decode import decode_step
-
-        return decode_step(self, cache, tokens)
+        return GQALayers(
+            runs=layer_runs(self),
+            qkv=lambda layer, h, cos, sin: qwen3_qkv(config, layer, h, cos, sin),
+            finish=finish,
+            cast=lambda layer: cast_layer(layer, self.compute_dtype),
+        )
 
     # -- Hugging Face checkpoints ------------------------------------------------------------
     @classmethod
     def hf_check(cls, config: Qwen3Config, keys: set[str]) -> None:
         check_layer_kinds(config, keys)
 
+    # -- layout on a mesh ----------------------------------------------------------------
+    @classmethod
+    def check_layout(cls, config: Qwen3Config, mesh: Any, *, virtual_stages: int = 1) -> None:
+        config.check_pipeline(axis_size(mesh, PIPELINE), virtual_stages)
 
-def _init(config: Qwen3Config, specs: Mapping[str, Param], key: PRNGKeyArray, dtype, shardings=None, padded=None
-          ) -> dict[str, Array]:  # fmt: skip
-    """Fresh weights; each layer stack from per-layer keys (``shardings``, ``padded``: made in place)."""
-    stacks = {"dense_layers": "Ld", "moe_layers": "Lm"}
-    return init_with_stacks(specs, config.sizes, stacks, key=key, std=config.initializer_range, dtype=dtype,
-                            shardings=shardings, padded=padded)  # fmt: skip
