@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     import zoo
-    from zoo.placement import _subjaxprs
+    from zoo.placement import subjaxprs
 
     bench = MODELS[args.model]
     make_model, map_cls = bench.build()
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                     size = int(np.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
                     out[eqn.params["name"]] = out.get(eqn.params["name"], 0) + layers * size
                 inner = layers * eqn.params["length"] if eqn.primitive.name == "scan" else layers
-                for sub in _subjaxprs(eqn):
+                for sub in subjaxprs(eqn):
                     walk(sub, inner)
 
         walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)

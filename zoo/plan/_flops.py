@@ -179,9 +179,9 @@ def layer_bodies(model: Any, seq_len: int) -> list[Body]:
                     bodies.append(body)
                 continue
             n = eqn.params["length"] if eqn.primitive.name == "scan" else length
-            from zoo.placement import _subjaxprs
+            from zoo.placement import subjaxprs
 
-            for sub in _subjaxprs(eqn):
+            for sub in subjaxprs(eqn):
                 walk(sub, n)
 
     walk(jaxpr.jaxpr, 1)

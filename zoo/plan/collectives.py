@@ -149,9 +149,9 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
 def _subs(eqn: core.JaxprEqn) -> list[Any]:
     if eqn.primitive.name in CALLS and _call_jaxpr(eqn) is not None:
         return [_call_jaxpr(eqn)]
-    from zoo.placement import _subjaxprs
+    from zoo.placement import subjaxprs
 
-    return list(_subjaxprs(eqn))
+    return list(subjaxprs(eqn))
 
 
 def totals(collectives: list[Collective], floor: int = 0) -> dict[tuple[str, tuple[str, ...]], int]:
