@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     # The planner's predicted step time of each map on this device's entry in zoo.plan's
     # hardware table, beside the measured one: the first GPU run calibrates its cost model.
     from zoo.plan import price
-    from zoo.plan.hardware import for_device
+    from zoo.hardware import for_device
 
     hw = for_device(jax.devices()[0])
     predicted: dict[str, float] = {}

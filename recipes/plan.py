@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zoo import registry
-from zoo.plan.hardware import HARDWARE
+from zoo.hardware import HARDWARE
 
 
 def main(argv: list[str] | None = None) -> int:
