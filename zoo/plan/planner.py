@@ -20,8 +20,12 @@ from zoo.plan.costs import MICROBATCH_ROWS, CostModel, _Where
 from zoo.plan.estimate import Estimate, _from_step
 from zoo.hardware import Hardware
 from zoo.hardware import hardware as lookup
-from zoo.plan.offloads import _host_moves, _tensor_type, verify_offloads
+from zoo.plan.offloads import verify_offloads
 from zoo.plan.plans import Candidate, Plan, _size, candidate_table
+from zoo.train.hlo import host_moves, tensor_type
+
+# The HLO-text parsers' names before they moved to zoo.train.hlo.
+_host_moves, _tensor_type = host_moves, tensor_type
 
 # The names other modules import from here, where they were defined before the split.
 __all__ = [
