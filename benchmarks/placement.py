@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     import zoo
-    from zoo.placement import _subjaxprs
+    from zoo.placement import subjaxprs
 
     bench = MODELS[args.model]
     make_model, map_cls = bench.build()
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                     size = int(np.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
                     out[eqn.params["name"]] = out.get(eqn.params["name"], 0) + layers * size
                 inner = layers * eqn.params["length"] if eqn.primitive.name == "scan" else layers
-                for sub in _subjaxprs(eqn):
+                for sub in subjaxprs(eqn):
                     walk(sub, inner)
 
         walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     # The planner's predicted step time of each map on this device's entry in zoo.plan's
     # hardware table, beside the measured one: the first GPU run calibrates its cost model.
     from zoo.plan import price
-    from zoo.plan.hardware import for_device
+    from zoo.hardware import for_device
 
     hw = for_device(jax.devices()[0])
     predicted: dict[str, float] = {}

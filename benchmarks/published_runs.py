@@ -18,7 +18,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from zoo.plan import published  # noqa: E402
-from zoo.plan.hardware import HARDWARE  # noqa: E402
+from zoo.hardware import HARDWARE  # noqa: E402
 
 TPU = ("tpu-v5p", "tpu-v6e")
 
@@ -30,7 +30,7 @@ def main() -> int:
     print("fitted bf16 matmul efficiency (calibration half only):")
     for hw, e in sorted(fitted.items()):
         table = HARDWARE[hw].efficiency
-        print(f"  {hw}: {e:.3f} (zoo.plan.hardware: {table:.3f}{'' if abs(e - table) < 1e-9 else ', differs'})")
+        print(f"  {hw}: {e:.3f} (zoo.hardware: {table:.3f}{'' if abs(e - table) < 1e-9 else ', differs'})")
     print()
     print("| run | hardware | mesh | batch/device | seq | map | published tok/s/dev | predicted | ratio | half "
           "| zoo fits |")

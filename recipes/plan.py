@@ -22,7 +22,7 @@ import sys
 import time
 
 from zoo.core import registry
-from zoo.plan.hardware import HARDWARE
+from zoo.hardware import HARDWARE
 
 
 def main(argv: list[str] | None = None) -> int:

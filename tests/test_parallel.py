@@ -381,12 +381,12 @@ def test_host_offload_under_expert_parallelism_equals_single_device():
 
 def primitives(jaxpr) -> list[tuple[str, dict]]:
     """Every equation's primitive name and parameters, sub-programs included."""
-    from zoo.placement import _subjaxprs
+    from zoo.placement import subjaxprs
 
     out = []
     for eqn in jaxpr.eqns:
         out.append((eqn.primitive.name, eqn.params))
-        for sub in _subjaxprs(eqn):
+        for sub in subjaxprs(eqn):
             out += primitives(sub)
     return out
 

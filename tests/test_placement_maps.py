@@ -30,7 +30,7 @@ from test_placement import FAST, placement_annotations, tensor_type
 
 import zoo
 from zoo import registry
-from zoo.placement import PlacementError, _subjaxprs, layer_policy, placement_map_for
+from zoo.placement import PlacementError, layer_policy, placement_map_for, subjaxprs
 
 # Its numerics tests run offloading maps in this process (conftest.py orders these last).
 pytestmark = pytest.mark.host_memory
@@ -81,7 +81,7 @@ def layer_bodies(loss, model, ids, placement="device") -> list[Body]:
                 entry[2][eqn.params["name"]] = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
                 entry[3].append(ckpt)
             in_scan = body is None and eqn.primitive.name == "scan"
-            for sub in _subjaxprs(eqn):
+            for sub in subjaxprs(eqn):
                 walk(
                     sub,
                     id(eqn) if in_scan else body,

@@ -309,14 +309,14 @@ def names_in(jaxpr: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
             if eqn.primitive.name == "name":
                 aval = eqn.outvars[0].aval
                 found.append((eqn.params["name"], jax.ShapeDtypeStruct(aval.shape, aval.dtype)))
-            for sub in _subjaxprs(eqn):
+            for sub in subjaxprs(eqn):
                 walk(sub)
 
     walk(getattr(jaxpr, "jaxpr", jaxpr))
     return found
 
 
-def _subjaxprs(eqn: Any) -> Iterator[Any]:
+def subjaxprs(eqn: Any) -> Iterator[Any]:
     """The jaxprs ``eqn`` holds (a scan's body, a call's, a cond's branches), in parameter order.
     A loop, not a nested function: called on every equation of a traced step, a nested def is
     re-instrumented per call under the test suite's jaxtyping import hook (seconds per trace)."""
@@ -329,6 +329,9 @@ def _subjaxprs(eqn: Any) -> Iterator[Any]:
             yield v.jaxpr
         elif isinstance(v, (tuple, list)):
             todo.extend(reversed(v))
+
+
+_subjaxprs = subjaxprs  # the old private name, for code written before it was public
 
 
 # -- parameters and optimizer state --------------------------------------------------

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax._src import core
 
-from zoo.plan._liveness import CALLS, _call_jaxpr, _closed
+from zoo.placement import subjaxprs
+from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of
 
 
 def _dot_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
@@ -102,9 +103,9 @@ def _flatten(jaxpr: core.Jaxpr, env: dict[Any, int], body: Body, seq_len: int, s
     for eqn in jaxpr.eqns:
         ins = [env[v] for v in eqn.invars if isinstance(v, core.Var) and v in env]
         name = eqn.primitive.name
-        sub = _call_jaxpr(eqn) if name in CALLS else None
+        sub = call_jaxpr(eqn) if name in CALLS else None
         if sub is not None:
-            inner = _closed(sub)
+            inner = jaxpr_of(sub)
             inner_env = dict(zip(inner.invars, [env.get(v) if isinstance(v, core.Var) else None for v in eqn.invars]))
             inner_env = {k: v for k, v in inner_env.items() if v is not None}
             _flatten(inner, inner_env, body, seq_len, scale)
@@ -130,18 +131,18 @@ def _loop_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
     name = eqn.primitive.name
     if name == "scan":
         inner = Body(1, 1)
-        j = _closed(eqn.params["jaxpr"])
+        j = jaxpr_of(eqn.params["jaxpr"])
         _flatten(j, {v: id(v) for v in j.invars}, inner, seq_len, 1.0)
         return inner.forward_flops() * eqn.params["length"]
     if name == "while":
         inner = Body(1, 1)
-        j = _closed(eqn.params["body_jaxpr"])
+        j = jaxpr_of(eqn.params["body_jaxpr"])
         _flatten(j, {v: id(v) for v in j.invars}, inner, seq_len, 1.0)
         return inner.forward_flops()
     best = 0.0
     for b in eqn.params["branches"]:
         inner = Body(1, 1)
-        j = _closed(b)
+        j = jaxpr_of(b)
         _flatten(j, {v: id(v) for v in j.invars}, inner, seq_len, 1.0)
         best = max(best, inner.forward_flops())
     return best
@@ -172,16 +173,14 @@ def layer_bodies(model: Any, seq_len: int) -> list[Body]:
     def walk(j: Any, length: int) -> None:
         for eqn in j.eqns:
             if eqn.primitive.name in ("remat2", "checkpoint"):
-                inner = _closed(eqn.params["jaxpr"])
+                inner = jaxpr_of(eqn.params["jaxpr"])
                 body = Body(length, seq_len)
                 _flatten(inner, {v: id(v) for v in inner.invars}, body, seq_len, 1.0)
                 if body.named:
                     bodies.append(body)
                 continue
             n = eqn.params["length"] if eqn.primitive.name == "scan" else length
-            from zoo.placement import _subjaxprs
-
-            for sub in _subjaxprs(eqn):
+            for sub in subjaxprs(eqn):
                 walk(sub, n)
 
     walk(jaxpr.jaxpr, 1)

@@ -21,17 +21,21 @@ measured on XLA:CPU, 0-27% above the live peak, MoE layers the most).
 
 This is a model of the compiler, not the compiler: ``zoo.plan.measure`` compiles the same
 program and reads XLA's own figures, and ``tests/test_plan.py`` holds the two together.
+
+Here the program is built from the jaxpr (what is materialised, who reads it);
+``zoo.plan._buffers`` lays its buffers on a timeline and finds the two figures.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from jax._src import core
+
+from zoo.plan._buffers import Buffer, Op, Peak, Program, intervals, live_peak, peak
+from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, nbytes
 
 # Work XLA fuses into its consumer: elementwise arithmetic and logic, casts, broadcasts, slices.
 FUSIBLE = frozenset({
@@ -48,21 +52,10 @@ FUSIBLE = frozenset({
 DUPLICATED = frozenset({"iota", "broadcast_in_dim"})
 # Views of their first operand: no new buffer.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "name", "reduce_precision", "copy", "copy_p", "pvary"})
-# Calls whose body is inlined into the caller's order.
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
-                   "custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "custom_lin"})  # fmt: skip
 # A reduction's output is a fusion root: materialised.
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                         "reduce_xor", "argmax", "argmin"})  # fmt: skip
 LOOPS = frozenset({"scan", "while", "cond"})
-
-
-def nbytes(aval: Any) -> int:
-    """Bytes of one value (0 for tokens and other non-arrays)."""
-    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
-    if shape is None or dtype is None:
-        return 0
-    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def on_host(aval: Any) -> bool:
@@ -71,63 +64,7 @@ def on_host(aval: Any) -> bool:
     return space is not None and "host" in str(space).lower()
 
 
-@dataclass(eq=False)
-class Buffer:
-    size: int
-    host: bool
-    what: str  # producing primitive, or the checkpoint name that views it
-    pinned: bool = False  # an argument or an output of the program: not a temporary
-    start: int = -1
-    end: int = -1
-    first: float = math.inf  # first read
-    readers: list[Any] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class Op:
-    reads: list[Buffer]
-    writes: list[Buffer]
-    body: Program | None = None  # a loop's body, run inside the op's time span
-    state: list[Buffer] = field(default_factory=list)  # a while loop's copies of what it carries
-    time: int = -1
-    finish: int = -1
-
-
-@dataclass(eq=False)
-class Program:
-    ops: list[Op]
-    outputs: list[Buffer]
-    length: int = 1  # a scan body's trip count
-
-
-@dataclass(frozen=True)
-class Peak:
-    """Temporaries of a program: the most bytes live at once on device (``live``) and on host,
-    the device heap those buffers pack into (``device``), and what was live at the device's
-    live peak (bytes by producing primitive or checkpoint name)."""
-
-    device: int
-    live: int
-    host: int
-    at_peak: dict[str, int]
-    # Live device bytes until the last loop of the program ends (forward and backward passes),
-    # and after it (the optimizer's update).
-    passes: int = 0
-    update: int = 0
-
-
 # -- flattening: calls inlined, values crossing call boundaries ----------------------------------
-
-
-def _closed(x: Any) -> core.Jaxpr:
-    return x.jaxpr if isinstance(x, core.ClosedJaxpr) else x
-
-
-def _call_jaxpr(eqn: core.JaxprEqn) -> Any:
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        if key in eqn.params:
-            return eqn.params[key]
-    return None
 
 
 class _Value:
@@ -169,10 +106,10 @@ def _flatten(jaxpr: core.Jaxpr, env: dict[Any, Any], out: list[_Eqn], ctx: _Cont
                 env[ov] = v  # one memory: a transfer is a no-op
             continue
         sub = None
-        if name in CALLS and _call_jaxpr(eqn) is not None:
-            sub = _closed(_call_jaxpr(eqn))
+        if name in CALLS and call_jaxpr(eqn) is not None:
+            sub = jaxpr_of(call_jaxpr(eqn))
         elif name == "scan" and eqn.params["length"] == 1:
-            sub = _closed(eqn.params["jaxpr"])  # its xs[0] is a view of xs
+            sub = jaxpr_of(eqn.params["jaxpr"])  # its xs[0] is a view of xs
         if sub is not None:
             sub_env: dict[Any, Any] = {v: None for v in sub.constvars}
             sub_env.update(zip(sub.invars, ins))
@@ -332,158 +269,23 @@ def _in_place(e: _Eqn, dead: Callable[[Any], bool], backing: dict[int, list[Buff
 def _loop(e: _Eqn, op: Op, backing: dict[int, list[Buffer]], ctx: _Context) -> None:
     p = e.eqn.params
     if e.name == "scan":
-        body = _closed(p["jaxpr"])
+        body = jaxpr_of(p["jaxpr"])
         n_xs = len(body.invars) - p["num_consts"] - p["num_carry"]
         op.body = _body(body, n_xs, ctx)
         op.body.length = p["length"]
     elif e.name == "while":
-        op.body = _body(_closed(p["body_jaxpr"]), 0, ctx)
+        op.body = _body(jaxpr_of(p["body_jaxpr"]), 0, ctx)
         n_consts = p["cond_nconsts"] + p["body_nconsts"]
         carried = {id(b): b for v in e.ins[:n_consts] if v is not None for b in backing.get(id(v), [])}
         op.state = [Buffer(b.size, b.host, "while state") for b in carried.values()]
     else:
-        branches = [_body(_closed(b), 0, ctx) for b in p["branches"]]
-        op.body = max(branches, key=lambda prog: _live_peak(_intervals(prog))[0])
+        branches = [_body(jaxpr_of(b), 0, ctx) for b in p["branches"]]
+        op.body = max(branches, key=lambda prog: live_peak(intervals(prog))[0])
 
 
 def _body(jaxpr: core.Jaxpr, sliced: int, ctx: _Context) -> Program:
     env: dict[Any, Any] = {v: None for v in (*jaxpr.constvars, *jaxpr.invars)}
     return _program(jaxpr, env, {}, ctx, sliced)
-
-
-# -- timeline, live peak, heap -----------------------------------------------------------------
-
-
-def _schedule(prog: Program, t: int, seen: list[Buffer]) -> int:
-    """Give every buffer of ``prog`` (bodies included) a [start, end] in op time from ``t``."""
-    for op in prog.ops:
-        op.time = t0 = t
-        for b in (*op.writes, *op.state):
-            if b.start < 0:
-                b.start = t0
-                seen.append(b)
-        for b in op.reads:
-            b.first = min(b.first, t0)
-            b.readers.append(op)
-        if op.body is not None:
-            t = _schedule(op.body, t + 1, seen)
-        for b in (*op.reads, *op.writes, *op.state):
-            b.end = max(b.end, t)
-        op.finish = t
-        t += 1
-    for b in prog.outputs:
-        b.end = max(b.end, t)
-    return t
-
-
-def _sink(prog: Program) -> None:
-    """Run each op as late as its first reader allows, latest ops first, where what that keeps
-    alive longer is no larger than what it no longer holds: XLA's scheduler does, so a layer's
-    gathered weights, say, are not all live from the top of the layer."""
-    for op in reversed(prog.ops):
-        if op.body is not None:
-            _sink(op.body)
-            continue
-        if not op.writes:
-            continue
-        when = min(b.first for b in op.writes)
-        if when == math.inf or when <= op.time:
-            continue
-        extended = {id(r): r for r in op.reads if r.end < when and not r.pinned}
-        if sum(r.size for r in extended.values()) > sum(b.size for b in op.writes):
-            continue
-        op.time = int(when)
-        for b in op.writes:
-            b.start = op.time
-        for r in op.reads:
-            r.end = max(r.end, op.time)
-            r.first = min(o.time for o in r.readers)
-
-
-def _intervals(prog: Program) -> list[Buffer]:
-    for buf in _all_buffers(prog):
-        buf.start = buf.end = -1
-        buf.first = math.inf
-        buf.readers = []
-    seen: list[Buffer] = []
-    _schedule(prog, 0, seen)
-    _sink(prog)
-    return [b for b in seen if not b.pinned and b.size > 0]
-
-
-def _all_buffers(prog: Program) -> list[Buffer]:
-    out: list[Buffer] = []
-    for op in prog.ops:
-        out.extend((*op.reads, *op.writes, *op.state))
-        if op.body is not None:
-            out.extend(_all_buffers(op.body))
-    out.extend(prog.outputs)
-    return out
-
-
-def _live_peak(bufs: list[Buffer], host: bool = False) -> tuple[int, int]:
-    """Most bytes live at once, and when."""
-    events: dict[int, int] = {}
-    for b in bufs:
-        if b.host == host:
-            events[b.start] = events.get(b.start, 0) + b.size
-            events[b.end + 1] = events.get(b.end + 1, 0) - b.size
-    live = best = 0
-    when = 0
-    for t in sorted(events):
-        live += events[t]
-        if live > best:
-            best, when = live, t
-    return best, when
-
-
-def _heap(bufs: list[Buffer], floor: int) -> int:
-    """Size of the arena the device buffers pack into: largest first, each at the lowest
-    offset free for its whole lifetime (best fit among the gaps). Buffers under ``floor``
-    bytes are not packed; their live peak is added on top."""
-    big = sorted((b for b in bufs if not b.host and b.size >= floor), key=lambda b: (-b.size, b.start))
-    small = [b for b in bufs if not b.host and b.size < floor]
-    starts = np.zeros(len(big), np.int64)
-    ends = np.zeros(len(big), np.int64)
-    offs = np.zeros(len(big), np.int64)
-    sizes = np.zeros(len(big), np.int64)
-    top = 0
-    for i, b in enumerate(big):
-        mask = (starts[:i] <= b.end) & (ends[:i] >= b.start)
-        o, s = offs[:i][mask], sizes[:i][mask]
-        order = np.argsort(o)
-        o, s = o[order], s[order]
-        best = None
-        cursor = 0
-        for lo, size in zip(o.tolist(), s.tolist()):
-            gap = lo - cursor
-            if gap >= b.size and (best is None or gap < best[1]):
-                best = (cursor, gap)
-            cursor = max(cursor, lo + size)
-        off = best[0] if best is not None else cursor
-        starts[i], ends[i], offs[i], sizes[i] = b.start, b.end, off, b.size
-        top = max(top, off + b.size)
-    return top + _live_peak(small)[0]
-
-
-def peak(prog: Program) -> Peak:
-    bufs = _intervals(prog)
-    live, when = _live_peak(bufs)
-    host, _ = _live_peak(bufs, host=True)
-    at_peak: dict[str, int] = {}
-    for b in bufs:
-        if not b.host and b.start <= when <= b.end:
-            at_peak[b.what] = at_peak.get(b.what, 0) + b.size
-    device = _heap(bufs, floor=max(1, live // 2000))
-    loops = [op for op in prog.ops if op.body is not None]
-    split = max((op.finish for op in loops), default=-1)
-    passes = _live_peak([b for b in bufs if b.start <= split])[0] if loops else live
-    update = _live_peak([_clip(b, split + 1) for b in bufs if b.end > split])[0] if loops else 0
-    return Peak(device=max(device, live), live=live, host=host, at_peak=at_peak, passes=passes, update=update)
-
-
-def _clip(b: Buffer, start: int) -> Buffer:
-    return Buffer(b.size, b.host, b.what, start=max(b.start, start), end=b.end)
 
 
 def program_peak(
@@ -499,7 +301,7 @@ def program_peak(
     ``arg_divisors``: per flat argument, the devices it is split over (per-device bytes are its
     global bytes over that); ``shape_div``: the same by global shape, for values the program
     derives from them outside ``shard_map``. ``unified``: one memory for host and device."""
-    jaxpr = _closed(closed)
+    jaxpr = jaxpr_of(closed)
     ctx = _Context(unified, dict(shape_div or {}))
     env: dict[Any, Any] = {}
     pinned: dict[int, Buffer] = {}

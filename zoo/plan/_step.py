@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, S
 
 from zoo import parallel, train
 from zoo.errors import ConfigError, MeshError
-from zoo.placement import PlacementMap, _subjaxprs, memory_space, resolve
+from zoo.placement import PlacementMap, memory_space, resolve, subjaxprs
 from zoo.registry import family_of, is_model
 
 SDS = jax.ShapeDtypeStruct
@@ -330,7 +330,7 @@ def tick_ring(body: Any) -> int:
                 if parallel.PIPELINE in (names if isinstance(names, tuple) else (names,)):
                     return len(eqn.params["perm"])
             elif eqn.primitive.name != "scan":
-                todo.extend(_subjaxprs(eqn))
+                todo.extend(subjaxprs(eqn))
     return 0
 
 
@@ -368,7 +368,7 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
                     scans.append(inner)
                 elif scan is not None and scan[0][0] > 1 and scan[0][1] == 1:
                     scan[0] = (scan[0][0], n)  # the stage's layers inside a tick
-            for sub in _subjaxprs(eqn):
+            for sub in subjaxprs(eqn):
                 walk(sub, inner)
 
     walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr, None)

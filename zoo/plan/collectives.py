@@ -27,7 +27,9 @@ from jax._src import core
 
 from zoo.errors import ConfigError
 from zoo.parallel import AXES
-from zoo.plan._liveness import CALLS, _call_jaxpr, _closed, nbytes
+from zoo.placement import subjaxprs
+from zoo.plan._step import tick_ring
+from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, nbytes
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
 _PRIMITIVES = {
@@ -80,8 +82,6 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
     scope). Scans multiply what they hold by their length; the outermost is the step's loop over
     micro-batches, a layer scan one of length > 1 inside it, or the pipeline's tick loop
     (:func:`zoo.plan._step.is_tick_scan`) and the stage's layer scan inside that."""
-    from zoo.plan._step import tick_ring
-
     stages = sizes.get("pipeline", 1)
 
     found: dict[tuple, int] = {}
@@ -90,7 +90,7 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
         for e in j.eqns:
             if e.primitive.name == "reduce_scatter" and "fsdp" in _axes(e):
                 return True
-            if any(has_scatter(_closed(s)) for s in _subs(e)):
+            if any(has_scatter(jaxpr_of(s)) for s in _subs(e)):
                 return True
         return False
 
@@ -100,7 +100,7 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
             for e in todo.pop().eqns:
                 if e.primitive.name in ("dot_general", "ragged_dot", "ragged_dot_general"):
                     return True
-                todo.extend(_closed(s) for s in _subs(e))
+                todo.extend(jaxpr_of(s) for s in _subs(e))
         return False
 
     def walk(j: core.Jaxpr, times: int, depth: int, layer: bool, backward: bool, inlined: bool, tick: bool,
@@ -121,7 +121,7 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
                     found[key] = found.get(key, 0) + times
                 continue
             if name == "scan":
-                body = _closed(e.params["jaxpr"])
+                body = jaxpr_of(e.params["jaxpr"])
                 n = e.params["length"]
                 if depth == 0:  # make_train_step's loop over micro-batches
                     walk(body, times * n, 1, layer, backward, inlined, False, dots)
@@ -140,18 +140,16 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
                      inlined or one, pairs > 0, has_dot(body), inside, pairs == stages if pairs else ring)  # fmt: skip
                 continue
             for sub in _subs(e):
-                walk(_closed(sub), times, depth, layer, backward, inlined, tick, dots, where, ring)
+                walk(jaxpr_of(sub), times, depth, layer, backward, inlined, tick, dots, where, ring)
 
-    walk(_closed(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr), 1, 0, False, False, False, False, True)
+    walk(jaxpr_of(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr), 1, 0, False, False, False, False, True)
     return [Collective(k, a, s, c, lay, bw, ov, tk) for (k, a, s, lay, bw, ov, tk), c in found.items()]
 
 
 def _subs(eqn: core.JaxprEqn) -> list[Any]:
-    if eqn.primitive.name in CALLS and _call_jaxpr(eqn) is not None:
-        return [_call_jaxpr(eqn)]
-    from zoo.placement import _subjaxprs
-
-    return list(_subjaxprs(eqn))
+    if eqn.primitive.name in CALLS and call_jaxpr(eqn) is not None:
+        return [call_jaxpr(eqn)]
+    return list(subjaxprs(eqn))
 
 
 def totals(collectives: list[Collective], floor: int = 0) -> dict[tuple[str, tuple[str, ...]], int]:

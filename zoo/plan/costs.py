@@ -38,7 +38,7 @@ from zoo.placement import PlacementMap
 from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
 from zoo.plan.estimate import Estimate
-from zoo.plan.hardware import Hardware
+from zoo.hardware import Hardware
 
 # With a pipeline axis, the planner's micro-batches are of one row (Megatron's usual micro-batch
 # size): for b rows per device, M = b micro-batches, the fewest bubble ticks ((P - 1) / (b + P - 1))

@@ -9,7 +9,10 @@ from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from zoo import hooks, parallel
+from zoo.loss import chunked_cross_entropy
 from zoo.plan import _liveness
 from zoo.plan._step import SDS, Step, StepOptions, layer_stacks, make_step, mesh_spec, stack_bytes
 
@@ -116,11 +119,6 @@ def _loss_peak(step: Step, unified: bool) -> int:
     """The chunked loss head's own peak, traced on the per-device features (zoo/loss.py): with
     the vocabulary split over the mesh, inside ``shard_map`` as the step runs it (the head
     streamed a block of rows at a time, zoo/vocab_parallel.py)."""
-    from jax.sharding import PartitionSpec as P
-
-    from zoo import hooks, parallel
-    from zoo.loss import chunked_cross_entropy
-
     model = step.model
     dtype, vocab = model.compute_dtype, model.config.vocab_size
     d = model.config.sizes["D"]
@@ -143,9 +141,9 @@ def _loss_peak(step: Step, unified: bool) -> int:
             with hooks.step_context(step.mesh, {}, split):
                 return jax.value_and_grad(loss, argnums=(0, 1))(x, w, labels)
 
-        batch = P(step.axes)
-        f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, P(split.spec), batch),
-                          out_specs=(P(), (batch, P(split.spec))))
+        batch, head = PartitionSpec(step.axes), PartitionSpec(split.spec)
+        f = jax.shard_map(local, mesh=step.mesh, in_specs=(batch, head, batch),
+                          out_specs=(PartitionSpec(), (batch, head)))
         w = jax.eval_shape(lambda m: m.unembedding(), step.params)
         jaxpr = jax.make_jaxpr(f)(SDS((b * n, s, d), dtype), SDS(w.shape, w.dtype), SDS((b * n, s), jnp.int32))
     peak, _ = _liveness.program_peak(jaxpr, unified=unified)

@@ -10,7 +10,7 @@ from typing import Any
 from zoo.placement import PlacementMap
 from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan.estimate import Estimate, GiB
-from zoo.plan.hardware import Hardware
+from zoo.hardware import Hardware
 
 
 @dataclass(frozen=True)

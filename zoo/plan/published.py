@@ -53,7 +53,7 @@ class Run:
 
     name: str
     model: str  # a zoo preset name, or "llama2-70b"
-    hardware: str  # a zoo.plan.hardware name
+    hardware: str  # a zoo.hardware name
     devices: int
     mesh: str
     per_device_batch: int  # the global batch over the devices

@@ -32,8 +32,8 @@ from zoo.errors import MeshError
 from zoo.hooks import PIPELINE
 from zoo.plan import _flops, collectives
 from zoo.plan._step import abstract_mesh, abstract_model, mesh_spec
-from zoo.plan.hardware import Hardware
-from zoo.plan.hardware import hardware as lookup
+from zoo.hardware import Hardware
+from zoo.hardware import hardware as lookup
 from zoo.registry import family_of
 
 

@@ -12,6 +12,7 @@ the loop around it is the only place with I/O. One module a concern, none import
 - ``preemption``: stopping on SIGTERM or Ctrl-C with a checkpoint at the step reached, ``Preempted``
 - ``metrics``: the metrics log (JSON lines, TensorBoard, W&B, terminal), the loss plot, the matmul peak
 - ``verify``: the placements proven on the compiled step before it runs
+- ``hlo``: reading a lowered program's text (the host transfers it asks for), ``verify``'s and the planner's
 - ``profile`` / ``trace_report``: ``train(profile=...)``'s trace of some steps, and its per-step report
 - ``loop``: ``train``
 - ``setup``: a run set up from ``recipes/train.py``'s flags (model, mesh, data, checks), its names

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.errors import ConfigError
+from zoo.hardware import HARDWARE, for_device
+from zoo.placement import resolve
 
 
 def _scalars(values: Mapping[str, Any]) -> dict[str, float]:
@@ -111,8 +113,6 @@ def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memor
     """The run's settings as plain data: the model's class, config and dtypes, the
     ``TrainConfig``, what the run was made from (``sources``: the recipe's data and checkpoint),
     the mesh, where parameters and optimizer state live, and the placement map as a spec."""
-    from zoo.placement import resolve
-
     if placement is None:
         where = "none (no jax.checkpoint: XLA keeps what the backward pass uses)"
     else:
@@ -262,9 +262,7 @@ def matmul_peak_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 20
     ``repeats`` runs lasting ``min_seconds`` together, after three warm-up runs (five runs moved
     the figure 10-25% between two runs on a loaded 2-core machine: the first runs pay for
     clocks and caches, and one quiet run is the peak). For bf16 or fp16 on an accelerator in
-    zoo.plan's hardware table, the table's dense peak: the figure MFU is quoted against."""
-    from zoo.plan.hardware import HARDWARE, for_device
-
+    zoo.hardware's table, the table's dense peak: the figure MFU is quoted against."""
     device = jax.devices()[0]
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if half and device.platform != "cpu" and (name := for_device(device)) in HARDWARE:

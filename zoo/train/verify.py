@@ -3,9 +3,9 @@ offloads moves to pinned host memory in the compiled train step, and every tree 
 memory (parameters, optimizer state) is taken and returned there. Otherwise the run stops with
 a :class:`~zoo.errors.ConfigError` naming the tensor, before anything is trained.
 
-The per-name count is the one ``zoo.plan`` checks in a CUDA export at planning time
-(``annotate_device_placement`` custom calls of each offloaded name's tensor type), here on the
-real step: its mesh, batch, attention path and memory kinds. XLA:CPU has one memory and jax
+The per-name count (:mod:`zoo.train.hlo`) is the one ``zoo.plan`` checks in a CUDA export at
+planning time (``annotate_device_placement`` custom calls of each offloaded name's tensor type),
+here on the real step: its mesh, batch, attention path and memory kinds. XLA:CPU has one memory and jax
 lowers no transfers for it, so on CPU the step is lowered for CUDA to count them; on an
 accelerator the lowering that is compiled is counted, and the compiled program must hold a
 buffer of each name's element type in host memory (memory space 5).
@@ -21,6 +21,8 @@ import jax
 import numpy as np
 
 from zoo.errors import ConfigError
+from zoo.placement import names_in, resolve
+from zoo.train.hlo import host_moves, tensor_type
 
 # XLA's host memory space in a compiled program's layouts: ``f32[4,2,16,64]{3,2,1,0:S(5)}``.
 _HOST_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]\{[^}]*S\(5\)")
@@ -42,9 +44,6 @@ def host_arrays(hlo: str) -> collections.Counter:
 def check_offloads(traced: Any, lowered: Any, compiled: Any, placement: Any, model: Any, platform: str) -> tuple[str, ...]:
     """The names ``placement`` offloads, each checked to move to pinned host memory in the step
     ``traced`` / ``lowered`` / ``compiled`` on ``platform``; a ConfigError names any that does not."""
-    from zoo.placement import names_in, resolve
-    from zoo.plan.planner import _host_moves, _tensor_type  # the planner's count, shared
-
     if placement is None:
         return ()
     offloaded = resolve(placement, model).placed("pinned_host")
@@ -63,14 +62,14 @@ def check_offloads(traced: Any, lowered: Any, compiled: Any, placement: Any, mod
         return ()
     unified = platform == "cpu"
     text = traced.lower(lowering_platforms=("cuda",)).as_text() if unified else lowered.as_text()
-    to_host = collections.Counter({t: n for (where, t), n in _host_moves(text).items() if where == "pinned_host"})
-    need = collections.Counter(_tensor_type(shapes[n]) for n in offloaded)
+    to_host = collections.Counter({t: n for (where, t), n in host_moves(text).items() if where == "pinned_host"})
+    need = collections.Counter(tensor_type(shapes[n]) for n in offloaded)
     where = "the step's CUDA lowering (XLA:CPU has one memory: it lowers no transfers)" if unified else "the step"
-    missing = [n for n in offloaded if to_host[_tensor_type(shapes[n])] < need[_tensor_type(shapes[n])]]
+    missing = [n for n in offloaded if to_host[tensor_type(shapes[n])] < need[tensor_type(shapes[n])]]
     if missing:
         raise ConfigError(
             f"the placement map offloads {', '.join(missing)} but {where} moves no such tensor "
-            f"({', '.join(_tensor_type(shapes[n]) for n in missing)}) to pinned host memory: the offload would "
+            f"({', '.join(tensor_type(shapes[n]) for n in missing)}) to pinned host memory: the offload would "
             "silently not happen (a checkpoint policy replaced, or the tensor is not kept for the backward pass)"
         )
     if not unified:
@@ -80,7 +79,7 @@ def check_offloads(traced: Any, lowered: Any, compiled: Any, placement: Any, mod
             size = int(np.prod(shapes[n].shape))
             if not any(k == kind and c % size == 0 for k, c in held):
                 raise ConfigError(
-                    f"the placement map offloads {n} ({_tensor_type(shapes[n])}), and the step asks for it, but the "
+                    f"the placement map offloads {n} ({tensor_type(shapes[n])}), and the step asks for it, but the "
                     f"compiled program keeps no {kind} buffer of its size in host memory: XLA dropped the offload "
                     "(are xla_gpu_enable_host_memory_offloading and the step's XLA options in effect?)"
                 )

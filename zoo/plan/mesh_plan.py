@@ -18,10 +18,14 @@ from zoo.plan._step import Step, make_step, mesh_spec
 from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan.costs import MICROBATCH_ROWS, CostModel, _Where
 from zoo.plan.estimate import Estimate, _from_step
-from zoo.plan.hardware import Hardware
-from zoo.plan.hardware import hardware as lookup
-from zoo.plan.offloads import _host_moves, _tensor_type, verify_offloads
+from zoo.hardware import Hardware
+from zoo.hardware import hardware as lookup
+from zoo.plan.offloads import verify_offloads
 from zoo.plan.plans import Candidate, Plan, _size, candidate_table
+from zoo.train.hlo import host_moves, tensor_type
+
+# The HLO-text parsers' names before they moved to zoo.train.hlo.
+_host_moves, _tensor_type = host_moves, tensor_type
 
 # The names other modules import from here, where they were defined before the split.
 __all__ = [
@@ -65,7 +69,7 @@ def plan(
     stage; ``None`` (default) searches them (1, GPipe, and every divisor of the layers per stage
     where the micro-batches are a multiple of the stages), taking the fewest within
     :data:`VIRTUAL_TOLERANCE` of the fastest; ``1`` plans GPipe only. The plan says its choice.
-    ``hardware``: a name of :data:`zoo.plan.hardware.HARDWARE` (default ``"cpu"``, one memory:
+    ``hardware``: a name of :data:`zoo.hardware.HARDWARE` (default ``"cpu"``, one memory:
     nothing is offloaded). ``margin``: the fraction of each budget kept free for the
     estimate's own error (10% is the worst measured against XLA:CPU on the test grid). Raises :class:`~zoo.errors.MeshError` for a mesh that does not divide
     the model or the batch, :class:`~zoo.errors.ConfigError` for an unknown hardware name or a

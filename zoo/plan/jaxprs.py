@@ -1,0 +1,36 @@
+"""Walking a traced program: the calls whose body runs inline, a call's jaxpr, the jaxpr inside a
+closed one, and a value's bytes. The liveness walk (``zoo.plan._liveness``), the FLOP count of a
+layer (``zoo.plan._flops``) and the collectives' count (``zoo.plan.collectives``) share them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from jax._src import core
+
+# Calls whose body is inlined into the caller's order.
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
+                   "custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "custom_lin"})  # fmt: skip
+
+
+def nbytes(aval: Any) -> int:
+    """Bytes of one value (0 for tokens and other non-arrays)."""
+    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def jaxpr_of(x: Any) -> core.Jaxpr:
+    """The jaxpr of ``x``: a closed jaxpr's own, else ``x``."""
+    return x.jaxpr if isinstance(x, core.ClosedJaxpr) else x
+
+
+def call_jaxpr(eqn: core.JaxprEqn) -> Any:
+    """The jaxpr a call equation runs (its ``jaxpr``, ``call_jaxpr`` or ``fun_jaxpr``); None if none."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in eqn.params:
+            return eqn.params[key]
+    return None
