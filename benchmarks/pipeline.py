@@ -32,7 +32,7 @@ def permutes(hlo: str, sizes: dict[str, int]) -> dict[tuple[str, ...], tuple[int
     {axes: (instructions in the text, bytes of one execution of each, summed)}."""
     import numpy as np
 
-    from zoo.plan.collectives import AXES, _shape_bytes
+    from zoo.plan.collectives import AXES, shape_bytes
 
     shape = [sizes.get(a, 1) for a in AXES]
     out: dict[tuple[str, ...], tuple[int, int]] = {}
@@ -48,7 +48,7 @@ def permutes(hlo: str, sizes: dict[str, int]) -> dict[tuple[str, ...], tuple[int
         key = tuple(a for a in AXES if a in axes)
         n, size = out.get(key, (0, 0))
         # An async start's result is a tuple of its operand and result: count one of them.
-        out[key] = (n + 1, size + _shape_bytes(m.group(1)) // (2 if "collective-permute-start(" in line else 1))
+        out[key] = (n + 1, size + shape_bytes(m.group(1)) // (2 if "collective-permute-start(" in line else 1))
     return out
 
 

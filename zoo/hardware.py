@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import time
 from dataclasses import dataclass
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from zoo.errors import ConfigError
 
@@ -59,8 +64,6 @@ class Hardware:
 
     def peak_for(self, dtype: Any) -> float:
         """Dense matmul peak, FLOP/s, in the compute dtype ``dtype`` (bf16 or float32)."""
-        import numpy as np
-
         return self.peak_flops * (self.f32_ratio if np.dtype(dtype).itemsize >= 4 else 1.0)
 
     def describe(self) -> str:
@@ -238,11 +241,6 @@ def measure_host_link(device: Any = None, nbytes: int = 256 * 2**20, repeats: in
     and its pinned host memory, the best of ``repeats`` timed transfers each way after a warm-up
     (a few hundred MB: about a second). One device transferring alone: with every device of the
     host transferring at once, as the table's ``host_link`` assumes, each gets less."""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-
     device = device or jax.devices()[0]
     on_device = jax.sharding.SingleDeviceSharding(device)
     on_host = on_device.with_memory_kind("pinned_host")

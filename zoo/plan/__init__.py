@@ -9,9 +9,9 @@
 Reference: ``docs/planning.md``.
 """
 
+from zoo.hardware import HARDWARE, Hardware, hardware
 from zoo.plan._step import StepOptions
 from zoo.plan.estimate import Estimate, estimate, measure
-from zoo.hardware import HARDWARE, Hardware, hardware
 from zoo.plan.planner import Candidate, NothingFits, Plan, candidate_table, plan, price
 
 __all__ = [

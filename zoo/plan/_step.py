@@ -21,9 +21,9 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from zoo import parallel, train
+from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 from zoo.placement import PlacementMap, memory_space, resolve, subjaxprs
-from zoo.registry import family_of, is_model
 
 SDS = jax.ShapeDtypeStruct
 

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from zoo import parallel, runtime
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
+from zoo.hardware import HARDWARE, for_device, measure_host_link
+from zoo.hardware import hardware as lookup
 from zoo.plan.estimate import estimate
-from zoo.plan.hardware import HARDWARE, for_device, measure_host_link
-from zoo.plan.hardware import hardware as lookup
 from zoo.plan.planner import plan
 from zoo.plan.plans import Plan
 from zoo.train.setup import run_config

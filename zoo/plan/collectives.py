@@ -170,7 +170,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.-]+ = (.+?) ([a-z][\w-]*)\((.*)$")
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]*)\]")
 
 
-def _shape_bytes(text: str) -> int:
+def shape_bytes(text: str) -> int:
+    """Bytes of every HLO shape written in ``text`` (``f32[4,8]``, ``bf16[2]``...), added up."""
     return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _SHAPE.findall(text))
 
 
@@ -236,7 +237,7 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                 # (a tuple: one buffer per element), a reduce-scatter's operand is its result
                 # times the group.
                 scale = len(groups[0]) if kind == "reduce_scatter" else 1
-                parts = [b * scale for b in map(_shape_bytes, re.findall(r"\w+\[[\d,]*\]", result))]
+                parts = [b * scale for b in map(shape_bytes, re.findall(r"\w+\[[\d,]*\]", result))]
                 # A combined all-reduce holds separate buffers; an all-to-all's tuple is one
                 # buffer cut in a chunk per peer.
                 size = sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)

@@ -30,15 +30,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from zoo import parallel
+from zoo.core.mesh import PIPELINE
 from zoo.errors import ConfigError
-from zoo.hooks import PIPELINE
+from zoo.hardware import Hardware
+from zoo.hooks.pipeline import bubble
 from zoo.placement import PlacementMap
 from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
 from zoo.plan.estimate import Estimate
-from zoo.hardware import Hardware
 
 # With a pipeline axis, the planner's micro-batches are of one row (Megatron's usual micro-batch
 # size): for b rows per device, M = b micro-batches, the fewest bubble ticks ((P - 1) / (b + P - 1))
@@ -207,8 +209,6 @@ class CostModel:
         interleaved schedule's with ``virtual`` stages)."""
         if self.stages == 1:
             return 0.0
-        from zoo.pipeline import bubble
-
         return bubble(self.stages, self.microbatches(b), virtual)
 
     def _scale(self, b: int, virtual: int) -> dict[str, float] | None:
@@ -411,8 +411,6 @@ def virtual_choices(config: Any, stages: int, microbatches: int) -> list[int]:
 def _stage_weights(step: Step) -> tuple[float, float]:
     """(bytes of the pipelined stacks' parameters one device holds, as stored: the stage's share;
     the same in the compute dtype and gathered over ``fsdp``: GPipe's hoisted forward gathers)."""
-    from jax.sharding import PartitionSpec
-
     described = type(step.model).param_specs(step.config)
     rules = type(step.config).axis_rules
     compute = jnp.dtype(step.model.compute_dtype).itemsize

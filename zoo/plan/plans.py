@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from zoo.hardware import Hardware
 from zoo.placement import PlacementMap
 from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan.estimate import Estimate, GiB
-from zoo.hardware import Hardware
 
 
 @dataclass(frozen=True)

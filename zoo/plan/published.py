@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from zoo.core import registry
 from zoo.errors import ConfigError
+from zoo.placement import resolve
 
 CALIBRATION, HELD_OUT = "calibration", "held-out"
 
@@ -142,8 +144,6 @@ RUNS: tuple[Run, ...] = (
 
 def config(run: Run) -> Any:
     """The zoo model config of ``run.model``, through the registry (the planner knows no family)."""
-    from zoo import registry
-
     if run.model == "llama2-70b":
         return registry.by_model_type("llama").config_cls(
             vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
@@ -187,8 +187,6 @@ class Prediction:
 def predict(run: Run, efficiency: float, cm: Any = None) -> Prediction:
     """``run`` priced by the planner with the hardware's matmul efficiency set to ``efficiency``
     (``cm``: its cost model, where already built)."""
-    from zoo.placement import resolve
-
     cm = (cm if cm is not None else cost_model(run)).with_efficiency(efficiency)
     placement = resolve(run.placement, cm.base.model)
     b = run.batch_size // cm.shards

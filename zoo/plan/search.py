@@ -28,13 +28,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from zoo import parallel
+from zoo.core.mesh import PIPELINE
+from zoo.core.registry import family_of
 from zoo.errors import MeshError
-from zoo.hooks import PIPELINE
-from zoo.plan import _flops, collectives
-from zoo.plan._step import abstract_mesh, abstract_model, mesh_spec
 from zoo.hardware import Hardware
 from zoo.hardware import hardware as lookup
-from zoo.registry import family_of
+from zoo.plan import _flops, collectives
+from zoo.plan._step import abstract_mesh, abstract_model, mesh_spec
 
 
 @dataclass(frozen=True)

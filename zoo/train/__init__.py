@@ -21,10 +21,9 @@ the loop around it is the only place with I/O. One module a concern, none import
 Every name is importable from ``zoo.train`` itself (``from zoo import train; train.TrainConfig``).
 """
 
+from zoo.train import profile, trace_report, verify  # noqa: E402,F401  (zoo.train.profile etc., as the docs name them)
 from zoo.train.batch import BATCH_FIELDS, as_batch, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
-from zoo.train.restore import is_run_dir, load_model, load_run
-from zoo.train import profile, trace_report, verify  # noqa: E402,F401  (zoo.train.profile etc., as the docs name them)
 from zoo.train.config import TrainConfig, learning_rate, optimizer, param_specs
 from zoo.train.loop import train
 from zoo.train.metrics import (
@@ -36,6 +35,7 @@ from zoo.train.metrics import (
     plot_losses,
 )
 from zoo.train.preemption import Interrupted, Preempted
+from zoo.train.restore import is_run_dir, load_model, load_run
 from zoo.train.run_dir import RunDirError, check_run_dir
 from zoo.train.step import loss_and_metrics, make_eval, make_train_step
 

@@ -12,7 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from zoo import parallel
 from zoo.errors import ConfigError
 from zoo.train.config import TrainConfig
 
@@ -36,10 +38,6 @@ def as_batch(batch: Any) -> dict[str, Any]:
 
 
 def _batch_sharding(mesh: Any, micro: bool) -> jax.sharding.NamedSharding:
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from zoo import parallel
-
     axes = tuple(a for a in parallel.BATCH_AXES if mesh.shape[a] > 1)
     return NamedSharding(mesh, PartitionSpec(*([None] if micro else []), axes or None))
 
@@ -49,8 +47,6 @@ def check_batch_layout(cfg: Any, mesh: Any) -> None:
     split: rows over the batch axes, each sequence into equal chunks over ``context``."""
     if mesh is None:
         return
-    from zoo import parallel
-
     axes = [a for a in parallel.BATCH_AXES if mesh.shape[a] > 1]
     n = math.prod(mesh.shape[a] for a in axes)
     if cfg.batch_size % n:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import sys
 import traceback
@@ -20,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, Bool, UInt32
 
 from zoo.errors import CheckpointError
+from zoo.placement import tree_placement
 
 
 class NonFiniteLoss(RuntimeError):
@@ -120,8 +122,6 @@ def quiet_closed_loops() -> None:
 def save_failure(manager: Any, run_dir: Path | None, e: BaseException) -> str:
     """What a failed save says: the error (the OS's, where it is one), the space left on that
     disk, and the newest complete checkpoint."""
-    import re
-
     folder = (run_dir / "checkpoints") if run_dir is not None else Path(".")
     text = _short(e)
     if m := re.search(r"os_error_code='(\d+)'", str(e)):
@@ -193,8 +193,6 @@ def audit(tree: Any, to_device: bool = False) -> tuple[Bool[Array, " N"], UInt32
     """Per array leaf of ``tree`` (in ``named_leaves`` order): whether it is finite, and its
     bit sum, in one pass: cheap enough to run before every save."""
     if to_device:  # pinned_host trees: computing needs them on the device
-        from zoo.placement import tree_placement
-
         tree = tree_placement(tree, "device")
     leaves = list(named_leaves(tree).values())
     finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True) for x in leaves]

@@ -12,7 +12,8 @@ from typing import Any
 import equinox as eqx
 import optax
 
-from zoo.params import Param, is_param, map_params
+from zoo.core.params import Param, is_param, map_params
+from zoo.core.registry import family_of
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,6 @@ class TrainConfig:
 
 def param_specs(model: eqx.Module) -> dict[str, Param]:
     """The model's parameter description (see :mod:`zoo.params`)."""
-    from zoo.registry import family_of
-
     return family_of(model).param_specs(model.config)
 
 

@@ -17,14 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zoo import parallel
 from zoo.errors import ConfigError
+from zoo.placement import tree_placement
 from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import RisingLoss, TrainConfig, optimizer
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
-from zoo.train.profile import CheckedStep, check_window
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
+from zoo.train.profile import CheckedStep, check_window
 from zoo.train.run_dir import RunDirLock, check_resume, write_run_files
 from zoo.train.step import make_eval
 
@@ -131,8 +133,6 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
         params = jax.tree.map(jnp.copy, params)
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     if run.mesh is not None and run.mesh.size > 1:
-        from zoo import parallel
-
         # A no-op for a model made or loaded on the mesh (Family(..., mesh=), from_pretrained(mesh=)).
         params = parallel.shard(params, run.mesh)
         # The interleaved schedule's stage order (checkpoints too; returned in layer order).
@@ -178,8 +178,6 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
 def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], tx: optax.GradientTransformation,
           params: Any, opt_state: Any, static: Any) -> tuple[eqx.Module, list[dict[str, Any]]]:  # fmt: skip
     """The steps from ``start``, with metrics, checks and checkpoints."""
-    from zoo.placement import tree_placement
-
     model, data, cfg, run_dir, mesh = run.model, run.data, run.cfg, run.run_dir, run.mesh
     param_memory, opt_memory = run.param_memory, run.opt_memory
     if param_memory != "device":

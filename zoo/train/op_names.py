@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import re
 
-from zoo.hooks import GATHERED
+from zoo.core.registry import families
+from zoo.hooks.step import GATHERED
 from zoo.layers.stack import LAYER_SCOPE
 
 UNNAMED = "(unnamed, decoder layers)"  # a layer's ops that compute no named tensor alone
@@ -44,8 +45,6 @@ def region(source: str) -> str:
 def tensor_names() -> frozenset[str]:
     """Every named tensor's name, the scopes :func:`zoo.layers.named.named` opens: each family's
     placement-map fields, and FSDP's gathered weights."""
-    from zoo.registry import families
-
     return frozenset(n for family in families() for n in family.placement_map.names()) | {GATHERED}
 
 

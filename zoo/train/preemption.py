@@ -14,6 +14,9 @@ from types import FrameType
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
+
+from zoo.train.checkpoints import newest
 
 
 class Preempted(RuntimeError):
@@ -65,8 +68,6 @@ class StopSignals:
 
     def reached(self, step: int) -> bool:
         if self.many:
-            from jax.experimental import multihost_utils
-
             if multihost_utils.reached_preemption_sync_point(step):
                 self.signal = self.signal or "SIGTERM"
                 return True
@@ -78,8 +79,6 @@ def _kept(manager: Any, run_dir: Path | None) -> tuple[int | None, str]:
     """The newest checkpoint's step, and it in words (after any save in flight)."""
     if manager is None:
         return None, "nothing was saved (no run dir)"
-    from zoo.train.checkpoints import newest
-
     last = newest(manager, run_dir)  # a save that fails: SaveFailed, in one line
     return last, "there is no checkpoint" if last is None else f"checkpoint step {last} ({run_dir / 'checkpoints' / str(last)})"
 

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from zoo.errors import ConfigError
+from zoo.runtime import describe_xla_options, step_xla_options
+from zoo.train.step import make_train_step
+from zoo.train.verify import check_step
 
 PROFILE_DIR = "profile"
 
@@ -116,9 +119,6 @@ class CheckedStep:
 
     def __init__(self, model: Any, cfg: Any, tx: Any, *, placement: Any, mesh: Any, param_memory: str,
                  opt_memory: str, xla_options: Any, xla_defaults: bool, profile: Any, run_dir: Path | None):  # fmt: skip
-        from zoo.runtime import describe_xla_options, step_xla_options
-        from zoo.train.step import make_train_step
-
         self.platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         options = step_xla_options(self.platform, xla_options, defaults=xla_defaults)
         if jax.process_index() == 0:
@@ -132,8 +132,6 @@ class CheckedStep:
 
     def __call__(self, params: Any, opt_state: Any, batch: Any, step: int) -> Any:
         """Step ``step`` (0-based, a Python int: nothing is read back from the device for it)."""
-        from zoo.train.verify import check_step
-
         index = jnp.int32(step)
         if self.unchecked:
             self.unchecked = False

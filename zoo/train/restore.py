@@ -12,13 +12,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh
 
+from zoo import parallel
+from zoo.core.params import is_param
 from zoo.errors import CheckpointError, ConfigError
-from zoo.pipeline import to_stage_order
+from zoo.hf.load import DTYPE_NAMES, from_pretrained, read_config
+from zoo.parallel.place import to_stage_order
+from zoo.placement import tree_placement
 from zoo.train.checkpoints import _describe, _key_name, _params_first, _short, audit, first_non_finite, named_leaves
+from zoo.train.config import TrainConfig, optimizer
 
 
 def _misfit(saved: Mapping[str, Any], abstract: Any) -> str | None:
@@ -137,15 +144,7 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     """The model of a training run directory at its latest good checkpoint: ``(model, step,
     settings)``, the settings those the run wrote to ``run.json`` (its ``TrainConfig`` under
     ``"train"``). Nothing in the directory is changed (a damaged checkpoint is passed over)."""
-    import json
-
-    import equinox as eqx
     import orbax.checkpoint as ocp
-
-    from zoo import parallel
-    from zoo.hf.load import DTYPE_NAMES, read_config
-    from zoo.params import is_param
-    from zoo.train.config import TrainConfig, optimizer
 
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
@@ -157,8 +156,6 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     mesh = None
     if settings.get("mesh"):  # the arrays as the run laid them out: padded where its mesh did not divide them
-        from jax.sharding import AbstractMesh
-
         mesh = AbstractMesh(tuple(int(settings["mesh"].get(a, 1)) for a in parallel.AXES), parallel.AXES)
         abstract = parallel.pad(abstract, mesh)
     params = eqx.filter(abstract, is_param)
@@ -177,8 +174,6 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     model = eqx.combine(tree["params"], static)
     virtual = int((settings.get("train") or {}).get("virtual_stages", 1))
     if mesh is not None and virtual > 1:  # the run kept its stacks in the interleaved schedule's stage order
-        from zoo.pipeline import to_stage_order
-
         model = to_stage_order(model, mesh, virtual, inverse=True)
     return parallel.unpad(model), step, settings
 
@@ -187,13 +182,11 @@ def load_model(path: str | Path, *, compute_dtype: Any = None) -> tuple[Any, dic
     """A model from a Hugging Face checkpoint directory or a training run directory (its latest
     good checkpoint, saying which): ``(model, settings)``, ``settings`` the run's (``{}`` for a
     checkpoint). What ``recipes/eval.py`` and ``recipes/generate.py`` load."""
-    import zoo
-
     if is_run_dir(path):
         model, step, settings = load_run(path, compute_dtype=compute_dtype)
         print(f"{path}: training run, its checkpoint of step {step}", flush=True)
         return model, settings
-    return zoo.from_pretrained(path, compute_dtype=compute_dtype), {}
+    return from_pretrained(path, compute_dtype=compute_dtype), {}
 
 
 # -- the interleaved schedule's stage order ------------------------------------------------------
@@ -205,8 +198,6 @@ def in_layer_order(params: Any, mesh: Any, virtual: int, memory: str) -> Any:
     if mesh is None or virtual == 1:
         return params
     if memory != "device":  # reordering computes: on device
-        from zoo.placement import tree_placement
-
         params = tree_placement(params, "device")
     return to_stage_order(params, mesh, virtual, inverse=True)
 

@@ -16,6 +16,9 @@ from typing import IO, Any
 
 import jax
 
+from zoo.hf.load import hf_config
+from zoo.train.metrics import jsonable
+
 
 class RunDirError(ValueError):
     """A run directory in use by a running run, or holding an earlier run's files."""
@@ -154,9 +157,6 @@ class RunDirLock:
 def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
     """``run_dir/config.json`` (the model's Hugging Face config, as a save writes it) and
     ``run_dir/run.json`` (the run's settings), each written atomically."""
-    from zoo.hf.load import hf_config
-    from zoo.train.metrics import jsonable
-
     for name, value in (("config.json", hf_config(model)), ("run.json", jsonable(dict(settings)))):
         tmp = run_dir / f".{name}.tmp"
         tmp.write_text(json.dumps(value, indent=2) + "\n")
@@ -193,8 +193,6 @@ def check_resume(run_dir: Path, settings: Mapping[str, Any], allow_change: Itera
     """Refuse (``RunDirError``) a resume whose settings differ from those the run was made with
     (``run_dir/run.json``), listing the differences, unless each is in ``allow_change`` or
     :data:`FREE_ON_RESUME`. Returns the allowed changes, ``{name: (before, now)}``."""
-    from zoo.train.metrics import jsonable
-
     file = run_dir / "run.json"
     if not file.is_file():  # a run from before run.json: nothing to compare with
         return {}

@@ -14,6 +14,11 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
+from zoo import parallel
+from zoo.core.protocol import options_or_default
+from zoo.hooks.pipeline import stacks_in_stage_order
+from zoo.loss import lm_loss
+from zoo.placement import memory_space, tree_placement
 from zoo.train.batch import as_batch
 from zoo.train.config import TrainConfig, learning_rate
 
@@ -55,10 +60,6 @@ def make_train_step(
     ``xla_options``: XLA compile options of the step (:func:`zoo.runtime.step_xla_options`
     gives a backend's set; ``None``: XLA's defaults).
     """
-    from zoo.causal_lm import options_or_default
-    from zoo.pipeline import stacks_in_stage_order
-    from zoo.placement import memory_space, tree_placement
-
     options_or_default(model, cfg.model_options)  # a clear error now if they are another family's
 
     memory_space(param_memory, "parameters")  # a clear error now, not at the first step's trace
@@ -71,8 +72,6 @@ def make_train_step(
         return loss_and_metrics(m, ids, cfg=cfg, placement=placement, **fields)
 
     if mesh is not None and mesh.size > 1:
-        from zoo import parallel
-
         grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True, microbatches=cfg.microbatches,
                                           virtual_stages=cfg.virtual_stages)  # fmt: skip
     else:
@@ -130,12 +129,8 @@ def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, mic
     (:func:`zoo.parallel.value`: ``microbatches`` through pipeline stages, ``virtual_stages``
     chunks of them, the stacks then in stage order), not as XLA would lay
     out a plain jit of it (which gathers a pipelined layer stack whole on every device)."""
-    from zoo.loss import lm_loss
-
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     if mesh is not None and mesh.size > 1:
-        from zoo import parallel
-
         loss = parallel.value(lm_loss, mesh, microbatches=microbatches, virtual_stages=virtual_stages)
 
         def sharded(params, batch):

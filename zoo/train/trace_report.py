@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jax.profiler import ProfileData
+
 from zoo.train.op_names import (  # noqa: F401  (re-exported: the report's API before the split)
     NO_SOURCE,
     OUTSIDE,
@@ -63,8 +65,6 @@ def find_traces(run_dir: str | Path) -> list[Path]:
 
 def read_events(path: str | Path) -> list[Event]:
     """Every event of an ``.xplane.pb`` trace, by jax.profiler's own reader."""
-    from jax.profiler import ProfileData
-
     data = ProfileData.from_file(str(path))
     return [Event(plane.name, line.name, e.name, e.start_ns, e.start_ns + e.duration_ns, dict(e.stats))
             for plane in data.planes for line in plane.lines for e in line.events]  # fmt: skip

@@ -12,14 +12,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zoo.errors import ConfigError
+from zoo.errors import ConfigError, MeshError
+from zoo.hardware import Hardware
+from zoo.hardware import hardware as lookup
+from zoo.parallel import BATCH_AXES
+from zoo.placement import resolve
 from zoo.plan import _flops
-from zoo.plan._step import Step, make_step, mesh_spec
+from zoo.plan._step import Step, make_step, mesh_sizes, mesh_spec
 from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan.costs import MICROBATCH_ROWS, CostModel, _Where
 from zoo.plan.estimate import Estimate, _from_step
-from zoo.hardware import Hardware
-from zoo.hardware import hardware as lookup
 from zoo.plan.offloads import verify_offloads
 from zoo.plan.plans import Candidate, Plan, _size, candidate_table
 from zoo.train.hlo import host_moves, tensor_type
@@ -119,8 +121,6 @@ def plan_mesh(
                       compute_dtype=compute_dtype, microbatches=MICROBATCH_ROWS)  # fmt: skip
     shards = probe.batch_size
     if batch_size is not None and batch_size % shards:
-        from zoo.errors import MeshError
-
         raise MeshError(
             f"batch size {batch_size} is not divisible by the mesh's batch axes ({shards} devices split it)"
         )
@@ -203,8 +203,6 @@ def price(
     hw = lookup(hardware if hardware is not None else "cpu")
     cm = cost_model(model_or_config, seq_len=seq_len, mesh=mesh, hardware=hw, compute_dtype=compute_dtype)
     probe, shards = cm.base, cm.shards
-    from zoo.placement import resolve
-
     b = batch_size // shards
     cm.check_virtual(b, virtual_stages)
     out = []
@@ -250,9 +248,6 @@ def _third_trace(probe: Step, second: int, seq_len: int, mesh: Any) -> tuple[int
 
 def _shards(mesh: Any) -> int:
     """The devices one global batch is split over."""
-    from zoo.parallel import BATCH_AXES
-    from zoo.plan._step import mesh_sizes
-
     sizes = mesh_sizes(mesh)
     return math.prod(sizes[a] for a in BATCH_AXES)
 
