@@ -21,7 +21,7 @@ the loop around it is the only place with I/O. One module a concern, none import
 Every name is importable from ``zoo.train`` itself (``from zoo import train; train.TrainConfig``).
 """
 
-from zoo.train import profile, trace_report, verify  # noqa: E402,F401  (zoo.train.profile etc., as the docs name them)
+from zoo.train import hlo, profile, setup, trace_report, verify  # noqa: E402,F401  (zoo.train.profile etc., as the docs name them)
 from zoo.train.batch import BATCH_FIELDS, as_batch, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, learning_rate, optimizer, param_specs
