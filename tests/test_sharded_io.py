@@ -78,7 +78,7 @@ FRESH = [("llama", "fsdp=4,tensor=2"), ("deepseek_v3", "fsdp=2,expert=4"), ("qwe
 
 @pytest.mark.parametrize("family, spec", FRESH)
 def test_a_fresh_model_is_made_in_place(family, spec):
-    cls = zoo.registry.by_model_type(family)
+    cls = zoo.core.registry.by_model_type(family)
     config = cls.config_cls.preset("tiny", family)
     mesh = parallel.make_mesh(spec)
     _check_layout(flatten(cls(config, key=jax.random.key(3), mesh=mesh)), mesh, config)
@@ -96,7 +96,7 @@ def test_a_fresh_model_made_in_place_is_padded_as_a_placed_one(family, preset, s
     """Made on a mesh that pads, a fresh model has the layout a model made whole and placed with
     zoo.parallel.shard has: the same shapes, the same values (within the suite's -O0 rounding of
     a draw, 1 ulp) and zeros in the padding (it raised IndivisibleError or a scan TypeError)."""
-    cls = zoo.registry.by_model_type(family)
+    cls = zoo.core.registry.by_model_type(family)
     config = dataclasses.replace(cls.config_cls.preset(preset, family), **change)
     mesh = parallel.make_mesh(spec)
     assert parallel.is_padded(config, mesh)
@@ -118,9 +118,10 @@ def test_a_fresh_model_made_in_place_has_the_unsharded_values():
         f"""
 import jax, numpy as np, zoo
 from zoo import parallel
+from zoo.core import registry
 from zoo.params import flatten
 for family, spec in {FRESH!r}:
-    cls = zoo.registry.by_model_type(family)
+    cls = registry.by_model_type(family)
     config = cls.config_cls.preset("tiny", family)
     whole = flatten(cls(config, key=jax.random.key(3)))
     sharded = flatten(cls(config, key=jax.random.key(3), mesh=parallel.make_mesh(spec)))
@@ -134,7 +135,7 @@ for family, spec in {FRESH!r}:
 
 
 def _count(family: str) -> int:
-    cls = zoo.registry.by_model_type(family)
+    cls = zoo.core.registry.by_model_type(family)
     return len(jax.eval_shape(lambda: flatten(cls(cls.config_cls.preset("tiny", family), key=jax.random.key(0)))))
 
 
