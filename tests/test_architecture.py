@@ -54,12 +54,6 @@ PRELOADED_OLD_PATHS = {("zoo.plan", "zoo.plan.hardware")}
 # checkpoint's tokenizer.json and chat template, the loss plot, and the Pallas kernels of TPU and GPU.
 DEFERRABLE = ("orbax", "tensorboardX", "pyarrow", "wandb", "datasets", "tokenizers", "jinja2", "matplotlib",
               "jax.experimental.pallas")  # fmt: skip
-# The planner's modules still defer imports among themselves (planner <-> search, costs and plans
-# -> search, published -> planner): within zoo.plan only, never across units. Untangling them is
-# open work (issue 37); the test lists exactly these, and a new one fails.
-PLAN_CYCLES = {("zoo.plan.costs", "zoo.plan.search"), ("zoo.plan.planner", "zoo.plan"),
-               ("zoo.plan.plans", "zoo.plan.search"), ("zoo.plan.published", "zoo.plan.planner"),
-               ("zoo.plan.search", "zoo.plan.planner")}  # fmt: skip
 SOURCES = sorted([*ZOO.rglob("*.py"), *(ROOT / "recipes").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")])
 
 
@@ -136,8 +130,6 @@ def test_only_optional_packages_are_imported_in_function_bodies(path):
                     assert not isinstance(node, ast.ImportFrom), f"{path.name}:{node.lineno}: a relative import"
                     continue
                 for n in names:
-                    if (module_name(path), n) in PLAN_CYCLES:
-                        continue
                     assert any(n == d or n.startswith(d + ".") for d in DEFERRABLE), (
                         f"{path.relative_to(ROOT)}:{node.lineno} imports {n} inside {f.name}(): import it at the top"
                     )

@@ -12,9 +12,8 @@ from test_placement import FAST
 
 from zoo import parallel, plan, registry
 from zoo.errors import ConfigError
-from zoo.plan import collectives
+from zoo.plan import collectives, mesh_plan
 from zoo.plan._step import make_step
-from zoo.plan import planner
 from zoo.plan.costs import virtual_choices
 from zoo.plan.planner import cost_model
 
@@ -191,7 +190,7 @@ def test_the_plan_interleaves_where_it_helps_and_says_so():
     # The plan's cost model (its temporaries a line through local batches 1 and 4; this one's, 1 and 2).
     cm = small("pipeline=2,data=4")
     assert cm.memory(p.placement, 4, "device", "device", 2)[0] == pytest.approx(p.candidates[-1].device_bytes, rel=1e-3)
-    _, b, _, _, v = planner._choose(cm, 4, gpipe.device_bytes, 0.0)
+    _, b, _, _, v = mesh_plan._choose(cm, 4, gpipe.device_bytes, 0.0)
     assert (b, v) == (4, 2)
 
 
@@ -201,9 +200,9 @@ def test_virtual_stages_that_do_not_divide_the_stage_are_never_chosen():
     cfg = dataclasses.replace(config("llama"), num_layers=6)
     cm = cost_model(cfg, seq_len=64, mesh="pipeline=2,data=4", hardware="cpu")
     assert [cm.virtual_stages(b) for b in (2, 3, 4, 6)] == [[1, 3], [1], [1, 3], [1, 3]]
-    chosen = [planner._choose(cm, b, 2.0**30, 0.0)[-1] for b in (3, 4, 6)]  # (map, b, pm, om, V)
+    chosen = [mesh_plan._choose(cm, b, 2.0**30, 0.0)[-1] for b in (3, 4, 6)]  # (map, b, pm, om, V)
     assert chosen == [1, 3, 3] and cm.bubble(4, 3) == 1 / (3 * 4 + 1)
-    assert planner._choose(cm, None, 2.0**30, 0.0, virtual=1)[-1] == 1  # plan(virtual_stages=1): GPipe's
+    assert mesh_plan._choose(cm, None, 2.0**30, 0.0, virtual=1)[-1] == 1  # plan(virtual_stages=1): GPipe's
     with pytest.raises(ConfigError, match=r"virtual_stages=2 cannot run at 4 rows per device on pipeline=2.*\[1, 3\]"):
         cm.check_virtual(4, 2)  # what plan(virtual_stages=2) and price(virtual_stages=2) raise
     # From the configs alone: 405B's 126 layers on 16 stages are 8 per stage (padded); Qwen3

@@ -36,13 +36,13 @@ def test_pipelines_are_searched_across_fast_domains_or_where_they_shard_more():
     holds less state per device than every mesh kept without it (72 = 8 x 9 GB200s: 9 stages)."""
     cfg = config("llama", "llama3.1-405b")
     found = search.meshes(cfg, 128, 8192)
-    states = [4 * search._state(cfg, m)[0] for m in found]
+    states = [4 * search.mesh_state(cfg, m)[0] for m in found]
     h100 = search.worth_pipelining(found, states, 128, plan.hardware("h100").domain)  # 16 nodes of 8
     gb200 = search.worth_pipelining(found, states, 128, plan.hardware("gb200").domain)  # 2 racks of 72
     assert {m["pipeline"] for m, k in zip(found, h100) if k} == {1, 2, 4, 8, 16}
     assert {m["pipeline"] for m, k in zip(found, gb200) if k} == {1, 2}
     found = search.meshes(cfg, 72, 8192)
-    states = [4 * search._state(cfg, m)[0] for m in found]
+    states = [4 * search.mesh_state(cfg, m)[0] for m in found]
     kept = [m for m, k in zip(found, search.worth_pipelining(found, states, 72, 72)) if k]
     # Stage counts with a factor 3 shard what data=9 replicates; 2, 4 and 8 stages still leave it.
     assert {m["pipeline"] for m in kept} == {1, 3, 6, 9, 12, 18}

@@ -17,7 +17,7 @@ Memory, per device: the parameters, optimizer state and batch where they live, p
 of the passes' temporaries (gradients, saved residuals, one layer's transient) and the
 update's. Two estimates of the full-remat step (:func:`zoo.plan.estimate`, local batch 1 and
 2) give the passes' temporaries as a line in the batch; each name's residual bytes are exact
-(the traced program's). :mod:`zoo.plan.planner` searches maps, batches and meshes with it.
+(the traced program's). :mod:`zoo.plan.mesh_plan` searches maps and batches with it, :mod:`zoo.plan.search` meshes.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from zoo.placement import PlacementMap
 from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
 from zoo.plan.estimate import Estimate
+from zoo.plan.meshes import pipelined_layers
 
 # With a pipeline axis, the planner's micro-batches are of one row (Megatron's usual micro-batch
 # size): for b rows per device, M = b micro-batches, the fewest bubble ticks ((P - 1) / (b + P - 1))
@@ -400,8 +401,6 @@ def virtual_choices(config: Any, stages: int, microbatches: int) -> list[int]:
     """1 (GPipe), and each ``V > 1`` dividing every pipelined stack's layers per stage (padding
     included; a stack of no layers, Qwen3-MoE's dense one where every layer is MoE, aside), where
     the micro-batches are a multiple of the ``stages`` (:func:`zoo.pipeline.pipelined_scan`'s rules)."""
-    from zoo.plan.search import pipelined_layers
-
     per_stage = [-(-n // stages) for n in pipelined_layers(config) if n > 0]
     if not per_stage or microbatches % stages:
         return [1]

@@ -11,6 +11,7 @@ from zoo.hardware import Hardware
 from zoo.placement import PlacementMap
 from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan.estimate import Estimate, GiB
+from zoo.plan.meshes import mesh_table
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,6 @@ class Plan:
         )
         lines = [head]
         if self.meshes:
-            from zoo.plan.search import mesh_table
-
             lines += [f"meshes of {self.devices} devices, the chosen first:", mesh_table(self.meshes), "",
                       f"the chosen mesh {self.mesh or 'one device'}:"]  # fmt: skip
         lines += [

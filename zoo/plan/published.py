@@ -20,6 +20,7 @@ from typing import Any
 from zoo.core import registry
 from zoo.errors import ConfigError
 from zoo.placement import resolve
+from zoo.plan.mesh_plan import cost_model as plan_cost_model
 
 CALIBRATION, HELD_OUT = "calibration", "held-out"
 
@@ -159,11 +160,9 @@ def config(run: Run) -> Any:
 
 def cost_model(run: Run) -> Any:
     """The planner's cost model for ``run``'s model, sequence, mesh and hardware, bf16 compute."""
-    from zoo.plan.planner import cost_model as build
-
     if not run.comparable:
         raise ConfigError(f"published run {run.name!r} is not comparable ({run.note}): nothing to predict")
-    return build(config(run), seq_len=run.seq_len, mesh=run.mesh, hardware=run.hardware, compute_dtype=run.dtype)
+    return plan_cost_model(config(run), seq_len=run.seq_len, mesh=run.mesh, hardware=run.hardware, compute_dtype=run.dtype)
 
 
 @dataclass(frozen=True)
