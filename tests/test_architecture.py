@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,10 +46,6 @@ LEVEL = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
 # Modules kept only so that outside code's old imports work: nothing in zoo/ imports them.
 OLD_PATHS = ("zoo.causal_lm", "zoo.params", "zoo.registry", "zoo.pipeline", "zoo.vocab_parallel", "zoo.metrics_log",
              "zoo.layers.named", "zoo.plan.hardware", "zoo.hf.pretrained")  # fmt: skip
-# A package may load its own old submodule first when the submodule's name is also one of the
-# package's attributes: zoo.plan.hardware is the function, and importing the old module later
-# must not replace it (zoo/plan/__init__.py says why).
-PRELOADED_OLD_PATHS = {("zoo.plan", "zoo.plan.hardware")}
 # Imports deferred into a function body: only optional or heavy third-party packages, each
 # loaded where it is used: a Parquet reader and saved datasets (the `data` extra), W&B (the
 # `wandb` extra), orbax's checkpointer and TensorBoard's writer (a training run only), a
@@ -112,7 +110,7 @@ def test_imports_go_down_the_layers(path):
             f"{where}: layer {LEVEL[there]} ({LAYERS[LEVEL[there]][0]}) is not below "
             f"layer {LEVEL[unit_of(here)]} ({LAYERS[LEVEL[unit_of(here)]][0]})"
         )
-        if here.startswith("zoo.") and here not in OLD_PATHS and (here, target) not in PRELOADED_OLD_PATHS:
+        if here.startswith("zoo.") and here not in OLD_PATHS:
             assert target not in OLD_PATHS, f"{where}, a module kept for old imports: import its new home"
 
 
@@ -264,3 +262,22 @@ def test_every_family_implements_the_protocol(cls):
 def test_unknown_model_type_lists_the_registered_ones():
     with pytest.raises(zoo.ConfigError, match=r"unknown model_type 'gpt2'; zoo supports \['deepseek_v3', 'llama', 'qwen3', 'qwen3_moe'\]"):
         registry.by_model_type("gpt2")
+
+
+@pytest.mark.parametrize("first", ["zoo.plan.hardware", "zoo.plan"])
+def test_old_paths_keep_their_names_whatever_is_imported_first(first):
+    """Each old module still gives its names; ``zoo.plan.hardware`` is both an old module and the
+    planner's function, and stays callable whichever a fresh process imports first."""
+    script = f"""
+import importlib, {first}
+for old in {list(OLD_PATHS)!r}:
+    importlib.import_module(old)
+import zoo.plan
+from zoo.plan import hardware
+from zoo.plan.hardware import HARDWARE
+assert zoo.plan.hardware("h100").name == hardware("h100").name == "h100" and "h100" in HARDWARE
+from zoo.causal_lm import CausalLM; from zoo.params import Param; from zoo.registry import family_of
+from zoo.pipeline import bubble; from zoo.hf.pretrained import from_pretrained
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]

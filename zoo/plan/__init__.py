@@ -9,12 +9,6 @@
 Reference: ``docs/planning.md``.
 """
 
-# The table's old module loaded first: loading zoo.plan.hardware sets this package's attribute
-# ``hardware`` to that module, and the function imported below must replace it (as it did when
-# the table lived there), not be replaced by it when someone imports the old module later.
-from zoo.plan import hardware as _old_hardware_module
-
-# isort: split
 from zoo.hardware import HARDWARE, Hardware, hardware
 from zoo.plan._step import StepOptions
 from zoo.plan.estimate import Estimate, estimate, measure
@@ -25,4 +19,3 @@ __all__ = [
     "measure", "plan", "price",
 ]  # fmt: skip
 
-del _old_hardware_module
