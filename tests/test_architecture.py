@@ -279,5 +279,5 @@ assert zoo.plan.hardware("h100").name == hardware("h100").name == "h100" and "h1
 from zoo.causal_lm import CausalLM; from zoo.params import Param; from zoo.registry import family_of
 from zoo.pipeline import bubble; from zoo.hf.pretrained import from_pretrained
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
