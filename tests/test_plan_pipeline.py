@@ -11,7 +11,7 @@ import pytest
 from test_placement import FAST
 
 from zoo import parallel, plan, registry
-from zoo.errors import ConfigError
+from zoo.errors import ConfigError, MeshError
 from zoo.plan import collectives, mesh_plan
 from zoo.plan._step import make_step
 from zoo.plan.costs import virtual_choices
@@ -212,3 +212,6 @@ def test_virtual_stages_that_do_not_divide_the_stage_are_never_chosen():
     assert virtual_choices(config("qwen3_moe", "qwen3-235b-a22b"), 8, 12) == [1]
     with pytest.raises(ConfigError, match=r"virtual_stages=3 needs a pipeline axis; the mesh 'one device' has none"):
         plan.price(cfg, {"remat": "remat"}, seq_len=64, batch_size=1, virtual_stages=3)
+    # The step the planner compiles refuses it as the training step does (validate_mesh's chunks).
+    with pytest.raises(MeshError, match="virtual_stages"):
+        make_step(cfg, batch_size=8, seq_len=64, mesh="pipeline=2,data=4", microbatches=2, virtual_stages=2)

@@ -164,6 +164,7 @@ def _resized(model_or_tree: PyTree, sizes_of: Callable[[Any], Mapping[str, int]]
 def pad(model_or_tree: PyTree, mesh: AnyMesh | None) -> PyTree:
     """Every model in the tree with its arrays at :func:`layout_sizes` (zeros appended where a
     mesh axis does not divide a padded letter); a model already so is returned as it is."""
+
     def sizes(m):
         if mesh is not None:
             validate_mesh(mesh, m.config)
@@ -224,6 +225,16 @@ def validate_mesh(mesh: AnyMesh, config: Any, *, virtual_stages: int = 1) -> Non
             )
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
         raise MeshError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    stages = axis_size(mesh, PIPELINE)
+    for letter, axis in split:
+        per_stage = -(-sizes[letter] // stages)  # padded to whole stages
+        if virtual_stages > 1 and axis_names(axis) == (PIPELINE,) and per_stage % virtual_stages:
+            divisors = [v for v in range(1, per_stage + 1) if per_stage % v == 0]
+            raise MeshError(
+                f"virtual_stages={virtual_stages} does not divide the {per_stage} layers per stage of "
+                f"{name}.{rules[letter].field} = {sizes[letter]} on pipeline={stages} (the interleaved schedule "
+                f"runs each stage's layers in virtual_stages equal chunks; possible here: {divisors})"
+            )
     family_of(config).check_layout(config, mesh, virtual_stages=virtual_stages)
 
 
@@ -250,7 +261,6 @@ def init_arrays(init: Callable[..., Mapping[str, Array]], key: PRNGKeyArray, con
         return dict(init(key, None, None))
     validate_mesh(mesh, config)
     return dict(init(key, param_shardings(config, mesh), layout_sizes(config, mesh)))
-
 
 
 def model_arrays(model: str, config: Any, specs: Mapping[str, Param], stacks: Mapping[str, str], *,

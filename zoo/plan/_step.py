@@ -135,6 +135,8 @@ class Step:
                     f"virtual_stages={v!r}: the interleaved schedule takes a positive integer, and more than 1 only "
                     f"with microbatches ({m}) a multiple of the {self.stages} pipeline stages"
                 )
+            if v > 1:  # each stage's layers must split into v chunks too, as the training step checks
+                parallel.validate_mesh(self.mesh, self.config, virtual_stages=v)
         else:
             self.microbatches, self.virtual_stages = None, 1
         self.skeleton = jax.tree.map(lambda s: np.zeros((), s.dtype) if _is_sds(s) else s, self.model, is_leaf=_is_sds)
@@ -280,7 +282,9 @@ def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options:
     """The step of ``model_or_config`` (a model, whose arrays' shapes are used, or a config) on
     a global batch of ``batch_size`` rows of ``seq_len`` tokens, laid out as ``options`` say."""
     if unknown := set(options) - set(StepOptions.__annotations__):
-        raise TypeError(f"unknown step option(s) {sorted(unknown)}: the options are {list(StepOptions.__annotations__)}")
+        raise TypeError(
+            f"unknown step option(s) {sorted(unknown)}: the options are {list(StepOptions.__annotations__)}"
+        )
     model = abstract_model(model_or_config, options.get("compute_dtype"))
     placement = options.get("placement")
     if placement is not None:
