@@ -7,9 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -87,7 +89,11 @@ def test_generate_chats_with_the_template_and_stops_at_the_end_of_turn(monkeypat
 
     rendered = []
     render = zdata.ChatEncoder.render
-    monkeypatch.setattr(zdata.ChatEncoder, "render", lambda self, m, **kw: rendered.append([dict(x) for x in m]) or render(self, m, **kw))
+    monkeypatch.setattr(
+        zdata.ChatEncoder,
+        "render",
+        lambda self, m, **kw: rendered.append([dict(x) for x in m]) or render(self, m, **kw),
+    )
     encoder = zdata.ChatEncoder(zdata.load_tokenizer(TINY))
     assert recipe.end_of_turn(encoder, zdata.load_tokenizer(TINY)) == {4}  # <|im_end|>
     out = recipe.main([str(TINY), "--chat", "What is a list?", "--system", "Be brief.", "--max-new-tokens", "4"])
@@ -111,19 +117,26 @@ def test_token_counts_and_the_data_description_say_what_they_are():
     assert count(1_234_567, "train tokens") == "1.2M train tokens"
     from zoo.data import load_tokenizer
 
-    assert "EOS 2 after each text and completion; chats end as their template renders them" in load_tokenizer(TINY).describe()
+    assert (
+        "EOS 2 after each text and completion; chats end as their template renders them"
+        in load_tokenizer(TINY).describe()
+    )
 
 
 def test_the_readme_states_parity_as_measured():
     text = (ROOT / "README.md").read_text()
     claim = re.search(r"parity against\s+`transformers`(.{0,300})", text, re.DOTALL)
-    assert claim and "relative" in claim[1] and "absolute" in claim[1], "the README's parity claim names neither measure"
+    assert claim and "relative" in claim[1] and "absolute" in claim[1], (
+        "the README's parity claim names neither measure"
+    )
 
 
 def test_each_model_and_preset_gets_its_own_run_dir_by_default():
     recipe = _recipe("train")
     assert recipe.parse_args([]).run_dir == str(Path("runs") / "llama-small")
-    assert recipe.parse_args(["--model", "deepseek_v3", "--preset", "tiny"]).run_dir == str(Path("runs") / "deepseek_v3-tiny")
+    assert recipe.parse_args(["--model", "deepseek_v3", "--preset", "tiny"]).run_dir == str(
+        Path("runs") / "deepseek_v3-tiny"
+    )
     assert recipe.parse_args(["--checkpoint", str(TINY)]).run_dir == str(Path("runs") / "tokenizer-tiny")
     assert recipe.parse_args(["--run-dir", "x"]).run_dir == "x"
 
@@ -141,7 +154,9 @@ def test_eval_and_generate_take_a_training_run_directory(tmp_path, capsys):
     assert json.loads((run / "run.json").read_text())["train"]["seq_len"] == 48
     model, step, settings = ztrain.load_run(run)
     assert step == 2 and settings["model"] == "Llama" and model.config == preset("tiny")
-    assert "default: a run directory's own --seq-len, else 512" in " ".join(_recipe("eval").parser().format_help().split())
+    assert "default: a run directory's own --seq-len, else 512" in " ".join(
+        _recipe("eval").parser().format_help().split()
+    )
     capsys.readouterr()
     result = _recipe("eval").main([str(run), "--max-rows", "4", "--batch-size", "2"])
     out = capsys.readouterr().out
@@ -150,13 +165,39 @@ def test_eval_and_generate_take_a_training_run_directory(tmp_path, capsys):
     assert len(out["tokens"][0]) == 3
 
 
+def test_a_run_trained_on_eight_devices_reads_on_one_as_it_was_trained(tmp_path):
+    """A run dir is read onto the reader's devices (a checkpoint saved from 8 is not "damaged" on
+    1), and rebuilt as trained: DeepSeek-V3's presets train the MTP module, and it is read too."""
+    run = tmp_path / "run"
+    _recipe("train").main(["--model", "deepseek_v3", "--preset", "tiny", "--steps", "2", "--batch-size", "8",
+                           "--seq-len", "32", "--checkpoint-every", "2", "--mesh", "fsdp=8", "--run-dir", str(run)])  # fmt: skip
+    model, step, _ = ztrain.load_run(run)
+    assert step == 2 and model.config.mtp and model.mtp is not None
+    total = lambda m: float(
+        sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))
+    )
+    script = (
+        "import sys, jax, numpy as np, equinox as eqx\n"
+        "jax.config.update('jax_num_cpu_devices', 1)\n"
+        "from zoo import train\n"
+        "m, step, _ = train.load_run(sys.argv[1])\n"
+        "assert len(jax.devices()) == 1 and step == 2 and m.mtp is not None\n"
+        "print(sum(float(np.abs(np.asarray(x, np.float64)).sum()) for x in jax.tree.leaves(eqx.filter(m, eqx.is_array))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(run)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) == total(model)
+
+
 def test_the_loss_plot_and_console_label_each_loss():
     from zoo.train.metrics import curve_labels
 
     llama = [{"step": 1, "loss": 2.0, "lm_loss": 2.0}, {"step": 2, "val_loss": 2.1}]
     deepseek = [{"step": 1, "loss": 2.4, "lm_loss": 2.0}, {"step": 2, "val_loss": 2.1}]
     assert curve_labels(llama) == ("train next-token loss", None, "validation next-token loss")
-    assert curve_labels(deepseek)[0].startswith("train objective") and curve_labels(deepseek)[1] == "train next-token loss"
+    assert (
+        curve_labels(deepseek)[0].startswith("train objective") and curve_labels(deepseek)[1] == "train next-token loss"
+    )
 
 
 def test_the_matmul_peak_is_the_best_of_many_runs(monkeypatch):
@@ -188,7 +229,10 @@ def test_the_readmes_fine_tuning_and_sft_lines_lower_the_held_out_loss(kind, tmp
     the tiny BPE checkpoint: the held-out loss falls."""
     import inspect
 
-    docs = [inspect.getdoc(f) or "" for f in (zoo.from_pretrained, zoo.save_pretrained, ztrain.train, ztrain.make_train_step)]
+    docs = [
+        inspect.getdoc(f) or ""
+        for f in (zoo.from_pretrained, zoo.save_pretrained, ztrain.train, ztrain.make_train_step)
+    ]
     if kind == "text":
         records = [{"text": d} for d in docs for _ in range(6)]
     else:

@@ -398,6 +398,10 @@ def test_no_usable_checkpoint_is_an_error_naming_each(corpus, finished_run, tmp_
     with pytest.raises(zoo.CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ztrain.train(zoo.Llama(preset("tiny"), key=jr.key(0)), corpus, _cfg(), run_dir=run, resume=True)
     assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]  # nothing moved: there is nothing to fall back to
+    # A reader (eval, generate) says the same and leaves the run alone: no advice that deletes it.
+    with pytest.raises(zoo.CheckpointError, match=r"\. The run directory is left as it is$") as err:
+        ztrain.load_run(run)
+    assert "--overwrite" not in str(err.value) and sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reads of a damaged checkpoint

@@ -5,6 +5,7 @@ checkpoint (``load_run``, ``load_model``: what eval and generate read)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import sys
@@ -16,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, SingleDeviceSharding
 
 from zoo import parallel
 from zoo.core.params import is_param
@@ -66,12 +67,12 @@ def _try_restore(manager: Any, step: int, path: Path, abstract: Any, to_device: 
         return f"it cannot be verified: its _CHECKPOINT_METADATA does not read ({_short(e)})", None
     if not isinstance(expected, dict) or not expected:
         return "it cannot be verified: its _CHECKPOINT_METADATA (missing, empty or not JSON) holds no checksums", None
+
     # Restored as saved (a resume that changes --param-dtype: verified first, then cast).
     def as_saved(name: str, x: Any) -> Any:
         if not hasattr(x, "dtype") or name not in saved or np.dtype(saved[name].dtype) == np.dtype(x.dtype):
             return x
         return jax.ShapeDtypeStruct(x.shape, saved[name].dtype, sharding=getattr(x, "sharding", None))
-
 
     try:
         tree = manager.restore(step, args=ocp.args.StandardRestore(_tree_map_named(as_saved, abstract)))
@@ -128,7 +129,11 @@ def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool, 
         raise CheckpointError(
             f"no checkpoint in {ckpt_dir} is usable: "
             + "; ".join(f"step {s} ({ckpt_dir / str(s)}) is damaged: {why}" for s, why in damaged)
-            + ". Nothing to resume from: start over with --overwrite"
+            + (
+                ". Nothing to resume from: start over with --overwrite"
+                if move_damaged
+                else ". The run directory is left as it is"
+            )
         )
     return 0, None
 
@@ -149,17 +154,27 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise CheckpointError(f"{run_dir}: not a training run directory (no config.json beside checkpoints/)")
+    settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     family, config, raw = read_config(run_dir)
+    if options := loading_options(family, settings):  # the model as trained (DeepSeek-V3's MTP module, say)
+        family, config, raw = read_config(run_dir, **options)
     dtype = DTYPE_NAMES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", jnp.float32)
     compute_dtype = dtype if compute_dtype is None else compute_dtype
-    abstract = jax.eval_shape(lambda: family(config, key=jax.random.key(0), param_dtype=dtype, compute_dtype=compute_dtype))
-    settings = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    abstract = jax.eval_shape(
+        lambda: family(config, key=jax.random.key(0), param_dtype=dtype, compute_dtype=compute_dtype)
+    )
     mesh = None
     if settings.get("mesh"):  # the arrays as the run laid them out: padded where its mesh did not divide them
         mesh = AbstractMesh(tuple(int(settings["mesh"].get(a, 1)) for a in parallel.AXES), parallel.AXES)
         abstract = parallel.pad(abstract, mesh)
     params = eqx.filter(abstract, is_param)
     opt_state = jax.eval_shape(optimizer(TrainConfig(steps=2, warmup=1), abstract).init, params)
+    # Restored onto this process's first device, whatever devices the run saved from: orbax
+    # otherwise lays each array out as saved, which another device count cannot.
+    here = SingleDeviceSharding(jax.local_devices()[0])
+    params, opt_state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), (params, opt_state)
+    )
     options = ocp.CheckpointManagerOptions(read_only=True)
     manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
                                     item_handlers=ocp.StandardCheckpointHandler())  # fmt: skip
@@ -176,6 +191,16 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     if mesh is not None and virtual > 1:  # the run kept its stacks in the interleaved schedule's stage order
         model = to_stage_order(model, mesh, virtual, inverse=True)
     return parallel.unpad(model), step, settings
+
+
+def loading_options(family: type, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's loading options as a run recorded them (``run.json``'s ``model_config``): the
+    keyword-only arguments of the family's ``from_hf``, which ``config.json`` does not hold
+    (DeepSeek-V3's ``mtp``: a run of its presets trains the multi-token-prediction module)."""
+    recorded = settings.get("model_config") or {}
+    accepted = inspect.signature(family.config_cls.from_hf).parameters.values()
+    return {p.name: recorded[p.name] for p in accepted
+            if p.kind is p.KEYWORD_ONLY and p.name != "source" and p.name in recorded}  # fmt: skip
 
 
 def load_model(path: str | Path, *, compute_dtype: Any = None) -> tuple[Any, dict[str, Any]]:
