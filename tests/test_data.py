@@ -594,3 +594,18 @@ def test_bos_follows_the_post_processor_when_the_config_does_not_say(tmp_path, p
     d = load_data(str(_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in TEXTS])), 256, tokenizer=tok, cache_dir=tmp_path / "c")
     first = np.asarray(d.docs.tokens[: d.docs.offsets[1]])
     assert bool(first[0] == 1) is add_bos and first[-1] == 2 and (first == 1).sum() == int(add_bos)  # never twice
+
+
+def test_the_documented_corpus_command_leaves_the_committed_fixture_alone(tmp_path):
+    """docs/data.md's ``make_tokenizer_tiny.py --jsonl`` rewrote tests/fixtures/tokenizer-tiny;
+    the checkpoint is written only where ``--out`` says."""
+    folder = FIXTURES / "tokenizer-tiny"
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    spec = importlib.util.spec_from_file_location("make_tokenizer_tiny", folder / "make_tokenizer_tiny.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--jsonl", str(tmp_path / "docstrings.jsonl")])
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    assert len((tmp_path / "docstrings.jsonl").read_text().splitlines()) == 7335
+    with pytest.raises(SystemExit):
+        script.main([])
