@@ -23,7 +23,7 @@ from zoo import parallel
 from zoo.errors import MeshError
 from zoo.llama import preset
 from zoo.params import flatten
-from zoo.pipeline import bubble, stage_order, to_stage_order
+from zoo.pipeline import bubble, reorder_stacks, stage_order, to_stage_order
 from zoo.plan import collectives
 
 from helpers import free_port, train_on_a_mesh_like_one_device
@@ -137,7 +137,7 @@ def test_the_interleaved_schedule_equals_one_device(spec, layers, microbatches, 
            **({"placement": placement} if placement else {}))  # fmt: skip
 
 
-def test_stage_order_and_the_interleaved_bubble():
+def test_stage_order_and_the_interleaved_bubble(tmp_path):
     np.testing.assert_array_equal(stage_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])  # stage 0: chunks 0, 2
     np.testing.assert_array_equal(stage_order(8, 4, 2), [0, 4, 1, 5, 2, 6, 3, 7])
     np.testing.assert_array_equal(stage_order(6, 2, 1), np.arange(6))  # GPipe: contiguous stages
@@ -147,9 +147,32 @@ def test_stage_order_and_the_interleaved_bubble():
     ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size)
     placed = parallel.shard(model, mesh)
     there = to_stage_order(placed, mesh, 2)
-    np.testing.assert_array_equal(np.asarray(there.layers.attn.wq), np.asarray(placed.layers.attn.wq)[[0, 2, 1, 3]])
+    np.testing.assert_array_equal(
+        np.asarray(there.model.layers.attn.wq), np.asarray(placed.layers.attn.wq)[[0, 2, 1, 3]]
+    )
     back = to_stage_order(there, mesh, 2, inverse=True)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(placed)))
+    # The order is carried, so a mismatch cannot compute: the interleaved step refuses a model in
+    # layer order (it returned 5.6057 for 5.6298), a save or a GPipe step one in stage order.
+    step = parallel.value_and_grad(_loss, mesh, microbatches=2, virtual_stages=2)
+    with pytest.raises(
+        zoo.ConfigError,
+        match=r"virtual_stages=2: the interleaved schedule takes the model with its stacks in stage order",
+    ):
+        step(placed, ids)
+    with pytest.raises(
+        zoo.ConfigError, match=r"stage order of 2 pipeline stages x 2 virtual stages; this step runs 1 x 1"
+    ):
+        parallel.value_and_grad(_loss, mesh, microbatches=2)(there, ids)
+    with pytest.raises(zoo.ConfigError, match=r"save_pretrained: the model's layer stacks are in the stage order"):
+        zoo.save_pretrained(there, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    with pytest.raises(zoo.ConfigError, match=r"runs only in the interleaved step"):
+        there(ids)
+    with pytest.raises(zoo.ConfigError, match="in stage order already"):
+        to_stage_order(there, mesh, 2)
+    with pytest.raises(zoo.ConfigError, match="in layer order already"):
+        to_stage_order(placed, mesh, 2, inverse=True)
     with pytest.raises(MeshError, match=r"microbatches \(1\) a multiple of the 2 stages"):
         parallel.value_and_grad(_loss, mesh, microbatches=1, virtual_stages=2)(there, ids)
     with pytest.raises(MeshError, match="2 stages x 3 virtual stages do not divide 4 layers"):
@@ -383,7 +406,7 @@ def test_the_router_bias_update_follows_the_stage_order():
     load = jr.randint(jr.key(2), (3, model.config.n_routed_experts), 0, 50)
     want = parallel.unpad(placed.after_step({"expert_load": load}))
     with stacks_in_stage_order(2, 2):
-        got = to_stage_order(to_stage_order(placed, mesh, 2).after_step({"expert_load": load}), mesh, 2, inverse=True)
+        got = reorder_stacks(reorder_stacks(placed, mesh, 2).after_step({"expert_load": load}), mesh, 2, inverse=True)
     np.testing.assert_array_equal(np.asarray(parallel.unpad(got).moe_layers.moe.router_bias),
                                   np.asarray(want.moe_layers.moe.router_bias))  # fmt: skip
     assert np.any(np.asarray(want.moe_layers.moe.router_bias))

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +24,25 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size
 from zoo.core.params import Param, flatten, init_with_stacks, map_params
 from zoo.core.registry import family_of, is_model
-from zoo.errors import MeshError
+from zoo.errors import ConfigError, MeshError
+
+
+class StageOrdered(eqx.Module):
+    """A model whose pipelined layer stacks are in the interleaved schedule's stage order for
+    ``stages`` pipeline stages of ``virtual`` chunks (``zoo.parallel.to_stage_order``): what
+    ``zoo.parallel.value_and_grad(..., virtual_stages=virtual)`` takes. It is not a model: a
+    forward pass, a save or a loss of it would run its layers out of order, so nothing but the
+    interleaved step computes with it; ``to_stage_order(..., inverse=True)`` gives the model back."""
+
+    model: Any
+    stages: int = eqx.field(static=True)
+    virtual: int = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(
+            f"a model in the stage order of {self.stages} pipeline stages x {self.virtual} virtual stages runs only in "
+            f"the interleaved step; zoo.parallel.to_stage_order(model, mesh, {self.virtual}, inverse=True) gives it back"
+        )
 
 
 def rules_of(obj: Any) -> Mapping[str, Any]:

@@ -23,9 +23,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from zoo.core.layout import StageOrdered
 from zoo.core.params import Param
 from zoo.core.registry import family_of
-from zoo.errors import CheckpointError
+from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.atomic import recover, swap_in, temp_dir, write_text
 from zoo.hf.load import hf_config, read_generation_config
 from zoo.hf.safetensors import safetensors_header, write_safetensors
@@ -55,6 +56,11 @@ def save_pretrained(
     ``generation_config`` (a dict, e.g. the source checkpoint's sampling settings) or, without
     one, of the file being saved over: its temperature, top_p and the rest are kept.
     """
+    if isinstance(model, StageOrdered):
+        raise ConfigError(
+            f"save_pretrained: the model's layer stacks are in the stage order of {model.stages} pipeline stages x "
+            f"{model.virtual} virtual stages; save zoo.parallel.to_stage_order(model, mesh, {model.virtual}, inverse=True)"
+        )
     try:
         family = family_of(model)
     except TypeError as e:

@@ -250,6 +250,11 @@ def stacks_in_stage_order(stages: int, virtual: int) -> Iterator[None]:
         _LAYOUT.reset(token)
 
 
+def stage_layout() -> tuple[int, int]:
+    """``(stages, virtual)`` of the innermost :func:`stacks_in_stage_order`; ``(1, 1)`` outside one."""
+    return _LAYOUT.get()
+
+
 def per_layer_to_stored(values: Shaped[Array, "n *rest"], length: int) -> Shaped[Array, "L *rest"]:
     """Per-layer values ``[n, ...]`` in layer order (a pipelined step's per-layer outputs) laid
     out like a stored stack of ``length`` layers: zeros for its padding layers, and in stage

@@ -9,6 +9,7 @@ Model code never imports this package: inside the step it calls :mod:`zoo.hooks`
 """
 
 from zoo.core.layout import (
+    StageOrdered,
     init_arrays,
     is_padded,
     layout_sizes,
@@ -24,13 +25,13 @@ from zoo.errors import MeshError
 from zoo.hooks.step import GATHERED, gather_layer, in_step, remat_policy, sum_to_varying_of, tensor_psum, varying_like
 from zoo.layers.moe import routed_experts
 from zoo.parallel.mesh import initialize_distributed, make_mesh
-from zoo.parallel.place import init_optimizer, param_bytes, replicate_unplaced, shard, to_stage_order
+from zoo.parallel.place import init_optimizer, param_bytes, reorder_stacks, replicate_unplaced, shard, to_stage_order
 from zoo.parallel.step import pipeline_split_of, value, value_and_grad, vocab_split_of
 
 __all__ = [
-    "AXES", "BATCH_AXES", "GATHERED", "PIPELINE", "MeshError", "axis_names", "check_axis", "gather_layer", "in_step",
+    "AXES", "BATCH_AXES", "GATHERED", "PIPELINE", "MeshError", "StageOrdered", "axis_names", "check_axis", "gather_layer", "in_step",
     "init_arrays", "init_optimizer", "initialize_distributed", "is_padded", "layout_sizes", "make_mesh", "pad",
     "param_axes", "param_bytes", "param_shardings", "parse_mesh", "partition_specs", "pipeline_split_of",
-    "remat_policy", "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of", "tensor_psum",
+    "remat_policy", "reorder_stacks", "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of", "tensor_psum",
     "to_stage_order", "unpad", "validate_mesh", "value", "value_and_grad", "varying_like", "vocab_split_of",
 ]  # fmt: skip

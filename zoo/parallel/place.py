@@ -9,11 +9,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from zoo.core.layout import pad, param_axes, partition_specs
+from zoo.core.layout import StageOrdered, pad, param_axes, partition_specs
 from zoo.core.mesh import PIPELINE
 from zoo.core.params import map_params
 from zoo.core.registry import family_of, is_model
-from zoo.errors import MeshError
+from zoo.errors import ConfigError, MeshError
 from zoo.hooks.pipeline import stage_order
 
 
@@ -66,13 +66,16 @@ def param_bytes(tree: PyTree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
 
-
-def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = False) -> PyTree:
+def reorder_stacks(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = False) -> PyTree:
     """Every model in ``tree`` (parameters, an optimizer state's moments) with its pipelined
     stacks in :func:`stage_order` for ``virtual`` chunks per stage on ``mesh``'s ``pipeline``
     axis, as the interleaved schedule needs them; ``inverse``: back to layer order. Arrays keep
     their shardings (one stack at a time crosses the stages once); shape structs pass through.
-    The identity for ``virtual=1`` or without a pipeline axis."""
+    The identity for ``virtual=1`` or without a pipeline axis.
+
+    The same types come back: for a training loop that keeps its state in stage order under
+    :func:`zoo.hooks.pipeline.stacks_in_stage_order`. Elsewhere use :func:`to_stage_order`,
+    whose result says what it is."""
     stages = int(mesh.shape.get(PIPELINE, 1))
     if virtual == 1 or stages == 1:
         return tree
@@ -103,3 +106,31 @@ def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = Fal
 
     return jax.tree.map(sub, tree, is_leaf=is_model)
 
+
+def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = False) -> PyTree:
+    """Every model in ``tree`` (parameters, gradients, an optimizer state's moments) with its
+    pipelined stacks in :func:`stage_order` for ``virtual`` chunks per stage on ``mesh``'s
+    ``pipeline`` axis, as the interleaved schedule needs them, each wrapped as a
+    :class:`StageOrdered` (which nothing but that schedule's step computes with); ``inverse``:
+    each :class:`StageOrdered` back to the model in layer order. The identity for ``virtual=1``
+    or without a pipeline axis."""
+    stages = int(mesh.shape.get(PIPELINE, 1))
+    if virtual == 1 or stages == 1:
+        return tree
+
+    def one(m):
+        if isinstance(m, StageOrdered):
+            if not inverse:
+                raise ConfigError(f"to_stage_order: the model is in stage order already ({m.stages} stages x {m.virtual} "
+                                  "virtual stages); inverse=True gives it back in layer order")  # fmt: skip
+            if (m.stages, m.virtual) != (stages, virtual):
+                raise ConfigError(f"to_stage_order(inverse=True): the model is in the stage order of {m.stages} stages x "
+                                  f"{m.virtual} virtual stages, not {stages} x {virtual}")  # fmt: skip
+            return reorder_stacks(m.model, mesh, virtual, inverse=True)
+        if not is_model(m):
+            return m
+        if inverse:
+            raise ConfigError("to_stage_order(inverse=True): the model is in layer order already")
+        return StageOrdered(reorder_stacks(m, mesh, virtual), stages, virtual)
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: is_model(x) or isinstance(x, StageOrdered))

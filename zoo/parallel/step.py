@@ -21,11 +21,21 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-from zoo.core.layout import check_padded, is_layer_stack, model_specs, param_axes, rules_of, spec_tree, validate_mesh
+from zoo.core.layout import (
+    StageOrdered,
+    check_padded,
+    is_layer_stack,
+    model_specs,
+    param_axes,
+    rules_of,
+    spec_tree,
+    validate_mesh,
+)
 from zoo.core.mesh import BATCH_AXES, CONTEXT, PIPELINE, AnyMesh, axis_names, axis_size, check_axis
 from zoo.core.params import map_params
 from zoo.core.protocol import VOCAB
-from zoo.errors import MeshError
+from zoo.errors import ConfigError, MeshError
+from zoo.hooks.pipeline import stage_layout
 from zoo.hooks.step import (
     PipelineSplit,
     VocabSplit,
@@ -197,6 +207,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
 
     @eqx.filter_jit
     def step(model, *batch, **kwargs):
+        model, wrapped = _layer_stacks_as_scheduled(model, mesh, virtual_stages)
         validate_mesh(mesh, model.config, virtual_stages=virtual_stages)
         check_padded(model, mesh)
         axes = tuple(a for a in batch_axes if axis_size(mesh, a) > 1)
@@ -257,9 +268,34 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
         value_spec = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
         out_specs = (value_spec, specs) if differentiate else value_spec
         fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
-        return fn(model, arrays, *batch)
+        out = fn(model, arrays, *batch)
+        if differentiate and wrapped:  # gradients in the model's own stage order, said as such
+            out = (out[0], StageOrdered(out[1], axis_size(mesh, PIPELINE), virtual_stages))
+        return out
 
     return step
+
+
+def _layer_stacks_as_scheduled(model: Any, mesh: AnyMesh, virtual: int) -> tuple[Any, bool]:
+    """The model to run, and whether it came as a :class:`StageOrdered`: the interleaved
+    schedule (``virtual > 1`` on a pipeline) takes its stacks in stage order, and nothing else
+    does; a model in the other order would compute another function, so it is refused."""
+    stages = axis_size(mesh, PIPELINE)
+    scheduled = (stages, virtual) if virtual > 1 and stages > 1 else (1, 1)
+    if isinstance(model, StageOrdered):
+        if (model.stages, model.virtual) != scheduled:
+            raise ConfigError(
+                f"the model's stacks are in the stage order of {model.stages} pipeline stages x {model.virtual} "
+                f"virtual stages; this step runs {scheduled[0]} x {scheduled[1]} (virtual_stages={virtual}): "
+                "zoo.parallel.to_stage_order(model, mesh, V, inverse=True) gives the model in layer order"
+            )
+        return model.model, True
+    if scheduled != (1, 1) and stage_layout() != scheduled:
+        raise ConfigError(
+            f"virtual_stages={virtual}: the interleaved schedule takes the model with its stacks in stage order, "
+            f"zoo.parallel.to_stage_order(model, mesh, {virtual}); a model in layer order would compute another function"
+        )
+    return model, False
 
 
 def _reduce_aux(a, axes: tuple[str, ...]):
@@ -271,4 +307,3 @@ def _reduce_aux(a, axes: tuple[str, ...]):
     if jnp.issubdtype(a.dtype, jnp.integer):
         return jax.lax.psum(a, over)
     return jax.lax.pmean(a, over)
-

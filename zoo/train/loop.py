@@ -136,7 +136,7 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
         # A no-op for a model made or loaded on the mesh (Family(..., mesh=), from_pretrained(mesh=)).
         params = parallel.shard(params, run.mesh)
         # The interleaved schedule's stage order (checkpoints too; returned in layer order).
-        params = restore.to_stage_order(params, run.mesh, cfg.virtual_stages)
+        params = parallel.reorder_stacks(params, run.mesh, cfg.virtual_stages)
         opt_state = parallel.init_optimizer(tx, params, run.mesh)
     else:
         opt_state = tx.init(params)

@@ -23,7 +23,7 @@ from zoo import parallel
 from zoo.core.params import is_param
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.load import DTYPE_NAMES, from_pretrained, read_config
-from zoo.parallel.place import to_stage_order
+from zoo.parallel.place import reorder_stacks
 from zoo.placement import tree_placement
 from zoo.train.checkpoints import _describe, _key_name, _params_first, _short, audit, first_non_finite, named_leaves
 from zoo.train.config import TrainConfig, optimizer
@@ -189,7 +189,7 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     model = eqx.combine(tree["params"], static)
     virtual = int((settings.get("train") or {}).get("virtual_stages", 1))
     if mesh is not None and virtual > 1:  # the run kept its stacks in the interleaved schedule's stage order
-        model = to_stage_order(model, mesh, virtual, inverse=True)
+        model = reorder_stacks(model, mesh, virtual, inverse=True)
     return parallel.unpad(model), step, settings
 
 
@@ -224,7 +224,7 @@ def in_layer_order(params: Any, mesh: Any, virtual: int, memory: str) -> Any:
         return params
     if memory != "device":  # reordering computes: on device
         params = tree_placement(params, "device")
-    return to_stage_order(params, mesh, virtual, inverse=True)
+    return reorder_stacks(params, mesh, virtual, inverse=True)
 
 
 def check_stage_order(run_dir: Path, settings: Mapping[str, Any]) -> None:

@@ -87,7 +87,8 @@ def make_train_step(
 
         def grads_of(p, b):
             fields = {k: v for k, v in b.items() if k != "input_ids"}
-            return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
+            with stacks_in_stage_order(stages, cfg.virtual_stages):  # the run keeps its stacks so (zoo.train.loop)
+                return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
 
         def micro(acc, b):
             (loss, metrics), grads = grads_of(params, b)
@@ -133,9 +134,12 @@ def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, mic
     if mesh is not None and mesh.size > 1:
         loss = parallel.value(lm_loss, mesh, microbatches=microbatches, virtual_stages=virtual_stages)
 
+        stages = int(mesh.shape.get("pipeline", 1))
+
         def sharded(params, batch):
             b = as_batch(batch)
-            return loss(eqx.combine(params, static), b.pop("input_ids"), placement=placement, **b)
+            with stacks_in_stage_order(stages, virtual_stages):  # a run's parameters, in its stage order
+                return loss(eqx.combine(params, static), b.pop("input_ids"), placement=placement, **b)
 
         return sharded
 
