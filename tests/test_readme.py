@@ -37,3 +37,15 @@ def test_readme_block_runs(index, tmp_path):
     script.write_text(PRELUDE + BLOCKS[index])
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, f"README block {index}:\n{BLOCKS[index]}\n{out.stderr[-3000:]}"
+
+
+def test_the_names_the_readme_prints_are_the_maps_names():
+    """The README printed 11 of LlamaPlacement's 12 names (issue 42): its comment is checked."""
+    import ast
+
+    from zoo import LlamaPlacement
+
+    text = (ROOT / "README.md").read_text()
+    shown = re.search(r"zoo\.LlamaPlacement\.names\(\)\s+#\s*(\(.*?\))\n(?!\s*#)", text, re.DOTALL)
+    assert shown is not None
+    assert ast.literal_eval(re.sub(r"\n\s*#", "", shown.group(1))) == LlamaPlacement.names()
