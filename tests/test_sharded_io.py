@@ -380,10 +380,10 @@ def test_the_recipe_fine_tunes_on_two_processes_each_holding_its_half(tmp_path):
     for p in procs:
         text, _ = p.communicate(timeout=600)
         assert p.returncode == 0, text[-3000:]
-        m = re.search(r"model built on the mesh: (\d+) MiB on this process's devices of (\d+) MiB; "
-                      r"resident memory grew (\d+) MiB at most", text)  # fmt: skip
+        m = re.search(r"model built on the mesh: (\d+) MiB in all; this process's devices hold (\d+) MiB of shards "
+                      r"\(a replicated array once per device\); resident memory grew (\d+) MiB at most", text)  # fmt: skip
         assert m, text[-2000:]
-        mine, whole, grew = (int(x) * 2**20 for x in m.groups())
+        whole, mine, grew = (int(x) * 2**20 for x in m.groups())
         assert abs(whole - size) < 2**20 and abs(mine - whole / 2) <= 2**20
         assert grew < 0.8 * size, (grew / size, text[-1500:])  # its half and the reads in flight, never the whole
     tuned, base = CheckpointFiles(tmp_path / "tuned"), CheckpointFiles(tmp_path / "base")

@@ -169,8 +169,9 @@ def built_on_mesh(model: Any, resident_before: int | None) -> str:
     mine = sum(s.data.nbytes for x in arrays for s in x.addressable_shards)
     grew = "" if resident_before is None else (
         f"; resident memory grew {(resident_memory()[1] - resident_before) / 2**20:.0f} MiB at most")
-    return (f"model built on the mesh: {mine / 2**20:.0f} MiB on this process's devices of "
-            f"{sum(x.nbytes for x in arrays) / 2**20:.0f} MiB{grew}")  # fmt: skip
+    # Replicated parameters sit on every device, so the shards can sum to more than the model.
+    return (f"model built on the mesh: {sum(x.nbytes for x in arrays) / 2**20:.0f} MiB in all; this process's "
+            f"devices hold {mine / 2**20:.0f} MiB of shards (a replicated array once per device){grew}")  # fmt: skip
 
 
 def check_model(model: Any, *, seq_len: int, placement: str | None) -> None:
