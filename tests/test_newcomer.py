@@ -89,11 +89,7 @@ def test_generate_chats_with_the_template_and_stops_at_the_end_of_turn(monkeypat
 
     rendered = []
     render = zdata.ChatEncoder.render
-    monkeypatch.setattr(
-        zdata.ChatEncoder,
-        "render",
-        lambda self, m, **kw: rendered.append([dict(x) for x in m]) or render(self, m, **kw),
-    )
+    monkeypatch.setattr(zdata.ChatEncoder, "render", lambda self, m, **kw: rendered.append([dict(x) for x in m]) or render(self, m, **kw))
     encoder = zdata.ChatEncoder(zdata.load_tokenizer(TINY))
     assert recipe.end_of_turn(encoder, zdata.load_tokenizer(TINY)) == {4}  # <|im_end|>
     out = recipe.main([str(TINY), "--chat", "What is a list?", "--system", "Be brief.", "--max-new-tokens", "4"])
@@ -134,9 +130,7 @@ def test_the_readme_states_parity_as_measured():
 def test_each_model_and_preset_gets_its_own_run_dir_by_default():
     recipe = _recipe("train")
     assert recipe.parse_args([]).run_dir == str(Path("runs") / "llama-small")
-    assert recipe.parse_args(["--model", "deepseek_v3", "--preset", "tiny"]).run_dir == str(
-        Path("runs") / "deepseek_v3-tiny"
-    )
+    assert recipe.parse_args(["--model", "deepseek_v3", "--preset", "tiny"]).run_dir == str(Path("runs") / "deepseek_v3-tiny")
     assert recipe.parse_args(["--checkpoint", str(TINY)]).run_dir == str(Path("runs") / "tokenizer-tiny")
     assert recipe.parse_args(["--run-dir", "x"]).run_dir == "x"
 
@@ -154,9 +148,7 @@ def test_eval_and_generate_take_a_training_run_directory(tmp_path, capsys):
     assert json.loads((run / "run.json").read_text())["train"]["seq_len"] == 48
     model, step, settings = ztrain.load_run(run)
     assert step == 2 and settings["model"] == "Llama" and model.config == preset("tiny")
-    assert "default: a run directory's own --seq-len, else 512" in " ".join(
-        _recipe("eval").parser().format_help().split()
-    )
+    assert "default: a run directory's own --seq-len, else 512" in " ".join(_recipe("eval").parser().format_help().split())
     capsys.readouterr()
     result = _recipe("eval").main([str(run), "--max-rows", "4", "--batch-size", "2"])
     out = capsys.readouterr().out
@@ -229,10 +221,7 @@ def test_the_readmes_fine_tuning_and_sft_lines_lower_the_held_out_loss(kind, tmp
     the tiny BPE checkpoint: the held-out loss falls."""
     import inspect
 
-    docs = [
-        inspect.getdoc(f) or ""
-        for f in (zoo.from_pretrained, zoo.save_pretrained, ztrain.train, ztrain.make_train_step)
-    ]
+    docs = [inspect.getdoc(f) or "" for f in (zoo.from_pretrained, zoo.save_pretrained, ztrain.train, ztrain.make_train_step)]
     if kind == "text":
         records = [{"text": d} for d in docs for _ in range(6)]
     else:
