@@ -353,6 +353,10 @@ def test_a_damaged_cache_entry_is_named_and_tokenized_again(tmp_path, capsys, ho
     (["--save-hf", "{file}/out"], "--save-hf {file}/out: {file}/out: cannot be made, {file} is a file"),
     (["--checkpoint", "{ckpt}", "--save-hf", "{ckpt}"],
      "--save-hf {ckpt} is the --checkpoint being fine-tuned: saving there would replace its base weights"),
+    (["--save-hf", "{ckpt}"], ("--save-hf {ckpt} is not empty (config.json, generation_config.json, model.safetensors "
+                               "and 1 more) and not this run's own export: saving would replace it; choose another "
+                               "directory, or --overwrite-hf to replace it")),
+    (["--overwrite-hf"], "--overwrite-hf needs --save-hf DIR (the export it lets replace)"),
 ])  # fmt: skip
 def test_bad_values_are_refused_before_anything_runs(tmp_path, flags, message):
     """Points 11 and 12: these failed late, as tracebacks (52 lines for --placement save_matmul,
@@ -496,3 +500,28 @@ def test_overwrite_and_resume_accept_what_zoo_itself_left(corpus, tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(older))
     _, rest = _run(corpus, tmp_path, steps=4, resume=True)
     assert [r["step"] for r in rest if "loss" in r] == [3, 4]
+
+
+# -- issue 42 -------------------------------------------------------------------------------------
+
+
+def test_save_hf_replaces_no_other_runs_export(tmp_path):
+    """Point 7 (issue 42): two runs with the same --save-hf DIR both said "saved", the first
+    export gone. A directory that is not empty is refused before training (the recipe's case is
+    in test_bad_values_are_refused_before_anything_runs) unless --overwrite-hf, or it is the
+    resumed run's own export (its run dir's hf-export.json names it)."""
+    from zoo.train import setup
+
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))
+    out, first, second = tmp_path / "out", tmp_path / "first", tmp_path / "second"
+    setup.check_save_hf(str(out), checkpoint=None, run_dir=str(first))
+    setup.save_hf(model, str(out), checkpoint=None, generation=None, run_dir=str(first))
+    assert json.loads((first / "hf-export.json").read_text()) == {"path": str(out.resolve())}
+    said = re.escape(f"--save-hf {out} is not empty (config.json, ") + ".* and not this run's own export: saving would replace it"
+    with pytest.raises(zoo.ConfigError, match=said):
+        setup.check_save_hf(str(out), checkpoint=None, run_dir=str(second))
+    with pytest.raises(zoo.ConfigError, match=said):  # the same run dir, not resumed: a new run (--overwrite)
+        setup.check_save_hf(str(out), checkpoint=None, run_dir=str(first))
+    setup.check_save_hf(str(out), checkpoint=None, run_dir=str(first), resume=True)  # its own export, again
+    setup.check_save_hf(str(out), checkpoint=None, run_dir=str(second), overwrite_hf=True)
+    assert "hf-export.json" in ztrain.run_dir.RUN_FILES  # --overwrite of the run forgets its export

@@ -25,8 +25,10 @@ class RunDirError(ValueError):
 
 
 # What a run writes into its run dir (and ``overwrite`` clears), and TensorBoard's event files.
+# ``hf-export.json``: where the run wrote its ``--save-hf`` export (a resumed run may write there again).
 EVENTS = "events.out.tfevents.*"
-RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb", "run.json")
+EXPORT_RECORD = "hf-export.json"
+RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb", "run.json", EXPORT_RECORD)
 
 
 # What zoo and orbax put in checkpoints/ and damaged-checkpoints/: step directories ("200",
@@ -152,6 +154,24 @@ class RunDirLock:
     def __exit__(self, *exc: object) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def record_export(run_dir: str | Path, target: str | Path) -> None:
+    """Note in ``run_dir/hf-export.json`` (atomically) that this run writes its Hugging Face
+    export to ``target``: a resume of the run may replace it, nothing else may unasked."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{EXPORT_RECORD}.tmp"
+    tmp.write_text(json.dumps({"path": str(Path(target).resolve())}) + "\n")
+    os.replace(tmp, run_dir / EXPORT_RECORD)
+
+
+def exported_to(run_dir: str | Path) -> Path | None:
+    """Where the run in ``run_dir`` wrote its Hugging Face export (None: nowhere, or unknown)."""
+    try:
+        return Path(json.loads((Path(run_dir) / EXPORT_RECORD).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
