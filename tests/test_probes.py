@@ -525,3 +525,27 @@ def test_save_hf_replaces_no_other_runs_export(tmp_path):
     setup.check_save_hf(str(out), checkpoint=None, run_dir=str(first), resume=True)  # its own export, again
     setup.check_save_hf(str(out), checkpoint=None, run_dir=str(second), overwrite_hf=True)
     assert "hf-export.json" in ztrain.run_dir.RUN_FILES  # --overwrite of the run forgets its export
+
+
+def test_tensorboard_shows_each_step_once_after_a_kill_and_resume(corpus, tmp_path):
+    """Point 8 (issue 42): after a kill and --resume, TensorBoard showed the steps run again twice
+    (metrics.jsonl was de-duplicated, the event files were not). The resumed run's event file
+    starts with a purge marker at the step after its checkpoint, and TensorBoard's own reader
+    shows each step once, with the values metrics.jsonl holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from zoo.metrics_log import read_events
+
+    _run(corpus, tmp_path, stop_after=3)  # checkpoint at step 2, steps 1-3 logged: killed there
+    _run(corpus, tmp_path, resume=True)  # resumed at step 2: steps 3 and 4 logged again
+    files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    assert not any("session_log" in e for e in read_events(files[0]))
+    assert [(e["step"], e["session_log"]) for e in read_events(files[1]) if "session_log" in e] == [(3, "START")]
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    want = {r["step"]: r["loss"] for r in lines if "loss" in r}
+    got = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert [s for s, _ in got] == [1, 2, 3, 4]
+    assert dict(got) == pytest.approx(want, rel=1e-6)

@@ -38,14 +38,16 @@ def _scalars(values: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardWriter:
-    """Scalars per step, and text, into an event file in ``run_dir`` (created if missing),
+    """Scalars per step, and text, into a new event file in ``run_dir`` (created if missing),
     written by tensorboardX; every call is flushed, so ``tensorboard --logdir RUN_DIR`` follows
-    a run live. Non-finite and non-scalar values are skipped."""
+    a run live. Non-finite and non-scalar values are skipped. ``purge_step``: the file starts
+    with a ``SessionLog.START`` at that step, on which TensorBoard drops the events of earlier
+    files at that step and after (what a killed run logged past the checkpoint a resume starts from)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, purge_step: int | None = None):
         from tensorboardX import SummaryWriter
 
-        self._writer = SummaryWriter(logdir=str(run_dir))
+        self._writer = SummaryWriter(logdir=str(run_dir), purge_step=purge_step)
 
     def scalars(self, step: int, values: Mapping[str, Any]) -> None:
         for tag, x in _scalars(values).items():
@@ -154,7 +156,9 @@ class MetricsLog:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         settings = jsonable(dict(settings or {}))
-        self.writers.append(TensorBoardWriter(run_dir))
+        # A resumed run logs the steps after ``start`` again (all of them from 0): TensorBoard
+        # drops what the earlier run logged there, as truncate_metrics drops metrics.jsonl's lines.
+        self.writers.append(TensorBoardWriter(run_dir, purge_step=(start + 1 if start else 0) if resume else None))
         if wandb is not None:
             self.writers.append(WandbWriter(wandb, run_dir, settings, resume=resume))
         if settings:
@@ -228,7 +232,11 @@ def curve_labels(history: list[Mapping[str, Any]]) -> tuple[str | None, str | No
     balance loss); then its next-token part has a curve of its own (``None``: no curve)."""
     extra = any("lm_loss" in r and "loss" in r and r["lm_loss"] != r["loss"] for r in history)
     if extra:
-        return "train objective (next-token loss + the family's terms)", "train next-token loss", "validation next-token loss"
+        return (
+            "train objective (next-token loss + the family's terms)",
+            "train next-token loss",
+            "validation next-token loss",
+        )
     return "train next-token loss", None, "validation next-token loss"
 
 
