@@ -549,3 +549,30 @@ def test_tensorboard_shows_each_step_once_after_a_kill_and_resume(corpus, tmp_pa
     got = [(e.step, e.value) for e in acc.Scalars("loss")]
     assert [s for s, _ in got] == [1, 2, 3, 4]
     assert dict(got) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_longer_resume_keeps_the_runs_schedule_unless_told(corpus, tmp_path, capsys):
+    """Point 12 (issue 42): ``--resume --steps 500 --allow-change steps`` stretched the cosine decay
+    over the new length, so the lr jumped from its final 5.0e-4 back to 2.9e-3. The decay now
+    keeps its length and the extra steps go on at the final lr, said in one line; naming
+    decay_steps too stretches it, saying so."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    _run(corpus, run)  # 4 steps: the decay ends at step 4, lr 3e-4
+    shutil.copytree(run, other)
+    _run(corpus, run, steps=6, resume=True, allow_change=["steps"])
+    out = capsys.readouterr().out
+    original = ztrain.learning_rate(ztrain.TrainConfig(steps=4, warmup=1, lr=3e-3))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    assert lrs[5] == pytest.approx(float(original(4))) and lrs[6] == pytest.approx(3e-4)  # the run's final lr
+    assert (
+        "learning rate: the schedule keeps its length: its decay ends at step 4 as before, and steps 5-6 go on "
+        "at its final lr 3.00e-04 (--allow-change steps,decay_steps would stretch the decay to step 6)"
+    ) in out
+    assert json.loads((run / "run.json").read_text())["train"]["decay_steps"] == 4
+    _run(corpus, other, steps=6, resume=True, allow_change=["steps", "decay_steps"])
+    out = capsys.readouterr().out
+    stretched = ztrain.learning_rate(ztrain.TrainConfig(steps=6, warmup=1, lr=3e-3))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (other / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    assert lrs[5] == pytest.approx(float(stretched(4))) and lrs[5] > 1e-3
+    assert "resuming with changed settings: decay_steps 4 -> 6, steps 4 -> 6" in out
+    assert f"learning rate: the decay now ends at step 6, not 4: step 5 trains at lr {float(stretched(4)):.2e}" in out

@@ -5,6 +5,7 @@ resumed or overwritten; ``overwrite`` removes only the run's own files)."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -17,6 +18,7 @@ from typing import IO, Any
 import jax
 
 from zoo.hf.load import hf_config
+from zoo.train.config import TrainConfig, learning_rate
 from zoo.train.metrics import jsonable
 
 
@@ -202,11 +204,42 @@ def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
                     out.update(v)
                 else:
                     out[field] = v
+            if "steps" in value:  # the decay's end as it is (None, or not recorded: at steps)
+                out["decay_steps"] = value.get("decay_steps") or value["steps"]
         elif name in ("model_config", "sources") and isinstance(value, Mapping):
             out.update({(f"model_config.{k}" if name == "model_config" else k): v for k, v in value.items()})
         else:
             out[name] = value
     return out
+
+
+def keep_schedule(run_dir: Path, cfg: TrainConfig, start: int, allow_change: Iterable[str] = ()
+                  ) -> tuple[TrainConfig, str | None]:  # fmt: skip
+    """A resume's ``cfg`` on the learning-rate schedule the run had: its cosine decay ends where
+    the run's did (``run.json``), so a resume with more ``steps`` goes on at the final lr rather
+    than stretching the decay (which would raise the lr again), unless ``decay_steps`` is in
+    ``allow_change`` (or ``cfg.decay_steps`` is set). Returns the config and, where ``steps``
+    changes, the line that says what the schedule does from step ``start + 1``."""
+    try:
+        before = json.loads((run_dir / "run.json").read_text())["train"]
+        steps, end = int(before["steps"]), int(before.get("decay_steps") or before["steps"])
+        had = {k: before[k] for k in ("warmup", "lr", "min_lr_ratio") if k in before}
+        old = dataclasses.replace(cfg, steps=steps, decay_steps=end, **had)  # the run's own schedule
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg, None  # nothing to keep (check_resume says what is wrong with run.json)
+    stretch = "decay_steps" in {n.replace("-", "_") for n in allow_change}
+    if cfg.decay_steps is None and not stretch and end != cfg.steps:
+        cfg = dataclasses.replace(cfg, decay_steps=end)
+    if steps == cfg.steps:
+        return cfg, None
+    new_end = cfg.steps if cfg.decay_steps is None else cfg.decay_steps
+    if new_end == end:
+        after = (f"steps {end + 1}-{cfg.steps} go on at its final lr {float(learning_rate(cfg)(end)):.2e}"
+                 if cfg.steps > end else f"the run stops at step {cfg.steps}, before the decay ends")  # fmt: skip
+        return cfg, (f"learning rate: the schedule keeps its length: its decay ends at step {end} as before, and {after} "
+                     f"(--allow-change steps,decay_steps would stretch the decay to step {cfg.steps})")  # fmt: skip
+    return cfg, (f"learning rate: the decay now ends at step {new_end}, not {end}: step {start + 1} trains at lr "
+                 f"{float(learning_rate(cfg)(start)):.2e}, the run's schedule had {float(learning_rate(old)(start)):.2e}")  # fmt: skip
 
 
 def check_resume(run_dir: Path, settings: Mapping[str, Any], allow_change: Iterable[str] = ()) -> dict[str, tuple]:
