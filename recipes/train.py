@@ -120,7 +120,9 @@ def parser() -> argparse.ArgumentParser:
                    help="metrics.jsonl, loss.png and checkpoints/ go here (default runs/MODEL-PRESET, or "
                         "runs/NAME for --checkpoint path/to/NAME)")  # fmt: skip
     run = r.add_mutually_exclusive_group()
-    run.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --run-dir")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --run-dir (default: --model/--preset's, not the latest run of any "
+                          "model) from its latest good checkpoint")  # fmt: skip
     run.add_argument("--overwrite", action="store_true",
                      help="remove a previous run's metrics, checkpoints and loss.png from --run-dir first")  # fmt: skip
     r.add_argument("--allow-change", default="", metavar="NAMES",
@@ -157,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.resume:  # which run: --run-dir's, by default --model/--preset's, not the latest of any model
+        print(setup.resume_target(args), flush=True)
     ztrain.checkpoints.quiet_closed_loops()
     runtime.retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
     try:

@@ -576,3 +576,31 @@ def test_a_longer_resume_keeps_the_runs_schedule_unless_told(corpus, tmp_path, c
     assert lrs[5] == pytest.approx(float(stretched(4))) and lrs[5] > 1e-3
     assert "resuming with changed settings: decay_steps 4 -> 6, steps 4 -> 6" in out
     assert f"learning rate: the decay now ends at step 6, not 4: step 5 trains at lr {float(stretched(4)):.2e}" in out
+
+
+def test_resume_says_which_run_it_continues(tmp_path, monkeypatch):
+    """Point 12 (issue 42): the README said ``--resume`` continues "the latest run"; it continued
+    runs/llama-small (the default --model/--preset's run dir), and after a Qwen3-MoE run said
+    "nothing to do". The words now say what it does, and the recipe says, before anything runs,
+    which run it continues, naming the latest run when that is another."""
+    from zoo.train import setup
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("llama-small", "qwen3_moe-small"):  # the Qwen3-MoE run is the latest
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text('{"step": 0, "val_loss": 5.5}\n')
+    os.utime(tmp_path / "runs" / "llama-small" / "metrics.jsonl", (1, 1))
+    recipe = _recipe("train")
+    latest = Path("runs") / "qwen3_moe-small"
+    assert setup.resume_target(recipe.parse_args(["--resume"])) == (
+        f"--resume: continuing the run in {Path('runs') / 'llama-small'} (the run dir of --model llama --preset small; "
+        f"another: --run-dir); the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"
+    )
+    assert setup.resume_target(recipe.parse_args(["--resume", "--model", "qwen3_moe"])) == (
+        f"--resume: continuing the run in {latest} (the run dir of --model qwen3_moe --preset small; another: --run-dir)"
+    )
+    assert setup.resume_target(recipe.parse_args(["--resume", "--run-dir", "elsewhere"])) == (
+        "--resume: continuing the run in elsewhere (--run-dir)"
+    )
+    readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "training.md").read_text()
+    assert "continue the latest run" not in readme

@@ -170,7 +170,8 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
             if jax.process_index() == 0:
                 previous = truncate_metrics(run_dir / "metrics.jsonl", start)
             if start >= cfg.steps:
-                print(f"run in {run_dir} already finished at step {start}; nothing to do", flush=True)
+                print(f"run in {run_dir} already finished at step {start}; nothing to do (to train it further: "
+                      "--steps N --allow-change steps)", flush=True)  # fmt: skip
                 result = eqx.combine(run.in_layer_order(params), static), []
         if result is None:
             result = _loop(run, manager, start, previous, tx, params, opt_state, static)

@@ -72,6 +72,7 @@ def complete(flags: Any) -> None:
     for name, value in (FINE_TUNING if flags.checkpoint else PRETRAINING).items():
         if getattr(flags, name) is None:
             setattr(flags, name, value)
+    flags.run_dir_given = flags.run_dir is not None
     if flags.run_dir is None:  # one per model: a run of another model never lands in this one's directory
         flags.run_dir = default_run_dir(flags.checkpoint, flags.model, flags.preset)
     try:
@@ -88,6 +89,26 @@ def complete(flags: Any) -> None:
         raise ConfigError(f"--warmup must be >= 0, got {flags.warmup}")
     elif flags.warmup >= flags.steps:
         raise ConfigError(f"--warmup ({flags.warmup}) must be smaller than --steps ({flags.steps})")
+
+
+def latest_run(runs: str | Path) -> Path | None:
+    """The run dir under ``runs`` whose ``metrics.jsonl`` changed last (None: none has one)."""
+    logs = [p for p in Path(runs).glob("*/metrics.jsonl") if p.is_file()] if Path(runs).is_dir() else []
+    return max(logs, key=lambda p: p.stat().st_mtime).parent if logs else None
+
+
+def resume_target(flags: Any) -> str:
+    """What ``--resume`` continues, in a line said before anything runs: the run in ``--run-dir``,
+    by default the one of ``--model``/``--preset`` (or ``--checkpoint``), not the latest run of any
+    model; where the latest run beside it is another, it is named."""
+    if getattr(flags, "run_dir_given", True):
+        return f"--resume: continuing the run in {flags.run_dir} (--run-dir)"
+    made = f"--checkpoint {flags.checkpoint}" if flags.checkpoint else f"--model {flags.model} --preset {flags.preset}"
+    line = f"--resume: continuing the run in {flags.run_dir} (the run dir of {made}; another: --run-dir)"
+    latest = latest_run(Path(flags.run_dir).parent)
+    if latest is not None and latest.resolve() != Path(flags.run_dir).resolve():
+        line += f"; the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"
+    return line
 
 
 def option_fields() -> dict[str, tuple[type, str | None]]:
