@@ -604,3 +604,15 @@ def test_resume_says_which_run_it_continues(tmp_path, monkeypatch):
     )
     readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "training.md").read_text()
     assert "continue the latest run" not in readme
+
+
+def test_eval_of_a_run_dir_prints_no_absl_warnings(corpus, tmp_path):
+    """Point 15 (issue 42): every eval or generate of a run dir printed three ``WARNING:absl``
+    lines, orbax's notes on the read-only checkpoint manager it opens: noise, now not shown."""
+    _run(corpus, tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(ROOT / "recipes" / "eval.py"), str(tmp_path / "run"), "--max-rows", "2", "--batch-size", "2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "training run, its checkpoint of step 4" in out.stdout
+    assert "WARNING:absl" not in out.stderr + out.stdout, out.stderr

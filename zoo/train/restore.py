@@ -6,6 +6,7 @@ checkpoint (``load_run``, ``load_model``: what eval and generate read)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 from collections.abc import Mapping
@@ -133,6 +134,23 @@ def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool, 
     return 0, None
 
 
+class _ReadOnlyNotes(logging.Filter):
+    """While in use, drops orbax's notes (absl warnings) that the read-only manager a reader
+    opens is read-only (``read_only=True, setting create=False``, ``Given directory is read
+    only``): noise on every eval and generate of a run dir. Every other record passes."""
+
+    NOTES = ("CheckpointManagerOptions.read_only=True, setting", "Given directory is read only")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(str(record.msg).startswith(n) for n in self.NOTES)
+
+    def __enter__(self) -> None:
+        logging.getLogger("absl").addFilter(self)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("absl").removeFilter(self)
+
+
 def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` is a training run directory (``zoo.train.train``'s: its model's
     ``config.json`` beside ``checkpoints/``)."""
@@ -160,9 +178,10 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
         abstract = parallel.pad(abstract, mesh)
     params = eqx.filter(abstract, is_param)
     opt_state = jax.eval_shape(optimizer(TrainConfig(steps=2, warmup=1), abstract).init, params)
-    options = ocp.CheckpointManagerOptions(read_only=True)
-    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
-                                    item_handlers=ocp.StandardCheckpointHandler())  # fmt: skip
+    with _ReadOnlyNotes():  # orbax's three WARNING:absl notes that a read-only manager is read-only
+        options = ocp.CheckpointManagerOptions(read_only=True)
+        manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
+                                        item_handlers=ocp.StandardCheckpointHandler())  # fmt: skip
     try:
         step, tree = restore_latest(manager, run_dir, {"params": params, "opt_state": opt_state}, to_device=False,
                                     move_damaged=False)  # fmt: skip
