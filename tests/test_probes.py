@@ -616,3 +616,18 @@ def test_eval_of_a_run_dir_prints_no_absl_warnings(corpus, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "training run, its checkpoint of step 4" in out.stdout
     assert "WARNING:absl" not in out.stderr + out.stdout, out.stderr
+
+
+def test_progress_lines_say_the_elapsed_time_and_eta(capsys):
+    """Point 15 (issue 42): the main job's step lines had no elapsed time or ETA. Each says the
+    session's elapsed time, and past the first step an ETA from the pace since the first step
+    logged (compiling is not a step's pace); metrics.jsonl's records are unchanged."""
+    log = ztrain.MetricsLog(None, 100)
+    times = iter([0.5, 30.0, 31.0, 3700.0])
+    log.clock, log.began = lambda: next(times), 0.0
+    for step in (0, 1, 2, 100):
+        log.write({"step": step, "loss": 1.0})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("loss 1.0000  ")[1] for line in lines] == [
+        "elapsed 0s", "elapsed 30s  eta 49m30s", "elapsed 31s  eta 1m38s", "elapsed 1h01m  eta 0s"]  # fmt: skip
+    assert log.history == [{"step": s, "loss": 1.0} for s in (0, 1, 2, 100)]

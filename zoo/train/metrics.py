@@ -149,6 +149,10 @@ class MetricsLog:
                  wandb: str | None = None, resume: bool = False, start: int = 0):  # fmt: skip
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self.total = total_steps
+        # The progress line's elapsed time (this session's) and ETA: the pace of the steps since
+        # the first one logged (compiling is not a step), the whole session's until then.
+        self.clock, self.start = time.perf_counter, start
+        self.began, self.first = self.clock(), None
         self.tty = sys.stdout.isatty()
         self.history: list[dict[str, Any]] = []
         self.writers: list[Any] = []
@@ -191,12 +195,34 @@ class MetricsLog:
                 parts.append(f"{key} {format(record[key], fmt)}")
         if record.get("memory_bytes"):
             parts.append(f"mem {record['memory_bytes'] / 2**20:.0f}MiB")
+        parts.extend(self._timing(record["step"]))
         line = "  ".join(parts)
         if self.tty:
             bar = int(30 * record["step"] / self.total)
             print(f"\r[{'#' * bar}{'.' * (30 - bar)}] {line}", end="\n" if "val_loss" in record else "", flush=True)
         else:
             print(line, flush=True)
+
+    def _timing(self, step: int) -> list[str]:
+        """``elapsed T`` since the log began and, past the first step, ``eta T`` to ``total``."""
+        now = self.clock()
+        parts = [f"elapsed {duration(now - self.began)}"]
+        if step <= self.start:
+            return parts
+        if self.first is None or step <= self.first[0]:
+            self.first = self.first or (step, now)
+            pace = (now - self.began) / (step - self.start)
+        else:
+            pace = (now - self.first[1]) / (step - self.first[0])
+        return [*parts, f"eta {duration(pace * max(self.total - step, 0))}"]
+
+
+def duration(seconds: float) -> str:
+    """A time as the progress line says it: ``42s``, ``3m05s``, ``1h02m``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
