@@ -160,7 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.resume:  # which run: --run-dir's, by default --model/--preset's, not the latest of any model
-        print(setup.resume_target(args), flush=True)
+        print(ztrain.run_dir.resume_target(args), flush=True)
     ztrain.checkpoints.quiet_closed_loops()
     runtime.retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
     try:

@@ -592,14 +592,14 @@ def test_resume_says_which_run_it_continues(tmp_path, monkeypatch):
     os.utime(tmp_path / "runs" / "llama-small" / "metrics.jsonl", (1, 1))
     recipe = _recipe("train")
     latest = Path("runs") / "qwen3_moe-small"
-    assert setup.resume_target(recipe.parse_args(["--resume"])) == (
+    assert ztrain.run_dir.resume_target(recipe.parse_args(["--resume"])) == (
         f"--resume: continuing the run in {Path('runs') / 'llama-small'} (the run dir of --model llama --preset small; "
         f"another: --run-dir); the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"
     )
-    assert setup.resume_target(recipe.parse_args(["--resume", "--model", "qwen3_moe"])) == (
+    assert ztrain.run_dir.resume_target(recipe.parse_args(["--resume", "--model", "qwen3_moe"])) == (
         f"--resume: continuing the run in {latest} (the run dir of --model qwen3_moe --preset small; another: --run-dir)"
     )
-    assert setup.resume_target(recipe.parse_args(["--resume", "--run-dir", "elsewhere"])) == (
+    assert ztrain.run_dir.resume_target(recipe.parse_args(["--resume", "--run-dir", "elsewhere"])) == (
         "--resume: continuing the run in elsewhere (--run-dir)"
     )
     readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "training.md").read_text()

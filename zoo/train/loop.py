@@ -25,7 +25,7 @@ from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import RisingLoss, TrainConfig, optimizer
-from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
+from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.profile import CheckedStep, check_window
 from zoo.train.run_dir import RunDirLock, check_resume, keep_schedule, write_run_files
@@ -168,7 +168,7 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
             else:
                 print(f"no checkpoint in {run_dir / 'checkpoints'}: starting from step 0", flush=True)
             if jax.process_index() == 0:
-                previous = truncate_metrics(run_dir / "metrics.jsonl", start)
+                previous = restore.truncate_metrics(run_dir / "metrics.jsonl", start)
             if start >= cfg.steps:
                 print(f"run in {run_dir} already finished at step {start}; nothing to do (to train it further: "
                       "--steps N --allow-change steps)", flush=True)  # fmt: skip

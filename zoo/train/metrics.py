@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -149,8 +148,7 @@ class MetricsLog:
                  wandb: str | None = None, resume: bool = False, start: int = 0):  # fmt: skip
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self.total = total_steps
-        # The progress line's elapsed time (this session's) and ETA: the pace of the steps since
-        # the first one logged (compiling is not a step), the whole session's until then.
+        # The progress line's elapsed time and ETA: the pace since the first step logged (compiling is not a step).
         self.clock, self.start = time.perf_counter, start
         self.began, self.first = self.clock(), None
         self.tty = sys.stdout.isatty()
@@ -160,8 +158,7 @@ class MetricsLog:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         settings = jsonable(dict(settings or {}))
-        # A resumed run logs the steps after ``start`` again (all of them from 0): TensorBoard
-        # drops what the earlier run logged there, as truncate_metrics drops metrics.jsonl's lines.
+        # A resumed run logs the steps after ``start`` again (all from 0): TensorBoard drops the earlier run's.
         self.writers.append(TensorBoardWriter(run_dir, purge_step=(start + 1 if start else 0) if resume else None))
         if wandb is not None:
             self.writers.append(WandbWriter(wandb, run_dir, settings, resume=resume))
@@ -205,47 +202,18 @@ class MetricsLog:
 
     def _timing(self, step: int) -> list[str]:
         """``elapsed T`` since the log began and, past the first step, ``eta T`` to ``total``."""
-        now = self.clock()
-        parts = [f"elapsed {duration(now - self.began)}"]
-        if step <= self.start:
-            return parts
-        if self.first is None or step <= self.first[0]:
+        now, parts = self.clock(), []
+        if step > self.start:
             self.first = self.first or (step, now)
-            pace = (now - self.began) / (step - self.start)
-        else:
-            pace = (now - self.first[1]) / (step - self.first[0])
-        return [*parts, f"eta {duration(pace * max(self.total - step, 0))}"]
+            at, then = self.first if step > self.first[0] else (self.start, self.began)
+            parts.append(f"eta {duration((now - then) / (step - at) * max(self.total - step, 0))}")
+        return [f"elapsed {duration(now - self.began)}", *parts]
 
 
 def duration(seconds: float) -> str:
     """A time as the progress line says it: ``42s``, ``3m05s``, ``1h02m``."""
     s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
-    """Keep the records of steps up to ``step`` (none when 0: the run starts over), rewritten
-    atomically; returns them. A resumed run then appends, and no step is logged twice."""
-    if not path.is_file():
-        return []
-    kept, lines = [], []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut short by a kill
-            continue
-        if step > 0 and isinstance(record, dict) and record.get("step", math.inf) <= step:
-            kept.append(record)
-            lines.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(x + "\n" for x in lines))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return kept
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 # The curves of the loss plot: the training objective, its next-token part, the validation loss.
@@ -258,11 +226,7 @@ def curve_labels(history: list[Mapping[str, Any]]) -> tuple[str | None, str | No
     balance loss); then its next-token part has a curve of its own (``None``: no curve)."""
     extra = any("lm_loss" in r and "loss" in r and r["lm_loss"] != r["loss"] for r in history)
     if extra:
-        return (
-            "train objective (next-token loss + the family's terms)",
-            "train next-token loss",
-            "validation next-token loss",
-        )
+        return "train objective (next-token loss + the family's terms)", "train next-token loss", "validation next-token loss"
     return "train next-token loss", None, "validation next-token loss"
 
 

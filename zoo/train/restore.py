@@ -1,12 +1,15 @@
 """Verified restores: a training checkpoint is trusted only once its metadata reads, its arrays
 fit the model, it restores, every array is finite and matches the bit sums saved with it
-(damaged ones are moved aside, never deleted); and a run directory's model at its latest good
-checkpoint (``load_run``, ``load_model``: what eval and generate read)."""
+(damaged ones are moved aside, never deleted); a resumed run's metrics cut at its step
+(``truncate_metrics``); and a run directory's model at its latest good checkpoint (``load_run``,
+``load_model``: what eval and generate read)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import shutil
 import sys
 from collections.abc import Mapping
@@ -149,6 +152,29 @@ class _ReadOnlyNotes(logging.Filter):
 
     def __exit__(self, *exc: object) -> None:
         logging.getLogger("absl").removeFilter(self)
+
+
+def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records of steps up to ``step`` (none when 0: the run starts over), rewritten
+    atomically; returns them. A resumed run then appends, and no step is logged twice."""
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if step > 0 and isinstance(record, dict) and record.get("step", math.inf) <= step:
+            kept.append(record)
+            lines.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(x + "\n" for x in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
 
 
 def is_run_dir(path: str | Path) -> bool:

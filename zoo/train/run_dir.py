@@ -27,7 +27,6 @@ class RunDirError(ValueError):
 
 
 # What a run writes into its run dir (and ``overwrite`` clears), and TensorBoard's event files.
-# ``hf-export.json``: where the run wrote its ``--save-hf`` export (a resumed run may write there again).
 EVENTS = "events.out.tfevents.*"
 EXPORT_RECORD = "hf-export.json"
 RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb", "run.json", EXPORT_RECORD)
@@ -159,8 +158,10 @@ class RunDirLock:
 
 
 def record_export(run_dir: str | Path, target: str | Path) -> None:
-    """Note in ``run_dir/hf-export.json`` (atomically) that this run writes its Hugging Face
-    export to ``target``: a resume of the run may replace it, nothing else may unasked."""
+    """Note in ``run_dir/hf-export.json`` (atomically; process 0) that this run writes its Hugging
+    Face export to ``target``: a resume of the run may replace it, nothing else may unasked."""
+    if jax.process_index() != 0:
+        return
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".{EXPORT_RECORD}.tmp"
@@ -174,6 +175,32 @@ def exported_to(run_dir: str | Path) -> Path | None:
         return Path(json.loads((Path(run_dir) / EXPORT_RECORD).read_text())["path"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def default_run_dir(checkpoint: str | None, model_type: str, preset: str) -> str:
+    """``runs/MODEL-PRESET`` (``runs/llama-small``), or ``runs/NAME`` for a checkpoint ``.../NAME``."""
+    if checkpoint:
+        return str(Path("runs") / (Path(checkpoint).resolve().name or "checkpoint"))
+    return str(Path("runs") / f"{model_type}-{preset}")
+
+
+def latest_run(runs: str | Path) -> Path | None:
+    """The run dir under ``runs`` whose ``metrics.jsonl`` changed last (None: none has one)."""
+    logs = [p for p in Path(runs).glob("*/metrics.jsonl") if p.is_file()] if Path(runs).is_dir() else []
+    return max(logs, key=lambda p: p.stat().st_mtime).parent if logs else None
+
+
+def resume_target(flags: Any) -> str:
+    """What ``--resume`` continues, in a line said before anything runs: the run in ``--run-dir``,
+    by default the one of ``--model``/``--preset`` (or ``--checkpoint``), not the latest run of any
+    model; where the latest run beside it is another, it is named."""
+    if Path(flags.run_dir) != Path(default_run_dir(flags.checkpoint, flags.model, flags.preset)):
+        return f"--resume: continuing the run in {flags.run_dir} (--run-dir)"
+    made = f"--checkpoint {flags.checkpoint}" if flags.checkpoint else f"--model {flags.model} --preset {flags.preset}"
+    line = f"--resume: continuing the run in {flags.run_dir} (the run dir of {made}; another: --run-dir)"
+    if (latest := latest_run(Path(flags.run_dir).parent)) and latest.resolve() != Path(flags.run_dir).resolve():
+        line += f"; the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"
+    return line
 
 
 def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
@@ -220,6 +247,8 @@ def keep_schedule(run_dir: Path, cfg: TrainConfig, start: int, allow_change: Ite
     than stretching the decay (which would raise the lr again), unless ``decay_steps`` is in
     ``allow_change`` (or ``cfg.decay_steps`` is set). Returns the config and, where ``steps``
     changes, the line that says what the schedule does from step ``start + 1``."""
+    if start == 0:  # no step trained on the run's schedule (no checkpoint): the run starts over on this one
+        return cfg, None
     try:
         before = json.loads((run_dir / "run.json").read_text())["train"]
         steps, end = int(before["steps"]), int(before.get("decay_steps") or before["steps"])

@@ -33,7 +33,7 @@ from zoo.runtime import parse_xla_option, resident_memory
 from zoo.train.batch import check_batch_layout
 from zoo.train.config import TrainConfig
 from zoo.train.profile import check_window
-from zoo.train.run_dir import exported_to, record_export
+from zoo.train.run_dir import default_run_dir, exported_to, record_export
 
 # Optimiser defaults. From scratch: a small model's pretraining rate. With a checkpoint, a
 # pretrained model's fine-tuning: TRL's SFTConfig defaults (learning rate 2e-5, no weight decay;
@@ -41,13 +41,6 @@ from zoo.train.run_dir import exported_to, record_export
 # instruct checkpoint's held-out loss went from 1.92 to 11.2 in 5 steps.
 PRETRAINING = {"lr": 5e-3, "weight_decay": 0.1}
 FINE_TUNING = {"lr": 2e-5, "weight_decay": 0.0}
-
-
-def default_run_dir(checkpoint: str | None, model_type: str, preset: str) -> str:
-    """``runs/MODEL-PRESET`` (``runs/llama-small``), or ``runs/NAME`` for a checkpoint ``.../NAME``."""
-    if checkpoint:
-        return str(Path("runs") / (Path(checkpoint).resolve().name or "checkpoint"))
-    return str(Path("runs") / f"{model_type}-{preset}")
 
 
 def complete(flags: Any) -> None:
@@ -72,7 +65,6 @@ def complete(flags: Any) -> None:
     for name, value in (FINE_TUNING if flags.checkpoint else PRETRAINING).items():
         if getattr(flags, name) is None:
             setattr(flags, name, value)
-    flags.run_dir_given = flags.run_dir is not None
     if flags.run_dir is None:  # one per model: a run of another model never lands in this one's directory
         flags.run_dir = default_run_dir(flags.checkpoint, flags.model, flags.preset)
     try:
@@ -89,26 +81,6 @@ def complete(flags: Any) -> None:
         raise ConfigError(f"--warmup must be >= 0, got {flags.warmup}")
     elif flags.warmup >= flags.steps:
         raise ConfigError(f"--warmup ({flags.warmup}) must be smaller than --steps ({flags.steps})")
-
-
-def latest_run(runs: str | Path) -> Path | None:
-    """The run dir under ``runs`` whose ``metrics.jsonl`` changed last (None: none has one)."""
-    logs = [p for p in Path(runs).glob("*/metrics.jsonl") if p.is_file()] if Path(runs).is_dir() else []
-    return max(logs, key=lambda p: p.stat().st_mtime).parent if logs else None
-
-
-def resume_target(flags: Any) -> str:
-    """What ``--resume`` continues, in a line said before anything runs: the run in ``--run-dir``,
-    by default the one of ``--model``/``--preset`` (or ``--checkpoint``), not the latest run of any
-    model; where the latest run beside it is another, it is named."""
-    if getattr(flags, "run_dir_given", True):
-        return f"--resume: continuing the run in {flags.run_dir} (--run-dir)"
-    made = f"--checkpoint {flags.checkpoint}" if flags.checkpoint else f"--model {flags.model} --preset {flags.preset}"
-    line = f"--resume: continuing the run in {flags.run_dir} (the run dir of {made}; another: --run-dir)"
-    latest = latest_run(Path(flags.run_dir).parent)
-    if latest is not None and latest.resolve() != Path(flags.run_dir).resolve():
-        line += f"; the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"
-    return line
 
 
 def option_fields() -> dict[str, tuple[type, str | None]]:
@@ -241,8 +213,7 @@ def check_save_hf(target: str, *, checkpoint: str | None, run_dir: str, resume: 
                   overwrite_hf: bool = False) -> None:  # fmt: skip
     """``--save-hf``: a directory the trained model can go to, known before the first step: not a
     file, not under one, not the checkpoint being fine-tuned (its base weights would be
-    replaced), not the run dir, and empty, unless ``overwrite_hf`` or it is the export of the
-    run being resumed (``run_dir/hf-export.json`` names it)."""
+    replaced), not the run dir, and empty unless ``overwrite_hf`` or the resumed run's export."""
     where = Path(target).resolve()
     try:
         check_save_path(where)
@@ -312,14 +283,11 @@ def validation_summary(run_dir: str, history: Sequence[dict], resume: bool) -> s
             f"curve: {run_dir}/loss.png)")  # fmt: skip
 
 
-def save_hf(model: Any, target: str, *, checkpoint: str | None, generation: dict | None,
-            run_dir: str | None = None) -> None:  # fmt: skip
-    """The trained model as a Hugging Face checkpoint in ``target``, with the fine-tuned
-    checkpoint's sampling settings and tokenizer, noted in ``run_dir/hf-export.json`` first (a
-    resume of the run may write there again). Every process takes part (a sharded model is
-    gathered tensor by tensor); process 0 writes and says so."""
-    if run_dir is not None and jax.process_index() == 0:
-        record_export(run_dir, target)
+def save_hf(model: Any, target: str, *, checkpoint: str | None, generation: dict | None, run_dir: str) -> None:
+    """The trained model as a Hugging Face checkpoint in ``target`` (noted first in ``run_dir/hf-export.json``),
+    with the fine-tuned checkpoint's sampling settings and tokenizer. Every process takes part (a
+    sharded model is gathered tensor by tensor); process 0 writes and says so."""
+    record_export(run_dir, target)
     save_pretrained(model, target, generation_config=generation or None)
     copy_tokenizer(checkpoint, target)
     if jax.process_index() == 0:
