@@ -576,6 +576,9 @@ def test_a_longer_resume_keeps_the_runs_schedule_unless_told(corpus, tmp_path, c
     assert lrs[5] == pytest.approx(float(stretched(4))) and lrs[5] > 1e-3
     assert "resuming with changed settings: decay_steps 4 -> 6, steps 4 -> 6" in out
     assert f"learning rate: the decay now ends at step 6, not 4: step 5 trains at lr {float(stretched(4)):.2e}" in out
+    longer_warmup = ztrain.TrainConfig(steps=500, warmup=20)  # than the run's decay: not kept, said (no traceback)
+    kept, said = ztrain.run_dir.keep_schedule(other, longer_warmup, 4)
+    assert kept == longer_warmup and said.startswith("learning rate: the decay now ends at step 500, not 6")
 
 
 def test_resume_says_which_run_it_continues(tmp_path, monkeypatch):

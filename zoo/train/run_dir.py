@@ -256,7 +256,7 @@ def keep_schedule(run_dir: Path, cfg: TrainConfig, start: int, allow_change: Ite
         old = dataclasses.replace(cfg, steps=steps, decay_steps=end, **had)  # the run's own schedule
     except (OSError, ValueError, KeyError, TypeError):
         return cfg, None  # nothing to keep (check_resume says what is wrong with run.json)
-    stretch = "decay_steps" in {n.replace("-", "_") for n in allow_change}
+    stretch = "decay_steps" in {n.replace("-", "_") for n in allow_change} or end < cfg.warmup  # (a longer warm-up)
     if cfg.decay_steps is None and not stretch and end != cfg.steps:
         cfg = dataclasses.replace(cfg, decay_steps=end)
     if steps == cfg.steps:
