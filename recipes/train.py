@@ -120,7 +120,9 @@ def parser() -> argparse.ArgumentParser:
                    help="metrics.jsonl, loss.png and checkpoints/ go here (default runs/MODEL-PRESET, or "
                         "runs/NAME for --checkpoint path/to/NAME)")  # fmt: skip
     run = r.add_mutually_exclusive_group()
-    run.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --run-dir")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --run-dir (default: --model/--preset's, not the latest run of any "
+                          "model) from its latest good checkpoint")  # fmt: skip
     run.add_argument("--overwrite", action="store_true",
                      help="remove a previous run's metrics, checkpoints and loss.png from --run-dir first")  # fmt: skip
     r.add_argument("--allow-change", default="", metavar="NAMES",
@@ -134,7 +136,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default=None, metavar="START:STOP",
                    help="trace steps START..STOP-1 (the first step is 1) into RUN_DIR/profile; read it with "
                         "python recipes/profile.py RUN_DIR (docs/placement.md, Reading the profile)")  # fmt: skip
-    r.add_argument("--save-hf", default=None, help="also write the trained model as a Hugging Face checkpoint here")
+    r.add_argument("--save-hf", default=None,
+                   help="also write the trained model as a Hugging Face checkpoint here (an empty or new directory, "
+                        "or this run's own earlier export when resumed)")  # fmt: skip
+    r.add_argument("--overwrite-hf", action="store_true",
+                   help="--save-hf may replace what the directory holds (another run's export)")
     r.add_argument("--wandb", metavar="PROJECT", default=None,
                    help="also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline logs without an "
                         "account, files in RUN_DIR/wandb)")  # fmt: skip
@@ -153,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.resume:  # which run: --run-dir's, by default --model/--preset's, not the latest of any model
+        print(ztrain.run_dir.resume_target(args), flush=True)
     ztrain.checkpoints.quiet_closed_loops()
     runtime.retain_host_memory()  # before JAX starts its threads: no page faults on every step's temporaries
     try:
@@ -161,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         # before any compiling: a run dir in use, or holding a run that is neither resumed nor replaced
         ztrain.check_run_dir(args.run_dir, resume=args.resume, overwrite=args.overwrite)
         if args.save_hf:
-            setup.check_save_hf(args.save_hf, checkpoint=args.checkpoint, run_dir=args.run_dir)
+            setup.check_save_hf(args.save_hf, checkpoint=args.checkpoint, run_dir=args.run_dir, resume=args.resume,
+                                overwrite_hf=args.overwrite_hf)  # fmt: skip
     except (ConfigError, ztrain.RunDirError) as e:
         parser().error(str(e))
     if args.cpu_devices:
@@ -236,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     if summary:
         print(summary)
     if args.save_hf:  # every process takes part (a sharded model is gathered tensor by tensor); process 0 writes
-        setup.save_hf(model, args.save_hf, checkpoint=args.checkpoint, generation=generation)
+        setup.save_hf(model, args.save_hf, checkpoint=args.checkpoint, generation=generation, run_dir=args.run_dir)
 
 
 if __name__ == "__main__":

@@ -353,6 +353,10 @@ def test_a_damaged_cache_entry_is_named_and_tokenized_again(tmp_path, capsys, ho
     (["--save-hf", "{file}/out"], "--save-hf {file}/out: {file}/out: cannot be made, {file} is a file"),
     (["--checkpoint", "{ckpt}", "--save-hf", "{ckpt}"],
      "--save-hf {ckpt} is the --checkpoint being fine-tuned: saving there would replace its base weights"),
+    (["--save-hf", "{ckpt}"], ("--save-hf {ckpt} is not empty (config.json, generation_config.json, model.safetensors "
+                               "and 1 more) and not this run's own export: saving would replace it; choose another "
+                               "directory, or --overwrite-hf to replace it")),
+    (["--overwrite-hf"], "--overwrite-hf needs --save-hf DIR (the export it lets replace)"),
 ])  # fmt: skip
 def test_bad_values_are_refused_before_anything_runs(tmp_path, flags, message):
     """Points 11 and 12: these failed late, as tracebacks (52 lines for --placement save_matmul,
@@ -496,3 +500,137 @@ def test_overwrite_and_resume_accept_what_zoo_itself_left(corpus, tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(older))
     _, rest = _run(corpus, tmp_path, steps=4, resume=True)
     assert [r["step"] for r in rest if "loss" in r] == [3, 4]
+
+
+# -- issue 42 -------------------------------------------------------------------------------------
+
+
+def test_save_hf_replaces_no_other_runs_export(tmp_path):
+    """Point 7 (issue 42): two runs with the same --save-hf DIR both said "saved", the first
+    export gone. A directory that is not empty is refused before training (the recipe's case is
+    in test_bad_values_are_refused_before_anything_runs) unless --overwrite-hf, or it is the
+    resumed run's own export (its run dir's hf-export.json names it)."""
+    from zoo.train import setup
+
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))
+    out, first, second = tmp_path / "out", tmp_path / "first", tmp_path / "second"
+    setup.check_save_hf(str(out), checkpoint=None, run_dir=str(first))
+    setup.save_hf(model, str(out), checkpoint=None, generation=None, run_dir=str(first))
+    assert json.loads((first / "hf-export.json").read_text()) == {"path": str(out.resolve())}
+    said = re.escape(f"--save-hf {out} is not empty (config.json, ") + ".* and not this run's own export: saving would replace it"
+    with pytest.raises(zoo.ConfigError, match=said):
+        setup.check_save_hf(str(out), checkpoint=None, run_dir=str(second))
+    with pytest.raises(zoo.ConfigError, match=said):  # the same run dir, not resumed: a new run (--overwrite)
+        setup.check_save_hf(str(out), checkpoint=None, run_dir=str(first))
+    setup.check_save_hf(str(out), checkpoint=None, run_dir=str(first), resume=True)  # its own export, again
+    setup.check_save_hf(str(out), checkpoint=None, run_dir=str(second), overwrite_hf=True)
+    assert "hf-export.json" in ztrain.run_dir.RUN_FILES  # --overwrite of the run forgets its export
+
+
+def test_tensorboard_shows_each_step_once_after_a_kill_and_resume(corpus, tmp_path):
+    """Point 8 (issue 42): after a kill and --resume, TensorBoard showed the steps run again twice
+    (metrics.jsonl was de-duplicated, the event files were not). The resumed run's event file
+    starts with a purge marker at the step after its checkpoint, and TensorBoard's own reader
+    shows each step once, with the values metrics.jsonl holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from zoo.metrics_log import read_events
+
+    _run(corpus, tmp_path, stop_after=3)  # checkpoint at step 2, steps 1-3 logged: killed there
+    _run(corpus, tmp_path, resume=True)  # resumed at step 2: steps 3 and 4 logged again
+    files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    assert not any("session_log" in e for e in read_events(files[0]))
+    assert [(e["step"], e["session_log"]) for e in read_events(files[1]) if "session_log" in e] == [(3, "START")]
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    want = {r["step"]: r["loss"] for r in lines if "loss" in r}
+    got = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert [s for s, _ in got] == [1, 2, 3, 4]
+    assert dict(got) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_longer_resume_keeps_the_runs_schedule_unless_told(corpus, tmp_path, capsys):
+    """Point 12 (issue 42): ``--resume --steps 500 --allow-change steps`` stretched the cosine decay
+    over the new length, so the lr jumped from its final 5.0e-4 back to 2.9e-3. The decay now
+    keeps its length and the extra steps go on at the final lr, said in one line; naming
+    decay_steps too stretches it, saying so."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    _run(corpus, run)  # 4 steps: the decay ends at step 4, lr 3e-4
+    shutil.copytree(run, other)
+    _run(corpus, run, steps=6, resume=True, allow_change=["steps"])
+    out = capsys.readouterr().out
+    original = ztrain.learning_rate(ztrain.TrainConfig(steps=4, warmup=1, lr=3e-3))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    assert lrs[5] == pytest.approx(float(original(4))) and lrs[6] == pytest.approx(3e-4)  # the run's final lr
+    assert (
+        "learning rate: the schedule keeps its length: its decay ends at step 4 as before, and steps 5-6 go on "
+        "at its final lr 3.00e-04 (--allow-change steps,decay_steps would stretch the decay to step 6)"
+    ) in out
+    assert json.loads((run / "run.json").read_text())["train"]["decay_steps"] == 4
+    _run(corpus, other, steps=6, resume=True, allow_change=["steps", "decay_steps"])
+    out = capsys.readouterr().out
+    stretched = ztrain.learning_rate(ztrain.TrainConfig(steps=6, warmup=1, lr=3e-3))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (other / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    assert lrs[5] == pytest.approx(float(stretched(4))) and lrs[5] > 1e-3
+    assert "resuming with changed settings: decay_steps 4 -> 6, steps 4 -> 6" in out
+    assert f"learning rate: the decay now ends at step 6, not 4: step 5 trains at lr {float(stretched(4)):.2e}" in out
+    longer_warmup = ztrain.TrainConfig(steps=500, warmup=20)  # than the run's decay: not kept, said (no traceback)
+    kept, said = ztrain.run_dir.keep_schedule(other, longer_warmup, 4)
+    assert kept == longer_warmup and said.startswith("learning rate: the decay now ends at step 500, not 6")
+
+
+def test_resume_says_which_run_it_continues(tmp_path, monkeypatch):
+    """Point 12 (issue 42): the README said ``--resume`` continues "the latest run"; it continued
+    runs/llama-small (the default --model/--preset's run dir), and after a Qwen3-MoE run said
+    "nothing to do". The words now say what it does, and the recipe says, before anything runs,
+    which run it continues, naming the latest run when that is another."""
+    from zoo.train import setup
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("llama-small", "qwen3_moe-small"):  # the Qwen3-MoE run is the latest
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text('{"step": 0, "val_loss": 5.5}\n')
+    os.utime(tmp_path / "runs" / "llama-small" / "metrics.jsonl", (1, 1))
+    recipe = _recipe("train")
+    latest = Path("runs") / "qwen3_moe-small"
+    assert ztrain.run_dir.resume_target(recipe.parse_args(["--resume"])) == (
+        f"--resume: continuing the run in {Path('runs') / 'llama-small'} (the run dir of --model llama --preset small; "
+        f"another: --run-dir); the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"
+    )
+    assert ztrain.run_dir.resume_target(recipe.parse_args(["--resume", "--model", "qwen3_moe"])) == (
+        f"--resume: continuing the run in {latest} (the run dir of --model qwen3_moe --preset small; another: --run-dir)"
+    )
+    assert ztrain.run_dir.resume_target(recipe.parse_args(["--resume", "--run-dir", "elsewhere"])) == (
+        "--resume: continuing the run in elsewhere (--run-dir)"
+    )
+    readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "training.md").read_text()
+    assert "continue the latest run" not in readme
+
+
+def test_eval_of_a_run_dir_prints_no_absl_warnings(corpus, tmp_path):
+    """Point 15 (issue 42): every eval or generate of a run dir printed three ``WARNING:absl``
+    lines, orbax's notes on the read-only checkpoint manager it opens: noise, now not shown."""
+    _run(corpus, tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(ROOT / "recipes" / "eval.py"), str(tmp_path / "run"), "--max-rows", "2", "--batch-size", "2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "training run, its checkpoint of step 4" in out.stdout
+    assert "WARNING:absl" not in out.stderr + out.stdout, out.stderr
+
+
+def test_progress_lines_say_the_elapsed_time_and_eta(capsys):
+    """Point 15 (issue 42): the main job's step lines had no elapsed time or ETA. Each says the
+    session's elapsed time, and past the first step an ETA from the pace since the first step
+    logged (compiling is not a step's pace); metrics.jsonl's records are unchanged."""
+    log = ztrain.MetricsLog(None, 100)
+    times = iter([0.5, 30.0, 31.0, 3700.0])
+    log.clock, log.began = lambda: next(times), 0.0
+    for step in (0, 1, 2, 100):
+        log.write({"step": step, "loss": 1.0})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("loss 1.0000  ")[1] for line in lines] == [
+        "elapsed 0s", "elapsed 30s  eta 49m30s", "elapsed 31s  eta 1m38s", "elapsed 1h01m  eta 0s"]  # fmt: skip
+    assert log.history == [{"step": s, "loss": 1.0} for s in (0, 1, 2, 100)]

@@ -13,7 +13,7 @@ from zoo.train.metrics import TensorBoardWriter
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """The events of a file as ``{"wall_time", "step", "file_version" | "scalars"}``, every
+    """The events of a file as ``{"wall_time", "step", "file_version" | "session_log" | "scalars"}``, every
     record's CRCs checked (a ValueError names the record and offset)."""
     from tensorboardX.proto import event_pb2
     from tensorboardX.record_writer import masked_crc32c
@@ -31,6 +31,8 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"wall_time": ev.wall_time, "step": ev.step}
         if ev.HasField("file_version"):
             entry["file_version"] = ev.file_version
+        if ev.HasField("session_log"):  # START: TensorBoard drops earlier files' events from this step on
+            entry["session_log"] = event_pb2.SessionLog.SessionStatus.Name(ev.session_log.status)
         if ev.HasField("summary"):
             entry["scalars"] = {v.tag: v.simple_value for v in ev.summary.value if v.HasField("simple_value")}
         out.append(entry)

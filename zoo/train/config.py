@@ -33,6 +33,9 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
+    # Where the cosine decay ends (None: at ``steps``); steps after it train at the final lr. A
+    # resume that changes ``steps`` keeps the run's own (zoo.train.run_dir.keep_schedule).
+    decay_steps: int | None = None
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -65,6 +68,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.warmup < 0 or self.warmup > self.steps:
             raise ValueError(f"warmup must be in 0..steps ({self.steps}), got {self.warmup}")
+        if self.decay_steps is not None and self.decay_steps < max(self.warmup, 1):
+            raise ValueError(f"decay_steps must be >= warmup ({self.warmup}) and >= 1, got {self.decay_steps}")
 
 
 def param_specs(model: eqx.Module) -> dict[str, Param]:
@@ -73,12 +78,14 @@ def param_specs(model: eqx.Module) -> dict[str, Param]:
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``;
-    ``warmup=0``: the first step at ``lr`` (a warm-up of one step would make it 0)."""
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``decay_steps``
+    (default ``steps``), that lr after it; ``warmup=0``: the first step at ``lr`` (a warm-up of
+    one step would make it 0)."""
+    end = cfg.steps if cfg.decay_steps is None else cfg.decay_steps
     if cfg.warmup == 0:
-        return optax.cosine_decay_schedule(cfg.lr, max(cfg.steps, 1), alpha=cfg.min_lr_ratio)
+        return optax.cosine_decay_schedule(cfg.lr, max(end, 1), alpha=cfg.min_lr_ratio)
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
+        0.0, cfg.lr, max(cfg.warmup, 1), max(end, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
     )
 
 

@@ -4,6 +4,7 @@ batches of (seed, step), logs, evaluates, saves, and stops on anything non-finit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -24,10 +25,10 @@ from zoo.train import checkpoints, restore
 from zoo.train.batch import batch_rows, batches, check_batch_layout, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import RisingLoss, TrainConfig, optimizer
-from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings, truncate_metrics
+from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.profile import CheckedStep, check_window
-from zoo.train.run_dir import RunDirLock, check_resume, write_run_files
+from zoo.train.run_dir import RunDirLock, check_resume, keep_schedule, write_run_files
 from zoo.train.step import make_eval
 
 
@@ -150,19 +151,27 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
             # A checkpoint of another model is refused as such first, by the restore.
             start, restored = restore.restore_latest(manager, run_dir, abstract, to_device=False)
             restore.check_stage_order(run_dir, run.settings())  # before check_resume: its refusal is the plainer
+            # More (or fewer) steps: the decay keeps the run's length unless decay_steps may change too.
+            kept, schedule = keep_schedule(run_dir, cfg, start, run.allow_change)
+            if kept != cfg:
+                run, cfg = dataclasses.replace(run, cfg=kept), kept
+                tx = optimizer(cfg, model)  # the same state, on the run's schedule
             changed = check_resume(run_dir, run.settings(), run.allow_change)
             if changed:
                 print("resuming with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
                       flush=True)  # fmt: skip
+            if schedule:
+                print(schedule, flush=True)
             if restored is not None:
                 params, opt_state = restored["params"], restored["opt_state"]
                 print(f"resumed from {run_dir / 'checkpoints'} at step {start}", flush=True)
             else:
                 print(f"no checkpoint in {run_dir / 'checkpoints'}: starting from step 0", flush=True)
             if jax.process_index() == 0:
-                previous = truncate_metrics(run_dir / "metrics.jsonl", start)
+                previous = restore.truncate_metrics(run_dir / "metrics.jsonl", start)
             if start >= cfg.steps:
-                print(f"run in {run_dir} already finished at step {start}; nothing to do", flush=True)
+                print(f"run in {run_dir} already finished at step {start}; nothing to do (to train it further: "
+                      "--steps N --allow-change steps)", flush=True)  # fmt: skip
                 result = eqx.combine(run.in_layer_order(params), static), []
         if result is None:
             result = _loop(run, manager, start, previous, tx, params, opt_state, static)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -38,14 +37,16 @@ def _scalars(values: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardWriter:
-    """Scalars per step, and text, into an event file in ``run_dir`` (created if missing),
+    """Scalars per step, and text, into a new event file in ``run_dir`` (created if missing),
     written by tensorboardX; every call is flushed, so ``tensorboard --logdir RUN_DIR`` follows
-    a run live. Non-finite and non-scalar values are skipped."""
+    a run live. Non-finite and non-scalar values are skipped. ``purge_step``: the file starts
+    with a ``SessionLog.START`` at that step, on which TensorBoard drops the events of earlier
+    files at that step and after (what a killed run logged past the checkpoint a resume starts from)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, purge_step: int | None = None):
         from tensorboardX import SummaryWriter
 
-        self._writer = SummaryWriter(logdir=str(run_dir))
+        self._writer = SummaryWriter(logdir=str(run_dir), purge_step=purge_step)
 
     def scalars(self, step: int, values: Mapping[str, Any]) -> None:
         for tag, x in _scalars(values).items():
@@ -147,6 +148,9 @@ class MetricsLog:
                  wandb: str | None = None, resume: bool = False, start: int = 0):  # fmt: skip
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self.total = total_steps
+        # The progress line's elapsed time and ETA: the pace since the first step logged (compiling is not a step).
+        self.clock, self.start = time.perf_counter, start
+        self.began, self.first = self.clock(), None
         self.tty = sys.stdout.isatty()
         self.history: list[dict[str, Any]] = []
         self.writers: list[Any] = []
@@ -154,7 +158,8 @@ class MetricsLog:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         settings = jsonable(dict(settings or {}))
-        self.writers.append(TensorBoardWriter(run_dir))
+        # A resumed run logs the steps after ``start`` again (all from 0): TensorBoard drops the earlier run's.
+        self.writers.append(TensorBoardWriter(run_dir, purge_step=(start + 1 if start else 0) if resume else None))
         if wandb is not None:
             self.writers.append(WandbWriter(wandb, run_dir, settings, resume=resume))
         if settings:
@@ -187,6 +192,7 @@ class MetricsLog:
                 parts.append(f"{key} {format(record[key], fmt)}")
         if record.get("memory_bytes"):
             parts.append(f"mem {record['memory_bytes'] / 2**20:.0f}MiB")
+        parts.extend(self._timing(record["step"]))
         line = "  ".join(parts)
         if self.tty:
             bar = int(30 * record["step"] / self.total)
@@ -194,28 +200,20 @@ class MetricsLog:
         else:
             print(line, flush=True)
 
+    def _timing(self, step: int) -> list[str]:
+        """``elapsed T`` since the log began and, past the first step, ``eta T`` to ``total``."""
+        now, parts = self.clock(), []
+        if step > self.start:
+            self.first = self.first or (step, now)
+            at, then = self.first if step > self.first[0] else (self.start, self.began)
+            parts.append(f"eta {duration((now - then) / (step - at) * max(self.total - step, 0))}")
+        return [f"elapsed {duration(now - self.began)}", *parts]
 
-def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
-    """Keep the records of steps up to ``step`` (none when 0: the run starts over), rewritten
-    atomically; returns them. A resumed run then appends, and no step is logged twice."""
-    if not path.is_file():
-        return []
-    kept, lines = [], []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut short by a kill
-            continue
-        if step > 0 and isinstance(record, dict) and record.get("step", math.inf) <= step:
-            kept.append(record)
-            lines.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(x + "\n" for x in lines))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return kept
+
+def duration(seconds: float) -> str:
+    """A time as the progress line says it: ``42s``, ``3m05s``, ``1h02m``."""
+    s = max(0, round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 # The curves of the loss plot: the training objective, its next-token part, the validation loss.

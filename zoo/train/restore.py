@@ -1,12 +1,16 @@
 """Verified restores: a training checkpoint is trusted only once its metadata reads, its arrays
 fit the model, it restores, every array is finite and matches the bit sums saved with it
-(damaged ones are moved aside, never deleted); and a run directory's model at its latest good
-checkpoint (``load_run``, ``load_model``: what eval and generate read)."""
+(damaged ones are moved aside, never deleted); a resumed run's metrics cut at its step
+(``truncate_metrics``); and a run directory's model at its latest good checkpoint (``load_run``,
+``load_model``: what eval and generate read)."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
+import math
+import os
 import shutil
 import sys
 from collections.abc import Mapping
@@ -138,6 +142,46 @@ def restore_latest(manager: Any, run_dir: Path, abstract: Any, to_device: bool, 
     return 0, None
 
 
+class _ReadOnlyNotes(logging.Filter):
+    """While in use, drops orbax's notes (absl warnings) that the read-only manager a reader
+    opens is read-only (``read_only=True, setting create=False``, ``Given directory is read
+    only``): noise on every eval and generate of a run dir. Every other record passes."""
+
+    NOTES = ("CheckpointManagerOptions.read_only=True, setting", "Given directory is read only")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(str(record.msg).startswith(n) for n in self.NOTES)
+
+    def __enter__(self) -> None:
+        logging.getLogger("absl").addFilter(self)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("absl").removeFilter(self)
+
+
+def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records of steps up to ``step`` (none when 0: the run starts over), rewritten
+    atomically; returns them. A resumed run then appends, and no step is logged twice."""
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if step > 0 and isinstance(record, dict) and record.get("step", math.inf) <= step:
+            kept.append(record)
+            lines.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(x + "\n" for x in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
+
+
 def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` is a training run directory (``zoo.train.train``'s: its model's
     ``config.json`` beside ``checkpoints/``)."""
@@ -175,9 +219,10 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     params, opt_state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), (params, opt_state)
     )
-    options = ocp.CheckpointManagerOptions(read_only=True)
-    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
-                                    item_handlers=ocp.StandardCheckpointHandler())  # fmt: skip
+    with _ReadOnlyNotes():  # orbax's three WARNING:absl notes that a read-only manager is read-only
+        options = ocp.CheckpointManagerOptions(read_only=True)
+        manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
+                                        item_handlers=ocp.StandardCheckpointHandler())  # fmt: skip
     try:
         step, tree = restore_latest(manager, run_dir, {"params": params, "opt_state": opt_state}, to_device=False,
                                     move_damaged=False)  # fmt: skip

@@ -5,6 +5,7 @@ resumed or overwritten; ``overwrite`` removes only the run's own files)."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -17,6 +18,7 @@ from typing import IO, Any
 import jax
 
 from zoo.hf.load import hf_config
+from zoo.train.config import TrainConfig, learning_rate
 from zoo.train.metrics import jsonable
 
 
@@ -26,7 +28,8 @@ class RunDirError(ValueError):
 
 # What a run writes into its run dir (and ``overwrite`` clears), and TensorBoard's event files.
 EVENTS = "events.out.tfevents.*"
-RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb", "run.json")
+EXPORT_RECORD = "hf-export.json"
+RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints", "damaged-checkpoints", "wandb", "run.json", EXPORT_RECORD)
 
 
 # What zoo and orbax put in checkpoints/ and damaged-checkpoints/: step directories ("200",
@@ -154,6 +157,52 @@ class RunDirLock:
             self.file.close()
 
 
+def record_export(run_dir: str | Path, target: str | Path) -> None:
+    """Note in ``run_dir/hf-export.json`` (atomically; process 0) that this run writes its Hugging
+    Face export to ``target``: a resume of the run may replace it, nothing else may unasked."""
+    if jax.process_index() != 0:
+        return
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{EXPORT_RECORD}.tmp"
+    tmp.write_text(json.dumps({"path": str(Path(target).resolve())}) + "\n")
+    os.replace(tmp, run_dir / EXPORT_RECORD)
+
+
+def exported_to(run_dir: str | Path) -> Path | None:
+    """Where the run in ``run_dir`` wrote its Hugging Face export (None: nowhere, or unknown)."""
+    try:
+        return Path(json.loads((Path(run_dir) / EXPORT_RECORD).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def default_run_dir(checkpoint: str | None, model_type: str, preset: str) -> str:
+    """``runs/MODEL-PRESET`` (``runs/llama-small``), or ``runs/NAME`` for a checkpoint ``.../NAME``."""
+    if checkpoint:
+        return str(Path("runs") / (Path(checkpoint).resolve().name or "checkpoint"))
+    return str(Path("runs") / f"{model_type}-{preset}")
+
+
+def latest_run(runs: str | Path) -> Path | None:
+    """The run dir under ``runs`` whose ``metrics.jsonl`` changed last (None: none has one)."""
+    logs = [p for p in Path(runs).glob("*/metrics.jsonl") if p.is_file()] if Path(runs).is_dir() else []
+    return max(logs, key=lambda p: p.stat().st_mtime).parent if logs else None
+
+
+def resume_target(flags: Any) -> str:
+    """What ``--resume`` continues, in a line said before anything runs: the run in ``--run-dir``,
+    by default the one of ``--model``/``--preset`` (or ``--checkpoint``), not the latest run of any
+    model; where the latest run beside it is another, it is named."""
+    if Path(flags.run_dir) != Path(default_run_dir(flags.checkpoint, flags.model, flags.preset)):
+        return f"--resume: continuing the run in {flags.run_dir} (--run-dir)"
+    made = f"--checkpoint {flags.checkpoint}" if flags.checkpoint else f"--model {flags.model} --preset {flags.preset}"
+    line = f"--resume: continuing the run in {flags.run_dir} (the run dir of {made}; another: --run-dir)"
+    if (latest := latest_run(Path(flags.run_dir).parent)) and latest.resolve() != Path(flags.run_dir).resolve():
+        line += f"; the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"
+    return line
+
+
 def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
     """``run_dir/config.json`` (the model's Hugging Face config, as a save writes it) and
     ``run_dir/run.json`` (the run's settings), each written atomically."""
@@ -182,11 +231,44 @@ def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
                     out.update(v)
                 else:
                     out[field] = v
+            if "steps" in value:  # the decay's end as it is (None, or not recorded: at steps)
+                out["decay_steps"] = value.get("decay_steps") or value["steps"]
         elif name in ("model_config", "sources") and isinstance(value, Mapping):
             out.update({(f"model_config.{k}" if name == "model_config" else k): v for k, v in value.items()})
         else:
             out[name] = value
     return out
+
+
+def keep_schedule(run_dir: Path, cfg: TrainConfig, start: int, allow_change: Iterable[str] = ()
+                  ) -> tuple[TrainConfig, str | None]:  # fmt: skip
+    """A resume's ``cfg`` on the learning-rate schedule the run had: its cosine decay ends where
+    the run's did (``run.json``), so a resume with more ``steps`` goes on at the final lr rather
+    than stretching the decay (which would raise the lr again), unless ``decay_steps`` is in
+    ``allow_change`` (or ``cfg.decay_steps`` is set). Returns the config and, where ``steps``
+    changes, the line that says what the schedule does from step ``start + 1``."""
+    if start == 0:  # no step trained on the run's schedule (no checkpoint): the run starts over on this one
+        return cfg, None
+    try:
+        before = json.loads((run_dir / "run.json").read_text())["train"]
+        steps, end = int(before["steps"]), int(before.get("decay_steps") or before["steps"])
+        had = {k: before[k] for k in ("warmup", "lr", "min_lr_ratio") if k in before}
+        old = dataclasses.replace(cfg, steps=steps, decay_steps=end, **had)  # the run's own schedule
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg, None  # nothing to keep (check_resume says what is wrong with run.json)
+    stretch = "decay_steps" in {n.replace("-", "_") for n in allow_change} or end < cfg.warmup  # (a longer warm-up)
+    if cfg.decay_steps is None and not stretch and end != cfg.steps:
+        cfg = dataclasses.replace(cfg, decay_steps=end)
+    if steps == cfg.steps:
+        return cfg, None
+    new_end = cfg.steps if cfg.decay_steps is None else cfg.decay_steps
+    if new_end == end:
+        after = (f"steps {end + 1}-{cfg.steps} go on at its final lr {float(learning_rate(cfg)(end)):.2e}"
+                 if cfg.steps > end else f"the run stops at step {cfg.steps}, before the decay ends")  # fmt: skip
+        return cfg, (f"learning rate: the schedule keeps its length: its decay ends at step {end} as before, and {after} "
+                     f"(--allow-change steps,decay_steps would stretch the decay to step {cfg.steps})")  # fmt: skip
+    return cfg, (f"learning rate: the decay now ends at step {new_end}, not {end}: step {start + 1} trains at lr "
+                 f"{float(learning_rate(cfg)(start)):.2e}, the run's schedule had {float(learning_rate(old)(start)):.2e}")  # fmt: skip
 
 
 def check_resume(run_dir: Path, settings: Mapping[str, Any], allow_change: Iterable[str] = ()) -> dict[str, tuple]:

@@ -33,6 +33,7 @@ from zoo.runtime import parse_xla_option, resident_memory
 from zoo.train.batch import check_batch_layout
 from zoo.train.config import TrainConfig
 from zoo.train.profile import check_window
+from zoo.train.run_dir import default_run_dir, exported_to, record_export
 
 # Optimiser defaults. From scratch: a small model's pretraining rate. With a checkpoint, a
 # pretrained model's fine-tuning: TRL's SFTConfig defaults (learning rate 2e-5, no weight decay;
@@ -40,13 +41,6 @@ from zoo.train.profile import check_window
 # instruct checkpoint's held-out loss went from 1.92 to 11.2 in 5 steps.
 PRETRAINING = {"lr": 5e-3, "weight_decay": 0.1}
 FINE_TUNING = {"lr": 2e-5, "weight_decay": 0.0}
-
-
-def default_run_dir(checkpoint: str | None, model_type: str, preset: str) -> str:
-    """``runs/MODEL-PRESET`` (``runs/llama-small``), or ``runs/NAME`` for a checkpoint ``.../NAME``."""
-    if checkpoint:
-        return str(Path("runs") / (Path(checkpoint).resolve().name or "checkpoint"))
-    return str(Path("runs") / f"{model_type}-{preset}")
 
 
 def complete(flags: Any) -> None:
@@ -66,6 +60,8 @@ def complete(flags: Any) -> None:
                           f"got {flags.seq_len}")  # fmt: skip
     if flags.cpu_devices is not None and flags.cpu_devices < 1:
         raise ConfigError(f"--cpu-devices must be >= 1, got {flags.cpu_devices}")
+    if getattr(flags, "overwrite_hf", False) and not flags.save_hf:
+        raise ConfigError("--overwrite-hf needs --save-hf DIR (the export it lets replace)")
     for name, value in (FINE_TUNING if flags.checkpoint else PRETRAINING).items():
         if getattr(flags, name) is None:
             setattr(flags, name, value)
@@ -214,10 +210,11 @@ def describe(model: Any, name: str, data: Any, peak_flops: float) -> str:
             f"{jax.devices()[0].platform} device(s); matmul peak {peak_flops / 1e12:.2f} TFLOP/s")  # fmt: skip
 
 
-def check_save_hf(target: str, *, checkpoint: str | None, run_dir: str) -> None:
+def check_save_hf(target: str, *, checkpoint: str | None, run_dir: str, resume: bool = False,
+                  overwrite_hf: bool = False) -> None:  # fmt: skip
     """``--save-hf``: a directory the trained model can go to, known before the first step: not a
     file, not under one, not the checkpoint being fine-tuned (its base weights would be
-    replaced) and not the run dir."""
+    replaced), not the run dir, and empty unless ``overwrite_hf`` or the resumed run's export."""
     where = Path(target).resolve()
     try:
         check_save_path(where)
@@ -229,6 +226,11 @@ def check_save_hf(target: str, *, checkpoint: str | None, run_dir: str) -> None:
     if where == Path(run_dir).resolve():
         raise ConfigError(f"--save-hf {target} is the --run-dir; choose another directory "
                           f"(e.g. {Path(run_dir) / 'hf'})")  # fmt: skip
+    held = sorted(p.name for p in where.iterdir()) if where.is_dir() else []
+    if held and not overwrite_hf and not (resume and exported_to(run_dir) == where):
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ConfigError(f"--save-hf {target} is not empty ({shown}) and not this run's own export: saving would "
+                          "replace it; choose another directory, or --overwrite-hf to replace it")  # fmt: skip
 
 
 def sources(data: str, checkpoint: str | None, text_field: str, data_format: str) -> dict[str, str | None]:
@@ -282,10 +284,11 @@ def validation_summary(run_dir: str, history: Sequence[dict], resume: bool) -> s
             f"curve: {run_dir}/loss.png)")  # fmt: skip
 
 
-def save_hf(model: Any, target: str, *, checkpoint: str | None, generation: dict | None) -> None:
-    """The trained model as a Hugging Face checkpoint in ``target``, with the fine-tuned
-    checkpoint's sampling settings and tokenizer. Every process takes part (a sharded model is
-    gathered tensor by tensor); process 0 writes and says so."""
+def save_hf(model: Any, target: str, *, checkpoint: str | None, generation: dict | None, run_dir: str) -> None:
+    """The trained model as a Hugging Face checkpoint in ``target`` (noted first in ``run_dir/hf-export.json``),
+    with the fine-tuned checkpoint's sampling settings and tokenizer. Every process takes part (a
+    sharded model is gathered tensor by tensor); process 0 writes and says so."""
+    record_export(run_dir, target)
     save_pretrained(model, target, generation_config=generation or None)
     copy_tokenizer(checkpoint, target)
     if jax.process_index() == 0:
