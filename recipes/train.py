@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         print(setup.built_on_mesh(model, before), flush=True)
     try:  # the checkpoint's sampling settings go with the saved weights; a bad file stops the run before training
         generation = read_generation_config(args.checkpoint) if args.checkpoint and args.save_hf else {}
-        setup.check_model(model, seq_len=args.seq_len, placement=args.placement)
+        setup.check_model(model, seq_len=args.seq_len, placement=args.placement, mesh=mesh,
+                          virtual_stages=args.virtual_stages)  # fmt: skip
     except (CheckpointError, ConfigError) as e:
         parser().error(str(e))
     if args.placement == "auto":
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{parser().prog}: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
-    except (CheckpointError, ConfigError, ztrain.NonFiniteLoss) as e:  # each message names its culprit
+    except (CheckpointError, ConfigError, MeshError, ztrain.NonFiniteLoss) as e:  # each message names its culprit
         sys.exit(f"{parser().prog}: error: {e}")
     except ztrain.Preempted as e:  # saved at the step reached; 128 + the signal (143: SIGTERM), as a shell reports it
         print(f"{parser().prog}: {e}", file=sys.stderr, flush=True)

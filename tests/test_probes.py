@@ -496,3 +496,40 @@ def test_overwrite_and_resume_accept_what_zoo_itself_left(corpus, tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(older))
     _, rest = _run(corpus, tmp_path, steps=4, resume=True)
     assert [r["step"] for r in rest if "loss" in r] == [3, 4]
+
+
+def test_pipeline_settings_the_run_cannot_use_are_refused_before_its_run_dir(corpus, tmp_path):
+    """Issue 42, point 9: --microbatches 3 on 2 rows a device and --virtual-stages not dividing a
+    stage's layers failed as 14-18-frame tracebacks from inside the step after the run dir was
+    written; either without a pipeline axis was saved into run.json and blocked --resume."""
+    import dataclasses
+
+    from zoo import parallel
+    from zoo.train import setup
+
+    recipe = _recipe("train")
+
+    def flags(*extra):
+        return recipe.parse_args(["--preset", "tiny", "--batch-size", "8", "--run-dir", str(tmp_path / "run"), *extra])
+
+    with pytest.raises(zoo.ConfigError, match=r"^--mesh pipeline=2,data=4: microbatches \(--microbatches\) 3 must "
+                                              r"divide each device's 2 rows .*possible: \[1, 2\]$"):  # fmt: skip
+        setup.make_mesh("pipeline=2,data=4", flags("--microbatches", "3"))
+    for spec, flag in (("", "--microbatches"), ("data=8", "--virtual-stages")):
+        with pytest.raises(zoo.ConfigError, match=f"^{flag} needs a pipeline axis in --mesh"):
+            setup.make_mesh(spec, flags(flag, "2"))
+    mesh = parallel.make_mesh("pipeline=2,data=4")
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))  # 2 layers: 1 a stage
+    with pytest.raises(zoo.ConfigError, match=r"^--virtual-stages 2: virtual_stages=2 does not divide the 1 layers "
+                                              r"per stage of LlamaConfig.num_layers = 2 on pipeline=2"):  # fmt: skip
+        setup.check_model(model, seq_len=32, placement=None, mesh=mesh, virtual_stages=2)
+    # 6 layers, 3 a stage: 3 chunks divide them (the vocabulary, 128 rows a stage, is no layer stack).
+    parallel.validate_mesh(mesh, dataclasses.replace(preset("tiny"), num_layers=6), virtual_stages=3)
+    # zoo.train itself refuses them before it writes the run dir (on one device they are ignored:
+    # the reference run of a pipelined one takes the same TrainConfig).
+    cfg = {"steps": 2, "batch_size": 8, "seq_len": 16, "warmup": 1}
+    bad_ones = (({"microbatches": 3}, zoo.ConfigError), ({"microbatches": 2, "virtual_stages": 2}, zoo.MeshError))
+    for bad, error in bad_ones:
+        with pytest.raises(error):
+            ztrain.train(model, corpus, ztrain.TrainConfig(**cfg, **bad), run_dir=tmp_path / "lib", mesh=mesh)
+    assert not (tmp_path / "lib").exists() and not (tmp_path / "run").exists()

@@ -147,6 +147,7 @@ def make_mesh(spec: str, batch: Any) -> Mesh | None:
     no spec); with many processes, where this one's devices sit on it, said in a line. A batch
     the mesh cannot split (``batch.batch_size``, ``batch.seq_len``) is refused before anything is built."""
     if not spec and jax.process_count() == 1:
+        check_pipeline_flags(batch, spec, None)
         return None
     try:
         mesh = parallel.make_mesh(spec)
@@ -155,11 +156,24 @@ def make_mesh(spec: str, batch: Any) -> Mesh | None:
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: its devices at mesh {mesh_share(mesh)}",
               flush=True)  # fmt: skip
+    check_pipeline_flags(batch, spec, mesh)
     try:  # rows and sequences the mesh cannot split
         check_batch_layout(batch, mesh)
     except ConfigError as e:
         raise ConfigError(f"--mesh {spec}: {e}") from None
     return mesh
+
+
+def check_pipeline_flags(flags: Any, spec: str, mesh: Mesh | None) -> None:
+    """``--microbatches`` and ``--virtual-stages`` only with a pipeline axis in ``--mesh`` (``spec``):
+    without one they would mean nothing, yet be kept in the run's settings (``run.json``), where
+    a resume without them is refused as a change."""
+    if mesh is not None and mesh.shape.get(parallel.PIPELINE, 1) > 1:
+        return
+    for flag, value, unset in (("microbatches", flags.microbatches, None), ("virtual-stages", flags.virtual_stages, 1)):
+        if value != unset:
+            raise ConfigError(f"--{flag} needs a pipeline axis in --mesh (e.g. --mesh pipeline=2,...); "
+                              f"{f'--mesh {spec}' if spec else 'no --mesh'} has none")  # fmt: skip
 
 
 def built_on_mesh(model: Any, resident_before: int | None) -> str:
@@ -173,12 +187,19 @@ def built_on_mesh(model: Any, resident_before: int | None) -> str:
             f"{sum(x.nbytes for x in arrays) / 2**20:.0f} MiB{grew}")  # fmt: skip
 
 
-def check_model(model: Any, *, seq_len: int, placement: str | None) -> None:
-    """``--seq-len`` within the model's positions and a ``--placement`` (name or map, not
-    ``auto``) that fits the model, named before anything compiles."""
+def check_model(model: Any, *, seq_len: int, placement: str | None, mesh: Any = None, virtual_stages: int = 1) -> None:
+    """``--seq-len`` within the model's positions, ``--virtual-stages`` chunks that divide each
+    pipeline stage's layers (and a layer pattern the family can pipeline so), and a
+    ``--placement`` (name or map, not ``auto``) that fits the model, named before anything
+    compiles or a run dir is written."""
     if seq_len > model.config.max_position_embeddings:
         raise ConfigError(f"--seq-len {seq_len} is beyond the model's max_position_embeddings "
                           f"{model.config.max_position_embeddings}")  # fmt: skip
+    if mesh is not None:
+        try:
+            parallel.validate_mesh(mesh, model.config, virtual_stages=virtual_stages)
+        except MeshError as e:
+            raise ConfigError(f"--virtual-stages {virtual_stages}: {e}" if virtual_stages > 1 else str(e)) from None
     if placement not in (None, "auto"):
         try:
             resolve(placement, model)
