@@ -15,6 +15,7 @@ tensor) through the compiled step's HLO text, saved beside the trace.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -57,17 +58,46 @@ class Event:
         return str(self.stats.get("hlo_op", self.name))
 
 
+class ProfileError(ValueError):
+    """A run dir, trace or ``step.json`` that cannot be read as a profile; names the file."""
+
+
 def find_traces(run_dir: str | Path) -> list[Path]:
-    """The newest profiling session's ``*.xplane.pb`` files (one per host) under ``run_dir/profile``."""
+    """The newest profiling session's ``*.xplane.pb`` files (one per host) under ``run_dir/profile``;
+    a ``run_dir`` that is a file is a :class:`ProfileError`."""
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ProfileError(f"{run_dir} is a file, not a run dir (one holding profile/, written by recipes/train.py "
+                           "--profile START:STOP)")  # fmt: skip
     sessions = sorted(p for p in (Path(run_dir) / "profile" / "plugins" / "profile").glob("*") if p.is_dir())
     return sorted(sessions[-1].glob("*.xplane.pb")) if sessions else []
 
 
 def read_events(path: str | Path) -> list[Event]:
-    """Every event of an ``.xplane.pb`` trace, by jax.profiler's own reader."""
-    data = ProfileData.from_file(str(path))
+    """Every event of an ``.xplane.pb`` trace, by jax.profiler's own reader; one that does not
+    read (truncated, damaged) is a :class:`ProfileError` naming it."""
+    try:
+        data = ProfileData.from_file(str(path))
+    except Exception as e:  # noqa: BLE001  (the reader raises what its protobuf parser raises)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ProfileError(f"{path}: not a readable trace ({why}); record it again with recipes/train.py "
+                           "--profile START:STOP") from None  # fmt: skip
     return [Event(plane.name, line.name, e.name, e.start_ns, e.start_ns + e.duration_ns, dict(e.stats))
             for plane in data.planes for line in plane.lines for e in line.events]  # fmt: skip
+
+
+def read_step_info(folder: str | Path) -> dict[str, Any]:
+    """``folder/step.json`` (what the profiled step was: platform, placement, memory), ``{}``
+    where there is none; one that does not read is a :class:`ProfileError` naming it."""
+    path = Path(folder) / "step.json"
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ProfileError(f"{path}: does not read as JSON ({e})") from None
+    if not isinstance(info, dict):
+        raise ProfileError(f"{path}: holds a {type(info).__name__}, not the step's settings (a JSON object)")
+    return info
 
 
 def kind(e: Event) -> str:
@@ -122,7 +152,7 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _length(spans: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in spans)
+    return sum((b - a for a, b in spans), 0.0)
 
 
 def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
@@ -173,6 +203,7 @@ class Report:
     ops: list[tuple[str, str, float, int]]  # (op, source, seconds, count), longest first
     regions: dict[str, float]
     named: dict[str, dict[str, float]] = field(default_factory=dict)  # named region -> phase -> seconds
+    threads: int = 1  # the trace lines (host threads, GPU streams) the device's work was read from
 
 
 def analyse(events: list[Event], sources: dict[str, str] | None = None, names: frozenset[str] | None = None) -> Report:
@@ -212,7 +243,7 @@ def analyse(events: list[Event], sources: dict[str, str] | None = None, names: f
     last = {UNNAMED: 1, OUTSIDE: 2, NO_SOURCE: 3}  # after the named tensors, longest first
     order = sorted(named, key=lambda r: (last.get(r, 0), -sum(named[r].values())))
     return Report(device, steps, ranked, dict(sorted(regions.items(), key=lambda r: -r[1])),
-                  {r: named[r] for r in order})  # fmt: skip
+                  {r: named[r] for r in order}, len({(e.plane, e.line) for e in work}) or 1)  # fmt: skip
 
 
 def _self_times(events: list[Event]) -> list[tuple[Event, float]]:
@@ -258,6 +289,13 @@ def format_report(report: Report, *, top: int = 15) -> str:
         lines.append(f"{s.step:6d} {_ms(s.wall)}   {_ms(s.compute)}   {_ms(s.collectives)} | {_copies(s.h2d)} | "
                      f"{_copies(s.d2h)} | {_ms(s.hidden)}  {_ms(s.exposed)} {share}")  # fmt: skip
     total = sum(report.regions.values()) or 1.0
+    if report.threads > 1:  # the steps' compute counts busy time once; the totals add up every line's
+        where = "host threads (XLA:CPU runs each device's ops on its own)" if cpu else "trace lines (streams)"
+        compute = sum(s.compute for s in report.steps)
+        note = (f"the totals below add up the ops' time on all {report.threads} {where}: {_ms(total).strip()} ms, "
+                f"against the steps' {_ms(compute).strip()} ms of compute (the time any of them was busy, counted "
+                "once)")  # fmt: skip
+        lines += ["", note]
     lines += ["", "time by region (self time of the ops, all profiled steps):"]
     lines += [f"  {name:32s} {_ms(t)} ms  {100 * t / total:5.1f}%" for name, t in report.regions.items()]
     lines += ["", "time by named tensor (self time of the ops under its scope, the innermost; all profiled steps):",
