@@ -533,3 +533,20 @@ def test_pipeline_settings_the_run_cannot_use_are_refused_before_its_run_dir(cor
         with pytest.raises(error):
             ztrain.train(model, corpus, ztrain.TrainConfig(**cfg, **bad), run_dir=tmp_path / "lib", mesh=mesh)
     assert not (tmp_path / "lib").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("fixture, name", [("llama3_1-tiny", "config.json"),
+                                           ("llama3_1-tiny-sharded", "model.safetensors.index.json")])  # fmt: skip
+def test_a_damaged_checkpoint_file_is_named(tmp_path, fixture, name):
+    """Issue 42, point 9: recipes/train.py --checkpoint on a checkpoint whose config.json or
+    safetensors index was overwritten with bytes that are not UTF-8 printed a 10-frame
+    UnicodeDecodeError traceback; a config.json that is a directory, IsADirectoryError."""
+    ckpt = shutil.copytree(FIXTURES / fixture, tmp_path / "ckpt")
+    (ckpt / name).write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises((zoo.CheckpointError, zoo.ConfigError), match=f"^{re.escape(str(ckpt / name))}: not .*utf-8"):
+        zoo.from_pretrained(ckpt)
+    if name == "config.json":
+        (ckpt / name).unlink()
+        (ckpt / name).mkdir()
+        with pytest.raises(zoo.ConfigError, match=f"^{re.escape(str(ckpt / name))}: .*Is a directory"):
+            zoo.from_pretrained(ckpt)

@@ -47,7 +47,7 @@ def read_config(path: str | Path, **options) -> tuple[type, Any, dict[str, Any]]
         raise CheckpointError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
     try:
         raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except (OSError, ValueError) as e:  # not JSON, not UTF-8 (a damaged file), a directory, unreadable
         raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object")

@@ -239,7 +239,7 @@ class CheckpointFiles:
         elif index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:  # not JSON, not UTF-8, no weight_map
                 raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
             for name in sorted(set(weight_map.values())):
                 if not (self.directory / name).exists():
