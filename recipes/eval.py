@@ -21,6 +21,27 @@ import time
 from pathlib import Path
 
 
+def at_least_one(text: str) -> int:
+    """A flag's value that must be a whole number >= 1 (a row count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def json_target(text: str) -> str:
+    """``--json``'s file: where it can be written, known before the evaluation runs."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    if not path.absolute().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.absolute().parent} does not exist; create it first")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), "
@@ -34,9 +55,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per packed row (default: a run directory's own --seq-len, else 512)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
-    p.add_argument("--max-rows", type=int, default=None, help="evaluate only the first N rows (bytes then estimated)")
+    p.add_argument("--max-rows", type=at_least_one, default=None,
+                   help="evaluate only the first N rows (>= 1; bytes then estimated)")  # fmt: skip
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--json", type=json_target, default=None,
+                   help="also write the figures to this JSON file (its folder must exist)")  # fmt: skip
     return p
 
 

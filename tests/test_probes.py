@@ -550,3 +550,20 @@ def test_a_damaged_checkpoint_file_is_named(tmp_path, fixture, name):
         (ckpt / name).mkdir()
         with pytest.raises(zoo.ConfigError, match=f"^{re.escape(str(ckpt / name))}: .*Is a directory"):
             zoo.from_pretrained(ckpt)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--max-rows", "0"], "argument --max-rows: must be >= 1, got 0"),
+    (["--max-rows", "-2"], "argument --max-rows: must be >= 1, got -2"),
+    (["--json", "{tmp}/missing/folder/x.json"], "argument --json: {tmp}/missing/folder/x.json: the folder "
+                                                "{tmp}/missing/folder does not exist; create it first"),
+    (["--json", "{tmp}"], "argument --json: {tmp} is a directory; name a file in it"),
+])  # fmt: skip
+def test_eval_refuses_its_flags_before_evaluating(tmp_path, capsys, flags, said):
+    """Issue 42, point 9: eval.py --max-rows 0 / -2 blamed the data ("the valid split has no
+    target tokens"); --json into a missing folder failed after the whole evaluation."""
+    with pytest.raises(SystemExit) as e:
+        _recipe("eval").main([str(LLAMA), *(f.format(tmp=tmp_path) for f in flags)])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and f"error: {said.format(tmp=tmp_path)}" in err.err, err.err
+    assert "evaluating" not in err.out
