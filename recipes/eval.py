@@ -21,6 +21,18 @@ import time
 from pathlib import Path
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the module's text as written and each flag's default (those that have one,
+    where its help does not already say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def at_least_one(text: str) -> int:
     """A flag's value that must be a whole number >= 1 (a row count)."""
     try:
@@ -43,12 +55,13 @@ def json_target(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), "
                    "or a recipes/train.py run directory (its latest good checkpoint)")
     p.add_argument("--data", default="stdlib", help="as recipes/train.py's --data (default: the embedded corpus)")
     p.add_argument("--text-field", default="text", help="the field of a record that holds its text")
-    p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto")
+    p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto",
+                   help="as recipes/train.py's --data-format")  # fmt: skip
     p.add_argument("--data-cache", default=None, help="where tokenized data is cached (default ~/.cache/zoo/data)")
     p.add_argument("--split", choices=["valid", "train", "all"], default="valid",
                    help="the held-out documents (default), the training ones, or all")  # fmt: skip
@@ -57,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     p.add_argument("--max-rows", type=at_least_one, default=None,
                    help="evaluate only the first N rows (>= 1; bytes then estimated)")  # fmt: skip
-    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     p.add_argument("--json", type=json_target, default=None,
                    help="also write the figures to this JSON file (its folder must exist)")  # fmt: skip
     return p

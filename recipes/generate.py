@@ -78,6 +78,18 @@ class HFTokenizer:
         return self.tok.decode(tokens)
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the module's text as written and each flag's default (those that have one,
+    where its help does not already say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_eos(text: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(x) for x in text.split(",") if x.strip())
@@ -99,7 +111,7 @@ def positive_int(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("checkpoint", nargs="?", default=str(DEFAULT),
                    help="checkpoint directory (config.json + safetensors), or a recipes/train.py run directory")  # fmt: skip
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The quick brown fox')")

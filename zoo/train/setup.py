@@ -234,6 +234,22 @@ def describe(model: Any, name: str, data: Any, peak_flops: float) -> str:
             f"{jax.devices()[0].platform} device(s); matmul peak {peak_flops / 1e12:.2f} TFLOP/s")  # fmt: skip
 
 
+def epochs(data: Any, cfg: Any) -> str | None:
+    """How often the run goes through its training data, in a line, where it is more than once
+    (a small set is cycled without a word otherwise; ``None`` where the run sees it at most once):
+    packed rows per epoch for packed documents, tokens for a token stream."""
+    drawn = cfg.steps * cfg.grad_accum * cfg.batch_size  # rows
+    if hasattr(data, "plan"):  # packed documents: every row once per epoch
+        have, what = data.plan(cfg.seq_len, "train").num_rows, f"rows of {cfg.seq_len} tokens"
+    else:  # windows drawn at random offsets: tokens
+        have, what, drawn = data.num_tokens("train"), "tokens", drawn * cfg.seq_len
+    if drawn <= have:
+        return None
+    return (f"data: the run takes {count(drawn, what)} ({cfg.steps} steps x {cfg.grad_accum * cfg.batch_size} rows) "
+            f"from a train split of {count(have, what)}: about {drawn / have:,.1f} epochs, each row seen that often "
+            "(more data, or fewer --steps, to see it less)")  # fmt: skip
+
+
 def check_save_hf(target: str, *, checkpoint: str | None, run_dir: str) -> None:
     """``--save-hf``: a directory the trained model can go to, known before the first step: not a
     file, not under one, not the checkpoint being fine-tuned (its base weights would be
