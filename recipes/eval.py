@@ -57,7 +57,7 @@ def json_target(text: str) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), "
-                   "or a recipes/train.py run directory (its latest good checkpoint)")
+                   "a recipes/train.py run directory (its latest good checkpoint), or a Hugging Face hub id (org/name)")
     p.add_argument("--data", default="stdlib", help="as recipes/train.py's --data (default: the embedded corpus)")
     p.add_argument("--text-field", default="text", help="the field of a record that holds its text")
     p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto",
@@ -111,6 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import jax.numpy as jnp
 
+    from zoo.errors import CheckpointError
+    from zoo.hf import hub
+
+    try:  # a hub id ("org/name") that is no local folder: its snapshot in the hub cache, tokenizer included
+        args.checkpoint = str(hub.resolve(args.checkpoint))
+    except CheckpointError as e:
+        p.error(str(e))
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.compute_dtype]
     model, settings = load_model(args.checkpoint, dtype, p)
     if args.seq_len is None:

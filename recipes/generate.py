@@ -113,7 +113,8 @@ def positive_int(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("checkpoint", nargs="?", default=str(DEFAULT),
-                   help="checkpoint directory (config.json + safetensors), or a recipes/train.py run directory")  # fmt: skip
+                   help="checkpoint directory (config.json + safetensors), a recipes/train.py run directory, or a "
+                        "Hugging Face hub id (org/name)")  # fmt: skip
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The quick brown fox')")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -195,7 +196,13 @@ def _lines():
 def main(argv: list[str] | None = None) -> dict:
     p = parser()
     args = p.parse_args(argv)
-    path = Path(args.checkpoint)
+    from zoo.errors import CheckpointError
+    from zoo.hf import hub
+
+    try:  # a hub id ("org/name") that is no local folder: its snapshot in the hub cache
+        path = hub.resolve(args.checkpoint)
+    except CheckpointError as e:
+        p.error(str(e))
     if not (path / "config.json").is_file():
         p.error(f"{path} is not a checkpoint directory or a training run directory (no config.json)")
     try:

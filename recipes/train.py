@@ -63,7 +63,8 @@ def parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default="llama", help="model type (default llama)")
     m.add_argument("--preset", default="small", help="config preset, e.g. small, tiny, bench, llama3.1-8b (default small)")
-    m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory to fine-tune (overrides --model/--preset)")
+    m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory, or hub id (org/name; fetched into the hub cache), to "
+                        "fine-tune (overrides --model/--preset)")  # fmt: skip
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
     m.add_argument("--attention", choices=["auto", "xla", "blockwise", "cudnn", "splash", "pallas_gpu"], default="auto",

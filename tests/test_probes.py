@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -555,8 +556,8 @@ def test_a_damaged_checkpoint_file_is_named(tmp_path, fixture, name):
 @pytest.mark.parametrize("flags, said", [
     (["--max-rows", "0"], "argument --max-rows: must be >= 1, got 0"),
     (["--max-rows", "-2"], "argument --max-rows: must be >= 1, got -2"),
-    (["--json", "{tmp}/missing/folder/x.json"], "argument --json: {tmp}/missing/folder/x.json: the folder "
-                                                "{tmp}/missing/folder does not exist; create it first"),
+    (["--json", "{tmp}/missing/folder/x.json"], ("argument --json: {tmp}/missing/folder/x.json: the folder "
+                                                 "{tmp}/missing/folder does not exist; create it first")),
     (["--json", "{tmp}"], "argument --json: {tmp} is a directory; name a file in it"),
 ])  # fmt: skip
 def test_eval_refuses_its_flags_before_evaluating(tmp_path, capsys, flags, said):
@@ -610,3 +611,43 @@ def test_a_run_that_cycles_its_data_says_how_often(tmp_path):
     stream = zdata.stdlib_corpus(max_bytes=2**16)
     many = ztrain.TrainConfig(steps=1000, batch_size=16, seq_len=128, warmup=1)
     assert " tokens (1000 steps x 16 rows) from a train split of " in setup.epochs(stream, many)
+
+
+def _hub_cache(tmp_path, repo: str = "org/name") -> Path:
+    """A hub cache (huggingface_hub's layout) holding the tiny Llama fixture as ``repo``'s main."""
+    folder = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(LLAMA, folder / "snapshots" / commit, ignore=shutil.ignore_patterns("*.npz"))
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    return folder / "snapshots" / commit
+
+
+def test_a_hub_id_loads_from_the_hub_cache(tmp_path, monkeypatch):
+    """Issue 42, point 14: zoo.from_pretrained("org/name") and train.py --checkpoint org/name
+    refused anything but a local folder; a hub id resolves as in transformers (here offline,
+    from a filled cache), and without huggingface_hub the error says to install it."""
+    pytest.importorskip("huggingface_hub")
+    snapshot = _hub_cache(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no local folder org/name
+    model = zoo.from_pretrained("org/name")
+    want = zoo.from_pretrained(LLAMA)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    flags = _recipe("train").parse_args(["--checkpoint", "org/name"])
+    assert flags.checkpoint == str(snapshot) and flags.run_dir == str(Path("runs") / "name")
+    with pytest.raises(zoo.CheckpointError, match=r"^org/other: no such local folder, and as a Hugging Face hub id it "
+                                                  r"does not resolve \(not in the hub cache and HF_HUB_OFFLINE is set\)$"):  # fmt: skip
+        zoo.from_pretrained("org/other")
+    with pytest.raises(zoo.CheckpointError, match=r"^nothing-here: no such checkpoint directory"):
+        zoo.from_pretrained("nothing-here")  # no hub id: a local path
+    # eval.py reads the snapshot's tokenizer and weights: the hub id works there too.
+    result = _recipe("eval").main(["org/name", "--seq-len", "16", "--max-rows", "1", "--batch-size", "1",
+                                   "--data-cache", str(tmp_path / "cache")])  # fmt: skip
+    assert result["checkpoint"] == str(snapshot) and result["tokens"] > 0
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # not installed
+    with pytest.raises(zoo.CheckpointError, match=r"^org/name: no such local folder; to load it as a Hugging Face hub "
+                                                  r"id install huggingface_hub"):  # fmt: skip
+        zoo.from_pretrained("org/name")

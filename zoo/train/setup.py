@@ -26,6 +26,7 @@ from zoo import data as zdata
 from zoo import parallel
 from zoo.core import registry
 from zoo.errors import CheckpointError, ConfigError, MeshError
+from zoo.hf import hub
 from zoo.hf.load import from_pretrained, read_config
 from zoo.hf.save import check_save_path, save_pretrained
 from zoo.placement import PlacementError, resolve
@@ -71,6 +72,11 @@ def complete(flags: Any) -> None:
             setattr(flags, name, value)
     if flags.run_dir is None:  # one per model: a run of another model never lands in this one's directory
         flags.run_dir = default_run_dir(flags.checkpoint, flags.model, flags.preset)
+    if flags.checkpoint:  # a hub id ("org/name") that is no local folder: its snapshot, fetched into the hub cache
+        try:
+            flags.checkpoint = str(hub.resolve(flags.checkpoint))
+        except CheckpointError as e:
+            raise ConfigError(f"--checkpoint {e}") from None
     try:
         flags.xla_options = dict(parse_xla_option(o) for o in flags.xla_option)
     except ValueError as e:
