@@ -21,22 +21,58 @@ import time
 from pathlib import Path
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the module's text as written and each flag's default (those that have one,
+    where its help does not already say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def at_least_one(text: str) -> int:
+    """A flag's value that must be a whole number >= 1 (a row count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def json_target(text: str) -> str:
+    """``--json``'s file: where it can be written, known before the evaluation runs."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    if not path.absolute().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.absolute().parent} does not exist; create it first")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), "
-                   "or a recipes/train.py run directory (its latest good checkpoint)")
+                   "a recipes/train.py run directory (its latest good checkpoint), or a Hugging Face hub id (org/name)")
     p.add_argument("--data", default="stdlib", help="as recipes/train.py's --data (default: the embedded corpus)")
     p.add_argument("--text-field", default="text", help="the field of a record that holds its text")
-    p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto")
+    p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto",
+                   help="as recipes/train.py's --data-format")  # fmt: skip
     p.add_argument("--data-cache", default=None, help="where tokenized data is cached (default ~/.cache/zoo/data)")
     p.add_argument("--split", choices=["valid", "train", "all"], default="valid",
                    help="the held-out documents (default), the training ones, or all")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per packed row (default: a run directory's own --seq-len, else 512)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
-    p.add_argument("--max-rows", type=int, default=None, help="evaluate only the first N rows (bytes then estimated)")
-    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--max-rows", type=at_least_one, default=None,
+                   help="evaluate only the first N rows (>= 1; bytes then estimated)")  # fmt: skip
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
+    p.add_argument("--json", type=json_target, default=None,
+                   help="also write the figures to this JSON file (its folder must exist)")  # fmt: skip
     return p
 
 
@@ -75,6 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import jax.numpy as jnp
 
+    from zoo.errors import CheckpointError
+    from zoo.hf import hub
+
+    try:  # a hub id ("org/name") that is no local folder: its snapshot in the hub cache, tokenizer included
+        args.checkpoint = str(hub.resolve(args.checkpoint))
+    except CheckpointError as e:
+        p.error(str(e))
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.compute_dtype]
     model, settings = load_model(args.checkpoint, dtype, p)
     if args.seq_len is None:

@@ -78,6 +78,18 @@ class HFTokenizer:
         return self.tok.decode(tokens)
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the module's text as written and each flag's default (those that have one,
+    where its help does not already say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_eos(text: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(x) for x in text.split(",") if x.strip())
@@ -99,9 +111,10 @@ def positive_int(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("checkpoint", nargs="?", default=str(DEFAULT),
-                   help="checkpoint directory (config.json + safetensors), or a recipes/train.py run directory")  # fmt: skip
+                   help="checkpoint directory (config.json + safetensors), a recipes/train.py run directory, or a "
+                        "Hugging Face hub id (org/name)")  # fmt: skip
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The quick brown fox')")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -183,7 +196,13 @@ def _lines():
 def main(argv: list[str] | None = None) -> dict:
     p = parser()
     args = p.parse_args(argv)
-    path = Path(args.checkpoint)
+    from zoo.errors import CheckpointError
+    from zoo.hf import hub
+
+    try:  # a hub id ("org/name") that is no local folder: its snapshot in the hub cache
+        path = hub.resolve(args.checkpoint)
+    except CheckpointError as e:
+        p.error(str(e))
     if not (path / "config.json").is_file():
         p.error(f"{path} is not a checkpoint directory or a training run directory (no config.json)")
     try:

@@ -20,16 +20,33 @@ import zoo
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama3_1-tiny"
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the module's text as written and each flag's default (those that have one,
+    where its help does not already say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", nargs="?", default=str(DEFAULT), help="checkpoint directory (config.json + safetensors)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+    parser.add_argument("checkpoint", nargs="?", default=str(DEFAULT), help="checkpoint directory (config.json + safetensors), or a Hugging Face hub id")
     parser.add_argument("--prompt", default="The quick brown fox", help="text, tokenized with the checkpoint's tokenizer")
     parser.add_argument("--top", type=int, default=5, help="how many candidates to show per position")
     args = parser.parse_args(argv)
 
     from zoo import data as zdata
-    from zoo.errors import ConfigError
+    from zoo.errors import CheckpointError, ConfigError
+    from zoo.hf import hub
 
+    try:  # a hub id ("org/name") that is no local folder: its snapshot in the hub cache, tokenizer included
+        args.checkpoint = str(hub.resolve(args.checkpoint))
+    except CheckpointError as e:
+        parser.error(str(e))
     model = zoo.from_pretrained(args.checkpoint)
     vocab = model.config.vocab_size
     try:

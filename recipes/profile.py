@@ -13,12 +13,23 @@ What the figures mean: docs/placement.md, "Reading the profile".
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the module's text as written and each flag's default (those that have one,
+    where its help does not already say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("run_dir", help="a run dir holding profile/ (written by recipes/train.py --profile)")
     p.add_argument("--top", type=int, default=15, help="how many ops to list (default 15)")
     return p
@@ -29,14 +40,18 @@ def main(argv: list[str] | None = None) -> None:
     from zoo.train import trace_report
 
     run_dir = Path(args.run_dir)
-    traces = trace_report.find_traces(run_dir)
-    if not traces:
-        parser().error(f"{run_dir / 'profile'} holds no trace (*.xplane.pb): record one with recipes/train.py "
-                       f"--run-dir {run_dir} --profile START:STOP")  # fmt: skip
-    folder = run_dir / "profile"
-    info = json.loads((folder / "step.json").read_text()) if (folder / "step.json").is_file() else {}
-    hlo = folder / "step.hlo.txt"
-    sources = trace_report.hlo_sources(hlo.read_text()) if hlo.is_file() else {}
+    try:  # a run dir that is a file, a damaged step.json or trace: one line naming it
+        traces = trace_report.find_traces(run_dir)
+        if not traces:
+            parser().error(f"{run_dir / 'profile'} holds no trace (*.xplane.pb): record one with recipes/train.py "
+                           f"--run-dir {run_dir} --profile START:STOP")  # fmt: skip
+        folder = run_dir / "profile"
+        info = trace_report.read_step_info(folder)
+        hlo = folder / "step.hlo.txt"
+        sources = trace_report.hlo_sources(hlo.read_text()) if hlo.is_file() else {}
+        reports = [(path, trace_report.analyse(trace_report.read_events(path), sources)) for path in traces]
+    except (trace_report.ProfileError, OSError, UnicodeDecodeError) as e:
+        parser().error(str(e))
     print(f"profile: {traces[0].parent}")
     if info:
         memory = info.get("memory", {})
@@ -52,10 +67,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"between steps: {folder / 'memory.prof'} (pprof)")  # fmt: skip
     if not sources:
         print(f"(no {hlo.name}: ops are shown without their source)")
-    for path in traces:
+    for path, report in reports:
         if len(traces) > 1:
             print(f"\nhost {path.name.removesuffix('.xplane.pb')}:")
-        report = trace_report.analyse(trace_report.read_events(path), sources)
         if not report.steps:
             print(f"{path}: no {trace_report.STEP_EVENT!r} steps in the trace (not written by zoo's --profile?)")
             continue

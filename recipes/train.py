@@ -35,6 +35,18 @@ from zoo.train.setup import FINE_TUNING, PRETRAINING
 MODELS = tuple(registry.model_types())
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the module's text as written and each flag's default (those that have one,
+    where its help does not already say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def positive(text: str) -> float:
     """A flag's value that must be a finite number > 0 (a learning rate, a clip norm)."""
     try:
@@ -47,11 +59,12 @@ def positive(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default="llama", help="model type (default llama)")
     m.add_argument("--preset", default="small", help="config preset, e.g. small, tiny, bench, llama3.1-8b (default small)")
-    m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory to fine-tune (overrides --model/--preset)")
+    m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory, or hub id (org/name; fetched into the hub cache), to "
+                        "fine-tune (overrides --model/--preset)")  # fmt: skip
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
     m.add_argument("--attention", choices=["auto", "xla", "blockwise", "cudnn", "splash", "pallas_gpu"], default="auto",
@@ -67,8 +80,8 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: a record with 'messages' is a chat (loss on the assistant's turns), with 'prompt' and "
                         "'completion' a pair (loss on the completion), else text")  # fmt: skip
     d.add_argument("--data-cache", default=None, help="where tokenized data is cached (default $ZOO_CACHE_DIR/data or ~/.cache/zoo/data)")
-    d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--seq-len", type=int, default=128)
+    d.add_argument("--batch-size", type=int, default=16, help="rows of --seq-len tokens per micro-batch")
+    d.add_argument("--seq-len", type=int, default=128, help="tokens per packed row")
     d.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     d.add_argument("--microbatches", type=int, default=None,
                    help="with a pipeline mesh axis: micro-batches each device's rows are cut into and passed through "
@@ -77,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
                    help="with a pipeline mesh axis: the interleaved schedule, each stage's layers in V chunks "
                         "(bubble (P-1)/(V*M+P-1); --microbatches a multiple of the stages; default 1: GPipe)")  # fmt: skip
     o = p.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=250)
+    o.add_argument("--steps", type=int, default=250, help="optimizer steps")
     o.add_argument("--lr", type=positive, default=None,
                    help=f"peak learning rate (> 0; default {PRETRAINING['lr']:g} from scratch, "
                         f"{FINE_TUNING['lr']:g} with --checkpoint)")  # fmt: skip
@@ -95,8 +108,10 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--placement", default=None,
                    help="activation placement: a preset name, 'name=where,...' (see docs/placement.md), or 'auto': "
                         "zoo.plan's fastest map within the device budget, with parameter and optimizer memory")  # fmt: skip
-    x.add_argument("--param-memory", choices=["device", "pinned_host"], default="device")
-    x.add_argument("--opt-memory", choices=["device", "pinned_host"], default="device")
+    x.add_argument("--param-memory", choices=["device", "pinned_host"], default="device",
+                   help="where the parameters live between steps")  # fmt: skip
+    x.add_argument("--opt-memory", choices=["device", "pinned_host"], default="device",
+                   help="where the optimizer state lives between steps")  # fmt: skip
     x.add_argument("--hardware", default=None,
                    help="--placement auto: the hardware of zoo.plan's table (default: from the device kind; 'cpu' on CPU)")
     x.add_argument("--device-budget-gib", type=float, default=None,
@@ -128,9 +143,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--allow-change", default="", metavar="NAMES",
                    help="--resume: settings the resumed run may change, comma-separated (e.g. lr,steps); any other "
                         "difference from the run's run.json is refused, listed (docs/training.md, Resuming)")  # fmt: skip
-    r.add_argument("--log-every", type=int, default=25)
-    r.add_argument("--eval-every", type=int, default=50)
-    r.add_argument("--checkpoint-every", type=int, default=200)
+    r.add_argument("--log-every", type=int, default=25, help="steps between metric lines")
+    r.add_argument("--eval-every", type=int, default=50, help="steps between validation losses")
+    r.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     r.add_argument("--keep-checkpoints", type=int, default=3, help="how many recent checkpoints to keep (>= 1)")
     r.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured matmul peak)")
     r.add_argument("--profile", default=None, metavar="START:STOP",
@@ -197,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         print(setup.built_on_mesh(model, before), flush=True)
     try:  # the checkpoint's sampling settings go with the saved weights; a bad file stops the run before training
         generation = read_generation_config(args.checkpoint) if args.checkpoint and args.save_hf else {}
-        setup.check_model(model, seq_len=args.seq_len, placement=args.placement)
+        setup.check_model(model, seq_len=args.seq_len, placement=args.placement, mesh=mesh,
+                          virtual_stages=args.virtual_stages)  # fmt: skip
     except (CheckpointError, ConfigError) as e:
         parser().error(str(e))
     if args.placement == "auto":
@@ -217,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = setup.train_config(args, model)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else ztrain.matmul_peak_flops(dtype[args.compute_dtype])
     print(setup.describe(model, args.checkpoint or args.preset, data, peak), flush=True)
+    if cycled := setup.epochs(data, cfg):  # a small set is repeated: said, with how often
+        print(cycled, flush=True)
     setup.copy_tokenizer(args.checkpoint, args.run_dir)  # eval.py and generate.py on the run dir tokenize as training did
     try:
         model, history = ztrain.train(
@@ -233,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{parser().prog}: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
-    except (CheckpointError, ConfigError, ztrain.NonFiniteLoss) as e:  # each message names its culprit
+    except (CheckpointError, ConfigError, MeshError, ztrain.NonFiniteLoss) as e:  # each message names its culprit
         sys.exit(f"{parser().prog}: error: {e}")
     except ztrain.Preempted as e:  # saved at the step reached; 128 + the signal (143: SIGTERM), as a shell reports it
         print(f"{parser().prog}: {e}", file=sys.stderr, flush=True)

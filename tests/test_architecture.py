@@ -49,9 +49,10 @@ OLD_PATHS = ("zoo.causal_lm", "zoo.params", "zoo.registry", "zoo.pipeline", "zoo
 # Imports deferred into a function body: only optional or heavy third-party packages, each
 # loaded where it is used: a Parquet reader and saved datasets (the `data` extra), W&B (the
 # `wandb` extra), orbax's checkpointer and TensorBoard's writer (a training run only), a
-# checkpoint's tokenizer.json and chat template, the loss plot, and the Pallas kernels of TPU and GPU.
+# checkpoint's tokenizer.json and chat template, the loss plot, the Pallas kernels of TPU and GPU, and
+# huggingface_hub (the `hf` extra), which resolves a hub id given as a checkpoint (zoo.hf.hub).
 DEFERRABLE = ("orbax", "tensorboardX", "pyarrow", "wandb", "datasets", "tokenizers", "jinja2", "matplotlib",
-              "jax.experimental.pallas")  # fmt: skip
+              "jax.experimental.pallas", "huggingface_hub")  # fmt: skip
 SOURCES = sorted([*ZOO.rglob("*.py"), *(ROOT / "recipes").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")])
 
 

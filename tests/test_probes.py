@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -634,3 +635,157 @@ def test_progress_lines_say_the_elapsed_time_and_eta(capsys):
     assert [line.split("loss 1.0000  ")[1] for line in lines] == [
         "elapsed 0s", "elapsed 30s  eta 49m30s", "elapsed 31s  eta 1m38s", "elapsed 1h01m  eta 0s"]  # fmt: skip
     assert log.history == [{"step": s, "loss": 1.0} for s in (0, 1, 2, 100)]
+
+
+def test_pipeline_settings_the_run_cannot_use_are_refused_before_its_run_dir(corpus, tmp_path):
+    """Issue 42, point 9: --microbatches 3 on 2 rows a device and --virtual-stages not dividing a
+    stage's layers failed as 14-18-frame tracebacks from inside the step after the run dir was
+    written; either without a pipeline axis was saved into run.json and blocked --resume."""
+    import dataclasses
+
+    from zoo import parallel
+    from zoo.train import setup
+
+    recipe = _recipe("train")
+
+    def flags(*extra):
+        return recipe.parse_args(["--preset", "tiny", "--batch-size", "8", "--run-dir", str(tmp_path / "run"), *extra])
+
+    with pytest.raises(zoo.ConfigError, match=r"^--mesh pipeline=2,data=4: microbatches \(--microbatches\) 3 must "
+                                              r"divide each device's 2 rows .*possible: \[1, 2\]$"):  # fmt: skip
+        setup.make_mesh("pipeline=2,data=4", flags("--microbatches", "3"))
+    for spec, flag in (("", "--microbatches"), ("data=8", "--virtual-stages")):
+        with pytest.raises(zoo.ConfigError, match=f"^{flag} needs a pipeline axis in --mesh"):
+            setup.make_mesh(spec, flags(flag, "2"))
+    mesh = parallel.make_mesh("pipeline=2,data=4")
+    model = zoo.Llama(preset("tiny"), key=jr.key(0))  # 2 layers: 1 a stage
+    with pytest.raises(zoo.ConfigError, match=r"^--virtual-stages 2: virtual_stages=2 does not divide the 1 layers "
+                                              r"per stage of LlamaConfig.num_layers = 2 on pipeline=2"):  # fmt: skip
+        setup.check_model(model, seq_len=32, placement=None, mesh=mesh, virtual_stages=2)
+    # 6 layers, 3 a stage: 3 chunks divide them (the vocabulary, 128 rows a stage, is no layer stack).
+    parallel.validate_mesh(mesh, dataclasses.replace(preset("tiny"), num_layers=6), virtual_stages=3)
+    # zoo.train itself refuses them before it writes the run dir (on one device they are ignored:
+    # the reference run of a pipelined one takes the same TrainConfig).
+    cfg = {"steps": 2, "batch_size": 8, "seq_len": 16, "warmup": 1}
+    bad_ones = (({"microbatches": 3}, zoo.ConfigError), ({"microbatches": 2, "virtual_stages": 2}, zoo.MeshError))
+    for bad, error in bad_ones:
+        with pytest.raises(error):
+            ztrain.train(model, corpus, ztrain.TrainConfig(**cfg, **bad), run_dir=tmp_path / "lib", mesh=mesh)
+    assert not (tmp_path / "lib").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("fixture, name", [("llama3_1-tiny", "config.json"),
+                                           ("llama3_1-tiny-sharded", "model.safetensors.index.json")])  # fmt: skip
+def test_a_damaged_checkpoint_file_is_named(tmp_path, fixture, name):
+    """Issue 42, point 9: recipes/train.py --checkpoint on a checkpoint whose config.json or
+    safetensors index was overwritten with bytes that are not UTF-8 printed a 10-frame
+    UnicodeDecodeError traceback; a config.json that is a directory, IsADirectoryError."""
+    ckpt = shutil.copytree(FIXTURES / fixture, tmp_path / "ckpt")
+    (ckpt / name).write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises((zoo.CheckpointError, zoo.ConfigError), match=f"^{re.escape(str(ckpt / name))}: not .*utf-8"):
+        zoo.from_pretrained(ckpt)
+    if name == "config.json":
+        (ckpt / name).unlink()
+        (ckpt / name).mkdir()
+        with pytest.raises(zoo.ConfigError, match=f"^{re.escape(str(ckpt / name))}: .*Is a directory"):
+            zoo.from_pretrained(ckpt)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--max-rows", "0"], "argument --max-rows: must be >= 1, got 0"),
+    (["--max-rows", "-2"], "argument --max-rows: must be >= 1, got -2"),
+    (["--json", "{tmp}/missing/folder/x.json"], ("argument --json: {tmp}/missing/folder/x.json: the folder "
+                                                 "{tmp}/missing/folder does not exist; create it first")),
+    (["--json", "{tmp}"], "argument --json: {tmp} is a directory; name a file in it"),
+])  # fmt: skip
+def test_eval_refuses_its_flags_before_evaluating(tmp_path, capsys, flags, said):
+    """Issue 42, point 9: eval.py --max-rows 0 / -2 blamed the data ("the valid split has no
+    target tokens"); --json into a missing folder failed after the whole evaluation."""
+    with pytest.raises(SystemExit) as e:
+        _recipe("eval").main([str(LLAMA), *(f.format(tmp=tmp_path) for f in flags)])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and f"error: {said.format(tmp=tmp_path)}" in err.err, err.err
+    assert "evaluating" not in err.out
+
+
+@pytest.mark.parametrize("name, said", [
+    ("train", "rows of --seq-len tokens per micro-batch (default: 16)"), ("eval", "rows per forward pass (default: 8)"),
+    ("generate", "(default: "), ("plan", "(default: llama)"), ("predict", "(default: 5)"), ("profile", "(default 15)"),
+])  # fmt: skip
+def test_every_recipe_s_help_shows_its_defaults(capsys, name, said):
+    """Issue 42, point 14: recipes/train.py --help showed no defaults (--batch-size, --steps ...)."""
+    with pytest.raises(SystemExit) as e:
+        _recipe(name).main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    assert e.value.code == 0 and said in text, text[-3000:]
+    assert "(default: None)" not in text
+
+
+def test_the_package_says_its_version():
+    """Issue 42, point 14: there was no zoo.__version__; it is pyproject.toml's."""
+    import tomllib
+
+    assert zoo.__version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("transformers") for d in extras["hf"])  # the README's "loadable by transformers"
+
+
+def test_a_run_that_cycles_its_data_says_how_often(tmp_path):
+    """Issue 42, point 14: a 20-chat set was seen ~447 times without a word; the recipe now
+    prints how many epochs a run covers when it is more than one (packed rows, or tokens)."""
+    from zoo import data as zdata
+    from zoo.train import setup
+
+    (tmp_path / "small.jsonl").write_text("".join(json.dumps({"text": f"document number {i}, " * 3}) + "\n"
+                                                  for i in range(40)))  # fmt: skip
+    packed = zdata.load_data(str(tmp_path / "small.jsonl"), 256, tokenizer=zdata.load_tokenizer(None),
+                             cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    rows = packed.plan(32, "train").num_rows
+    cfg = ztrain.TrainConfig(steps=rows, batch_size=2, seq_len=32, grad_accum=2, warmup=1)
+    said = setup.epochs(packed, cfg)
+    assert said.startswith(f"data: the run takes {4 * rows} rows of 32 tokens ({rows} steps x 4 rows) from a train "
+                           f"split of {rows} rows of 32 tokens: about 4.0 epochs"), said  # fmt: skip
+    assert setup.epochs(packed, ztrain.TrainConfig(steps=rows // 4, batch_size=4, seq_len=32, warmup=1)) is None
+    stream = zdata.stdlib_corpus(max_bytes=2**16)
+    many = ztrain.TrainConfig(steps=1000, batch_size=16, seq_len=128, warmup=1)
+    assert " tokens (1000 steps x 16 rows) from a train split of " in setup.epochs(stream, many)
+
+
+def _hub_cache(tmp_path, repo: str = "org/name") -> Path:
+    """A hub cache (huggingface_hub's layout) holding the tiny Llama fixture as ``repo``'s main."""
+    folder = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(LLAMA, folder / "snapshots" / commit, ignore=shutil.ignore_patterns("*.npz"))
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    return folder / "snapshots" / commit
+
+
+def test_a_hub_id_loads_from_the_hub_cache(tmp_path, monkeypatch):
+    """Issue 42, point 14: zoo.from_pretrained("org/name") and train.py --checkpoint org/name
+    refused anything but a local folder; a hub id resolves as in transformers (here offline,
+    from a filled cache), and without huggingface_hub the error says to install it."""
+    pytest.importorskip("huggingface_hub")
+    snapshot = _hub_cache(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no local folder org/name
+    model = zoo.from_pretrained("org/name")
+    want = zoo.from_pretrained(LLAMA)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    flags = _recipe("train").parse_args(["--checkpoint", "org/name"])
+    assert flags.checkpoint == str(snapshot) and flags.run_dir == str(Path("runs") / "name")
+    with pytest.raises(zoo.CheckpointError, match=r"^org/other: no such local folder, and as a Hugging Face hub id it "
+                                                  r"does not resolve \(not in the hub cache and HF_HUB_OFFLINE is set\)$"):  # fmt: skip
+        zoo.from_pretrained("org/other")
+    with pytest.raises(zoo.CheckpointError, match=r"^nothing-here: no such checkpoint directory"):
+        zoo.from_pretrained("nothing-here")  # no hub id: a local path
+    # eval.py reads the snapshot's tokenizer and weights: the hub id works there too.
+    result = _recipe("eval").main(["org/name", "--seq-len", "16", "--max-rows", "1", "--batch-size", "1",
+                                   "--data-cache", str(tmp_path / "cache")])  # fmt: skip
+    assert result["checkpoint"] == str(snapshot) and result["tokens"] > 0
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # not installed
+    with pytest.raises(zoo.CheckpointError, match=r"^org/name: no such local folder; to load it as a Hugging Face hub "
+                                                  r"id install huggingface_hub"):  # fmt: skip
+        zoo.from_pretrained("org/name")

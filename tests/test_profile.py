@@ -199,3 +199,42 @@ def test_an_offload_that_cannot_happen_stops_the_run_naming_the_tensor(tmp_path,
         ztrain.train(model, data, _cfg(), run_dir=tmp_path, placement="remat+mlp_norm=pinned_host")
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0]  # stopped before step 1
+
+
+def test_a_damaged_profile_is_one_line_naming_the_file(tmp_path, capsys):
+    """Issue 42, point 9: a corrupt trace or step.json, or a plain file given as the run dir,
+    raised from inside the readers naming no file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_recipe", ROOT / "recipes" / "profile.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    session = tmp_path / "run" / "profile" / "plugins" / "profile" / "2026_01_01_00_00_00"
+    session.mkdir(parents=True)
+    trace = session / "host.xplane.pb"
+    trace.write_bytes(b"\xff\x00 not a trace \x13\x37" * 5)
+    (tmp_path / "file").write_text("x")
+    step = tmp_path / "run" / "profile" / "step.json"
+    for damage, culprit in ((lambda: step.write_text("{ not json"), step), (lambda: step.unlink(), trace),
+                            (lambda: None, tmp_path / "file")):  # fmt: skip
+        damage()
+        with pytest.raises(SystemExit) as e:
+            recipe.main([str(tmp_path / ("file" if culprit.name == "file" else "run"))])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err and f"error: {culprit}" in err, err
+        assert len(err.strip().splitlines()[-1]) > 0 and err.count("error:") == 1
+    with pytest.raises(trace_report.ProfileError, match=f"^{trace}: not a readable trace"):
+        trace_report.read_events(trace)
+
+
+def test_the_totals_say_they_sum_the_threads():
+    """Issue 42, point 9: on 8 simulated CPU devices the totals (summed over the host threads)
+    were 8x the steps' compute, unexplained. Two threads busy over the same 100 us: 100 us of
+    compute a step, 200 us in the totals, and the report says why."""
+    events = [Event("/host:CPU", "python", trace_report.STEP_EVENT, 0.0, 1e6, {"step_num": 1})]
+    events += [Event("/host:CPU", f"thread {i}", "fusion", 0.0, 1e5, {"hlo_op": "fusion.1"}) for i in range(2)]
+    report = trace_report.analyse(events, {})
+    assert report.device == "cpu" and report.threads == 2 and report.steps[0].compute == pytest.approx(1e-4)
+    assert sum(report.regions.values()) == pytest.approx(2e-4)
+    text = trace_report.format_report(report)
+    assert "the totals below add up the ops' time on all 2 host threads" in text and "0.20 ms" in text, text

@@ -245,9 +245,11 @@ def validate_mesh(mesh: AnyMesh, config: Any, *, virtual_stages: int = 1) -> Non
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
         raise MeshError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
     stages = axis_size(mesh, PIPELINE)
+    # The layer letters (L, Ld, Lm) of the scanned stacks: the vocabulary split over the stages is no layer stack.
+    layers = {p.names[0] for p in family_of(config).param_specs(config).values() if is_layer_stack(p)}
     for letter, axis in split:
         per_stage = -(-sizes[letter] // stages)  # padded to whole stages
-        if virtual_stages > 1 and axis_names(axis) == (PIPELINE,) and per_stage % virtual_stages:
+        if virtual_stages > 1 and letter in layers and axis_names(axis) == (PIPELINE,) and per_stage % virtual_stages:
             divisors = [v for v in range(1, per_stage + 1) if per_stage % v == 0]
             raise MeshError(
                 f"virtual_stages={virtual_stages} does not divide the {per_stage} layers per stage of "

@@ -27,6 +27,7 @@ from zoo.core.params import Param
 from zoo.core.registry import by_model_type
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.atomic import recover
+from zoo.hf.hub import resolve
 from zoo.hf.safetensors import FLOATS, CheckpointFiles
 
 log = logging.getLogger("zoo")
@@ -36,8 +37,9 @@ DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.
 
 
 def read_config(path: str | Path, **options) -> tuple[type, Any, dict[str, Any]]:
-    """The model class, typed config and raw ``config.json`` of a checkpoint directory."""
-    path = Path(path)
+    """The model class, typed config and raw ``config.json`` of a checkpoint directory (or of a
+    Hugging Face hub id's snapshot, :func:`zoo.hf.hub.resolve`)."""
+    path = resolve(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not path.is_dir():
@@ -340,7 +342,9 @@ def load_arrays(
 
 def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attention: str | None = None, mesh=None,
                     memory_kind: str | None = None, **options):  # fmt: skip
-    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors) as a zoo model.
+    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors) as a zoo model;
+    ``path`` may be a hub id (``"org/name"``, no local folder), fetched into the hub cache by
+    ``huggingface_hub`` (the ``hf`` extra; ``HF_HUB_OFFLINE=1``: from the cache only).
 
     mesh: a :func:`zoo.parallel.make_mesh` mesh: every parameter is created directly with the
         sharding :func:`zoo.parallel.partition_specs` gives it, each process reading from the
@@ -358,6 +362,7 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attenti
     """
     path = Path(path)
     recover(path)
+    path = resolve(path)  # a hub id ("org/name") that is no local folder: its snapshot in the hub cache
     family, config, raw = read_config(path, **options)
     if attention is not None:
         config = dataclasses.replace(config, attention=attention)

@@ -44,19 +44,36 @@ def _batch_sharding(mesh: Any, micro: bool) -> jax.sharding.NamedSharding:
 
 def check_batch_layout(cfg: Any, mesh: Any) -> None:
     """Refuse (``ConfigError``, naming the setting and the flag) a batch that ``mesh`` cannot
-    split: rows over the batch axes, each sequence into equal chunks over ``context``."""
+    split: rows over the batch axes, each sequence into equal chunks over ``context``, each
+    device's rows into a pipeline's micro-batches (``cfg.microbatches``, with
+    ``cfg.virtual_stages`` a multiple of the stages)."""
     if mesh is None:
         return
+    stages = mesh.shape.get(parallel.PIPELINE, 1)
+    microbatches, virtual = getattr(cfg, "microbatches", None), getattr(cfg, "virtual_stages", 1)
     axes = [a for a in parallel.BATCH_AXES if mesh.shape[a] > 1]
     n = math.prod(mesh.shape[a] for a in axes)
+    split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes) or "(none)"
     if cfg.batch_size % n:
-        split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
         raise ConfigError(f"batch_size (--batch-size) {cfg.batch_size} is not divisible by the mesh's batch axes "
                           f"{split} = {n}: each of their devices takes an equal share of the rows")  # fmt: skip
     context = mesh.shape.get("context", 1)
     if context > 1 and cfg.seq_len % (2 * context):
         raise ConfigError(f"seq_len (--seq-len) {cfg.seq_len} is not divisible by {2 * context}: the mesh's "
                           f"context={context} cuts each sequence into {2 * context} equal chunks")  # fmt: skip
+    if stages > 1:
+        m = stages if microbatches is None else microbatches
+        given = microbatches is not None
+        what = f"microbatches (--microbatches) {m}" if given else f"the default microbatches (one per stage) {m}"
+        rows = cfg.batch_size // n
+        if rows % m:
+            works = [d for d in range(1, rows + 1) if rows % d == 0 and (virtual == 1 or d % stages == 0)]
+            raise ConfigError(f"{what} must divide each device's {rows} rows (batch_size (--batch-size) "
+                              f"{cfg.batch_size} over the mesh's batch axes {split} = {n}); "
+                              f"possible: {works or 'none: raise --batch-size'}")  # fmt: skip
+        if virtual > 1 and m % stages:
+            raise ConfigError(f"virtual_stages (--virtual-stages) {virtual}: the interleaved schedule needs "
+                              f"{what} a multiple of the {stages} pipeline stages")  # fmt: skip
 
 
 def local_rows(mesh: Any, batch_size: int) -> np.ndarray | None:

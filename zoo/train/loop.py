@@ -78,6 +78,8 @@ def train(
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
     check_batch_layout(cfg, mesh)
+    if mesh is not None:  # the pipeline's chunks of layers, before the run dir is written
+        parallel.validate_mesh(mesh, model.config, virtual_stages=cfg.virtual_stages)
     if hasattr(data, "check"):  # splits too short for a batch: refused before anything runs
         data.check(cfg.seq_len)
     if wandb is not None and run_dir is None:

@@ -1,6 +1,7 @@
 """A training run set up from ``recipes/train.py``'s settings before anything compiles: simulated
 CPU devices, the model built from a preset or loaded from a checkpoint (in place on the mesh),
-the checks on it, its data, where the trained model may go, and the lines the recipe prints.
+the checks on it and the lines the recipe prints; its data (:mod:`zoo.train.run_data`) and
+where the trained model may go (:mod:`zoo.train.export`) are re-exported from here.
 
 The planner sits above training, so ``--placement auto`` and the pinned host pool sized from
 the step's estimate are :mod:`zoo.plan.auto`'s. Errors are ``ConfigError`` (``MeshError`` for a
@@ -10,30 +11,27 @@ dimension the mesh does not divide) worded with the recipe's flags: it reports t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.random as jr
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from zoo import data as zdata
 from zoo import parallel
 from zoo.core import registry
 from zoo.errors import CheckpointError, ConfigError, MeshError
+from zoo.hf import hub
 from zoo.hf.load import from_pretrained, read_config
-from zoo.hf.save import check_save_path, save_pretrained
 from zoo.placement import PlacementError, resolve
 from zoo.runtime import parse_xla_option, resident_memory
 from zoo.train.batch import check_batch_layout
 from zoo.train.config import TrainConfig
+from zoo.train.export import check_save_hf, copy_tokenizer, save_hf, validation_summary  # noqa: F401  (recipes/train.py's)
 from zoo.train.profile import check_window
-from zoo.train.run_dir import default_run_dir, exported_to, record_export
+from zoo.train.run_data import count, epochs, load_training_data, sources  # noqa: F401  (recipes/train.py's)
+from zoo.train.run_dir import default_run_dir
 
 # Optimiser defaults. From scratch: a small model's pretraining rate. With a checkpoint, a
 # pretrained model's fine-tuning: TRL's SFTConfig defaults (learning rate 2e-5, no weight decay;
@@ -67,6 +65,11 @@ def complete(flags: Any) -> None:
             setattr(flags, name, value)
     if flags.run_dir is None:  # one per model: a run of another model never lands in this one's directory
         flags.run_dir = default_run_dir(flags.checkpoint, flags.model, flags.preset)
+    if flags.checkpoint:  # a hub id ("org/name") that is no local folder: its snapshot, fetched into the hub cache
+        try:
+            flags.checkpoint = str(hub.resolve(flags.checkpoint))
+        except CheckpointError as e:
+            raise ConfigError(f"--checkpoint {e}") from None
     try:
         flags.xla_options = dict(parse_xla_option(o) for o in flags.xla_option)
     except ValueError as e:
@@ -143,6 +146,7 @@ def make_mesh(spec: str, batch: Any) -> Mesh | None:
     no spec); with many processes, where this one's devices sit on it, said in a line. A batch
     the mesh cannot split (``batch.batch_size``, ``batch.seq_len``) is refused before anything is built."""
     if not spec and jax.process_count() == 1:
+        check_pipeline_flags(batch, spec, None)
         return None
     try:
         mesh = parallel.make_mesh(spec)
@@ -151,11 +155,24 @@ def make_mesh(spec: str, batch: Any) -> Mesh | None:
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: its devices at mesh {mesh_share(mesh)}",
               flush=True)  # fmt: skip
+    check_pipeline_flags(batch, spec, mesh)
     try:  # rows and sequences the mesh cannot split
         check_batch_layout(batch, mesh)
     except ConfigError as e:
         raise ConfigError(f"--mesh {spec}: {e}") from None
     return mesh
+
+
+def check_pipeline_flags(flags: Any, spec: str, mesh: Mesh | None) -> None:
+    """``--microbatches`` and ``--virtual-stages`` only with a pipeline axis in ``--mesh`` (``spec``):
+    without one they would mean nothing, yet be kept in the run's settings (``run.json``), where
+    a resume without them is refused as a change."""
+    if mesh is not None and mesh.shape.get(parallel.PIPELINE, 1) > 1:
+        return
+    for flag, value, unset in (("microbatches", flags.microbatches, None), ("virtual-stages", flags.virtual_stages, 1)):
+        if value != unset:
+            raise ConfigError(f"--{flag} needs a pipeline axis in --mesh (e.g. --mesh pipeline=2,...); "
+                              f"{f'--mesh {spec}' if spec else 'no --mesh'} has none")  # fmt: skip
 
 
 def built_on_mesh(model: Any, resident_before: int | None) -> str:
@@ -170,12 +187,19 @@ def built_on_mesh(model: Any, resident_before: int | None) -> str:
             f"devices hold {mine / 2**20:.0f} MiB of shards (a replicated array once per device){grew}")  # fmt: skip
 
 
-def check_model(model: Any, *, seq_len: int, placement: str | None) -> None:
-    """``--seq-len`` within the model's positions and a ``--placement`` (name or map, not
-    ``auto``) that fits the model, named before anything compiles."""
+def check_model(model: Any, *, seq_len: int, placement: str | None, mesh: Any = None, virtual_stages: int = 1) -> None:
+    """``--seq-len`` within the model's positions, ``--virtual-stages`` chunks that divide each
+    pipeline stage's layers (and a layer pattern the family can pipeline so), and a
+    ``--placement`` (name or map, not ``auto``) that fits the model, named before anything
+    compiles or a run dir is written."""
     if seq_len > model.config.max_position_embeddings:
         raise ConfigError(f"--seq-len {seq_len} is beyond the model's max_position_embeddings "
                           f"{model.config.max_position_embeddings}")  # fmt: skip
+    if mesh is not None:
+        try:
+            parallel.validate_mesh(mesh, model.config, virtual_stages=virtual_stages)
+        except MeshError as e:
+            raise ConfigError(f"--virtual-stages {virtual_stages}: {e}" if virtual_stages > 1 else str(e)) from None
     if placement not in (None, "auto"):
         try:
             resolve(placement, model)
@@ -196,13 +220,6 @@ def mesh_share(mesh: Any) -> str:
     return ", ".join(parts)
 
 
-def count(n: int, unit: str) -> str:
-    """``n`` things in units that fit: ``3,259 tokens``, ``1.2M tokens``, ``3.4B tokens``."""
-    if n < 10**6:
-        return f"{n:,} {unit}"
-    return f"{n / 1e6:.1f}M {unit}" if n < 10**9 else f"{n / 1e9:.1f}B {unit}"
-
-
 def describe(model: Any, name: str, data: Any, peak_flops: float) -> str:
     """The run in a line: model, size, data, devices and the matmul peak MFU is quoted against."""
     return (f"{type(model).__name__} {name}: {model.config.num_params() / 1e6:.1f}M parameters; "
@@ -210,86 +227,3 @@ def describe(model: Any, name: str, data: Any, peak_flops: float) -> str:
             f"{jax.devices()[0].platform} device(s); matmul peak {peak_flops / 1e12:.2f} TFLOP/s")  # fmt: skip
 
 
-def check_save_hf(target: str, *, checkpoint: str | None, run_dir: str, resume: bool = False,
-                  overwrite_hf: bool = False) -> None:  # fmt: skip
-    """``--save-hf``: a directory the trained model can go to, known before the first step: not a
-    file, not under one, not the checkpoint being fine-tuned (its base weights would be
-    replaced), not the run dir, and empty unless ``overwrite_hf`` or the resumed run's export."""
-    where = Path(target).resolve()
-    try:
-        check_save_path(where)
-    except CheckpointError as e:
-        raise ConfigError(f"--save-hf {target}: {e}") from None
-    if checkpoint and where == Path(checkpoint).resolve():
-        raise ConfigError(f"--save-hf {target} is the --checkpoint being fine-tuned: saving there would replace its "
-                          "base weights; choose another directory")  # fmt: skip
-    if where == Path(run_dir).resolve():
-        raise ConfigError(f"--save-hf {target} is the --run-dir; choose another directory "
-                          f"(e.g. {Path(run_dir) / 'hf'})")  # fmt: skip
-    held = sorted(p.name for p in where.iterdir()) if where.is_dir() else []
-    if held and not overwrite_hf and not (resume and exported_to(run_dir) == where):
-        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-        raise ConfigError(f"--save-hf {target} is not empty ({shown}) and not this run's own export: saving would "
-                          "replace it; choose another directory, or --overwrite-hf to replace it")  # fmt: skip
-
-
-def sources(data: str, checkpoint: str | None, text_field: str, data_format: str) -> dict[str, str | None]:
-    """What the run is made from, as ``run.json`` keeps it (paths resolved, so that the same
-    file named another way is the same source)."""
-
-    def resolved(name: str | None) -> str | None:
-        if name is None:
-            return None
-        return ",".join(str(Path(n).resolve()) if Path(n).exists() else n for n in name.split(","))
-
-    return {"data": resolved(data), "checkpoint": resolved(checkpoint), "text_field": text_field,
-            "data_format": data_format}  # fmt: skip
-
-
-def load_training_data(spec: str, vocab_size: int, *, checkpoint: str | None, seq_len: int, text_field: str = "text",
-                       data_format: str = "auto", cache_dir: str | None = None) -> Any:  # fmt: skip
-    """The data of ``--data``, tokenized with the checkpoint's tokenizer.json (bytes without one);
-    says which tokenizer it uses. Data that cannot fill a row of ``seq_len`` is a ``ConfigError``."""
-    # Many processes split the tokenizing (each its share of the records) and all read the
-    # merged cache entry (zoo.data.Share); the cache directory is shared in a cluster.
-    share = None
-    if jax.process_count() > 1:
-        share = zdata.Share(jax.process_index(), jax.process_count(), multihost_utils.sync_global_devices)
-    tokenizer = zdata.load_tokenizer(checkpoint)
-    print(f"tokenizer: {tokenizer.describe()}", flush=True)
-    data = zdata.load_data(spec, vocab_size, tokenizer=tokenizer, text_field=text_field, data_format=data_format,
-                           cache_dir=cache_dir, share=share)  # fmt: skip
-    data.check(seq_len)
-    return data
-
-
-def copy_tokenizer(checkpoint: str | None, target: str) -> None:
-    """The checkpoint's tokenizer files next to what a run writes from it (process 0 only), so
-    recipes reading ``target`` tokenize as training did."""
-    if checkpoint and jax.process_index() == 0:
-        Path(target).mkdir(parents=True, exist_ok=True)
-        zdata.copy_tokenizer_files(checkpoint, target)
-
-
-def validation_summary(run_dir: str, history: Sequence[dict], resume: bool) -> str | None:
-    """The run's first and last validation loss, the whole run's (``metrics.jsonl``) when resumed."""
-    records = list(history)
-    metrics = Path(run_dir) / "metrics.jsonl"
-    if resume and metrics.is_file():  # the whole run's, not this session's
-        records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    vals = [r["val_loss"] for r in records if "val_loss" in r]
-    if not vals:
-        return None
-    return (f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} (metrics: {run_dir}/metrics.jsonl, "
-            f"curve: {run_dir}/loss.png)")  # fmt: skip
-
-
-def save_hf(model: Any, target: str, *, checkpoint: str | None, generation: dict | None, run_dir: str) -> None:
-    """The trained model as a Hugging Face checkpoint in ``target`` (noted first in ``run_dir/hf-export.json``),
-    with the fine-tuned checkpoint's sampling settings and tokenizer. Every process takes part (a
-    sharded model is gathered tensor by tensor); process 0 writes and says so."""
-    record_export(run_dir, target)
-    save_pretrained(model, target, generation_config=generation or None)
-    copy_tokenizer(checkpoint, target)
-    if jax.process_index() == 0:
-        print(f"saved {target}")

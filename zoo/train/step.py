@@ -87,7 +87,7 @@ def make_train_step(
 
         def grads_of(p, b):
             fields = {k: v for k, v in b.items() if k != "input_ids"}
-            with stacks_in_stage_order(stages, cfg.virtual_stages):  # the run keeps its stacks so (zoo.train.loop)
+            with stacks_in_stage_order(stages, cfg.virtual_stages):  # the run keeps its stacks so (see train())
                 return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
 
         def micro(acc, b):

@@ -1,4 +1,4 @@
-"""Reading a run's profile (``RUN_DIR/profile``, written by ``train(profile=...)``): per step, the
+"""A run's profile analysed (its files read by :mod:`zoo.train.trace_files`): per step, the
 wall time, the device's compute and collectives, host<->device copies each way (count, bytes,
 achieved GB/s), and how much copy time compute hid versus how much was exposed; then the ops, the
 program's regions (decoder layers forward and backward, the rest, the update) and the named
@@ -18,10 +18,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-from jax.profiler import ProfileData
 
 from zoo.train.op_names import (  # noqa: F401  (re-exported: the report's API before the split)
     NO_SOURCE,
@@ -34,40 +31,12 @@ from zoo.train.op_names import (  # noqa: F401  (re-exported: the report's API b
     short_source,
     tensor_names,
 )
+from zoo.train.trace_files import Event, ProfileError, find_traces, read_events, read_step_info  # noqa: F401
 
 STEP_EVENT = "train_step"  # the loop's jax.profiler.StepTraceAnnotation
 _COLLECTIVE = re.compile(r"nccl|all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|allreduce|allgather")
 _DERIVED = ("XLA Modules", "Steps", "Framework", "TensorFlow", "Source", "Launch Stats", "Host Offload")
 PHASES = ("forward", "recompute", "backward", "other")
-
-
-@dataclass(frozen=True)
-class Event:
-    """One timed event of the trace (nanoseconds)."""
-
-    plane: str
-    line: str
-    name: str
-    start: float
-    end: float
-    stats: dict[str, Any]
-
-    @property
-    def op(self) -> str:
-        return str(self.stats.get("hlo_op", self.name))
-
-
-def find_traces(run_dir: str | Path) -> list[Path]:
-    """The newest profiling session's ``*.xplane.pb`` files (one per host) under ``run_dir/profile``."""
-    sessions = sorted(p for p in (Path(run_dir) / "profile" / "plugins" / "profile").glob("*") if p.is_dir())
-    return sorted(sessions[-1].glob("*.xplane.pb")) if sessions else []
-
-
-def read_events(path: str | Path) -> list[Event]:
-    """Every event of an ``.xplane.pb`` trace, by jax.profiler's own reader."""
-    data = ProfileData.from_file(str(path))
-    return [Event(plane.name, line.name, e.name, e.start_ns, e.start_ns + e.duration_ns, dict(e.stats))
-            for plane in data.planes for line in plane.lines for e in line.events]  # fmt: skip
 
 
 def kind(e: Event) -> str:
@@ -122,7 +91,7 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _length(spans: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in spans)
+    return sum((b - a for a, b in spans), 0.0)
 
 
 def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
@@ -173,6 +142,7 @@ class Report:
     ops: list[tuple[str, str, float, int]]  # (op, source, seconds, count), longest first
     regions: dict[str, float]
     named: dict[str, dict[str, float]] = field(default_factory=dict)  # named region -> phase -> seconds
+    threads: int = 1  # the trace lines (host threads, GPU streams) the device's work was read from
 
 
 def analyse(events: list[Event], sources: dict[str, str] | None = None, names: frozenset[str] | None = None) -> Report:
@@ -212,7 +182,7 @@ def analyse(events: list[Event], sources: dict[str, str] | None = None, names: f
     last = {UNNAMED: 1, OUTSIDE: 2, NO_SOURCE: 3}  # after the named tensors, longest first
     order = sorted(named, key=lambda r: (last.get(r, 0), -sum(named[r].values())))
     return Report(device, steps, ranked, dict(sorted(regions.items(), key=lambda r: -r[1])),
-                  {r: named[r] for r in order})  # fmt: skip
+                  {r: named[r] for r in order}, len({(e.plane, e.line) for e in work}) or 1)  # fmt: skip
 
 
 def _self_times(events: list[Event]) -> list[tuple[Event, float]]:
@@ -258,6 +228,13 @@ def format_report(report: Report, *, top: int = 15) -> str:
         lines.append(f"{s.step:6d} {_ms(s.wall)}   {_ms(s.compute)}   {_ms(s.collectives)} | {_copies(s.h2d)} | "
                      f"{_copies(s.d2h)} | {_ms(s.hidden)}  {_ms(s.exposed)} {share}")  # fmt: skip
     total = sum(report.regions.values()) or 1.0
+    if report.threads > 1:  # the steps' compute counts busy time once; the totals add up every line's
+        where = "host threads (XLA:CPU runs each device's ops on its own)" if cpu else "trace lines (streams)"
+        compute = sum(s.compute for s in report.steps)
+        note = (f"the totals below add up the ops' time on all {report.threads} {where}: {_ms(total).strip()} ms, "
+                f"against the steps' {_ms(compute).strip()} ms of compute (the time any of them was busy, counted "
+                "once)")  # fmt: skip
+        lines += ["", note]
     lines += ["", "time by region (self time of the ops, all profiled steps):"]
     lines += [f"  {name:32s} {_ms(t)} ms  {100 * t / total:5.1f}%" for name, t in report.regions.items()]
     lines += ["", "time by named tensor (self time of the ops under its scope, the innermost; all profiled steps):",
