@@ -20,28 +20,7 @@ import math
 import time
 from pathlib import Path
 
-
-class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with the module's text as written and each flag's default (those that have one,
-    where its help does not already say)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
-        if unset or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
-def at_least_one(text: str) -> int:
-    """A flag's value that must be a whole number >= 1 (a row count)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from zoo.cli import Help, positive_int
 
 
 def json_target(text: str) -> str:
@@ -68,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per packed row (default: a run directory's own --seq-len, else 512)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
-    p.add_argument("--max-rows", type=at_least_one, default=None,
+    p.add_argument("--max-rows", type=positive_int, default=None,
                    help="evaluate only the first N rows (>= 1; bytes then estimated)")  # fmt: skip
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
     p.add_argument("--json", type=json_target, default=None,

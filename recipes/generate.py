@@ -32,6 +32,7 @@ import numpy as np
 
 import zoo
 from zoo import generate as gen
+from zoo.cli import Help, positive_int
 from zoo.core import registry
 from zoo.data import TextStream
 
@@ -78,18 +79,6 @@ class HFTokenizer:
         return self.tok.decode(tokens)
 
 
-class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with the module's text as written and each flag's default (those that have one,
-    where its help does not already say)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
-        if unset or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
 def parse_eos(text: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(x) for x in text.split(",") if x.strip())
@@ -98,16 +87,6 @@ def parse_eos(text: str) -> tuple[int, ...]:
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"--eos takes non-negative token ids separated by commas, got {text!r}")
     return ids
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:

@@ -16,20 +16,9 @@ import jax
 import jax.numpy as jnp
 
 import zoo
+from zoo.cli import Help
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama3_1-tiny"
-
-
-class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with the module's text as written and each flag's default (those that have one,
-    where its help does not already say)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
-        if unset or "default" in text:
-            return text
-        return super()._get_help_string(action)
 
 
 def main(argv: list[str] | None = None) -> None:

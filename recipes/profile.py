@@ -15,17 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with the module's text as written and each flag's default (those that have one,
-    where its help does not already say)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
-        if unset or "default" in text:
-            return text
-        return super()._get_help_string(action)
+from zoo.cli import Help
 
 
 def parser() -> argparse.ArgumentParser:

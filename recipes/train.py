@@ -15,7 +15,6 @@ tokenizes the data (once, into a cache); documents are packed into rows. Every f
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 
 from zoo import parallel, runtime
 from zoo import train as ztrain
+from zoo.cli import Help, positive
 from zoo.core import registry
 from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf.load import read_generation_config
@@ -33,29 +33,6 @@ from zoo.train import setup
 from zoo.train.setup import FINE_TUNING, PRETRAINING
 
 MODELS = tuple(registry.model_types())
-
-
-class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with the module's text as written and each flag's default (those that have one,
-    where its help does not already say)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
-        if unset or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
-def positive(text: str) -> float:
-    """A flag's value that must be a finite number > 0 (a learning rate, a clip norm)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:

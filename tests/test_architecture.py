@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what a model is", ("zoo.core",)),
     ("what model code calls inside the step", ("zoo.hooks",)),
     ("building blocks", ("zoo.layers", "zoo.loss", "zoo.placement", "zoo.hf", "zoo.data", "zoo.runtime",
-                         "zoo.hardware")),
+                         "zoo.hardware", "zoo.cli")),
     ("the families", registry.FAMILY_PACKAGES),
     ("around the step", ("zoo.parallel", "zoo.generate")),
     ("training", ("zoo.train",)),

@@ -370,8 +370,8 @@ def test_recipe_streams_with_the_checkpoints_tokenizer(tmp_path, monkeypatch, ca
     [
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
-        (["--top-k", "0"], "--top-k: expected a positive integer, got 0"),
-        (["--max-new-tokens", "many"], "--max-new-tokens: expected a positive integer, got 'many'"),
+        (["--top-k", "0"], "--top-k: must be >= 1, got 0"),
+        (["--max-new-tokens", "many"], "--max-new-tokens: expected a whole number >= 1, got 'many'"),
         (["--eos", "2,x"], "--eos takes token ids separated by commas, got '2,x'"),
         (["--eos", "2", "--ignore-eos"], "not allowed with argument --eos"),
         (["--mla", "fast"], "invalid choice: 'fast'"),
