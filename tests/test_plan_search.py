@@ -93,3 +93,18 @@ def test_search_on_cpu_picks_a_mesh_that_fits():
     plan fits the budget."""
     p = plan.plan(config("llama"), devices=8, seq_len=128, hardware="cpu", device_budget=0.2 * 2**30, top=2)
     assert p.devices == 8 and p.estimate.device_bytes <= p.device_budget
+    # The output says how many meshes were planned in full, and how to plan more (#42.4).
+    assert 2 <= p.meshes_planned < len(p.meshes)
+    assert f"planned {p.meshes_planned} of {len(p.meshes)} meshes in full (--top to plan more)" in str(p)
+
+
+def test_meshes_are_planned_from_both_rankings():
+    """#42.4: 671B on 256 H200s ranked fsdp=32,expert=8 57th at the quick model's rows (the
+    transient leaves room for one) and the search planned two meshes; the one-row ranking's best
+    is planned second whatever the other ranking says."""
+    rows = [search.MeshRow(f"fsdp={2**i}", 0.0, float(i)) for i in range(8)]
+    order = search.planning_order(rows, rows[::-1])
+    assert [r.mesh for r in order[:4]] == ["fsdp=1", "fsdp=128", "fsdp=2", "fsdp=64"]
+    assert len(order) == len(rows) and len({r.mesh for r in order}) == len(rows)
+    with pytest.raises(ConfigError, match="top .* must be a positive integer, got 0"):
+        plan.plan(config("llama"), devices=8, seq_len=128, top=0)

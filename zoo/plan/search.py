@@ -28,7 +28,7 @@ from typing import Any
 
 from zoo import parallel
 from zoo.core.mesh import PIPELINE
-from zoo.errors import MeshError
+from zoo.errors import ConfigError, MeshError
 from zoo.hardware import Hardware
 from zoo.hardware import hardware as lookup
 from zoo.plan import _flops
@@ -51,13 +51,20 @@ from zoo.plan.offloads import verify_offloads
 # zoo.plan.meshes's names, importable from here as before they moved below the planner (which prices with them).
 __all__ = [
     "MeshRow", "factorizations", "mesh_state", "mesh_table", "meshes", "pipeline_sizes", "pipelined_layers",
-    "quick_rows", "quick_time", "search", "worth_pipelining",
+    "planning_order", "quick_rows", "quick_time", "search", "worth_pipelining",
 ]  # fmt: skip
 
 
 def search(
-    model_or_config: Any, *, devices: int, seq_len: int, hardware: str | Hardware | None, top: int = 5,
-    compute_dtype: Any = None, pipeline: bool = True, **plan_kw: Any,
+    model_or_config: Any,
+    *,
+    devices: int,
+    seq_len: int,
+    hardware: str | Hardware | None,
+    top: int = 5,
+    compute_dtype: Any = None,
+    pipeline: bool = True,
+    **plan_kw: Any,
 ) -> Any:
     """The fastest plan over the meshes of ``devices`` (see the module; ``pipeline=False``: none
     with a pipeline axis); ``plan_kw``: the budgets, batch, margin and verification of
@@ -86,27 +93,32 @@ def search(
     found = [sizes for sizes, k in zip(found, keep) if k]
     states = [st for st, k in zip(states, keep) if k]
     rows: list[MeshRow] = []
+    one_row: dict[str, float] = {}  # mesh -> the quick model's seconds at one row per device
     for sizes, p_bytes in zip(found, states):
         state = 4 * p_bytes
         shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
         given = plan_kw.get("batch_size")
         b = max(given // shards, 1) if given else quick_rows(config, sizes, seq_len, budget_d + budget_h, dtype)
         quick = quick_time(config, sizes, seq_len, hw, dtype, rows=b) / b
+        one_row[mesh_spec(sizes)] = quick if given or b == 1 else quick_time(config, sizes, seq_len, hw, dtype)
         why = ""
         if p_bytes > budget_d or state > budget_d + budget_h:
             why = f"state {state / 2**30:.0f} GiB per device"
         rows.append(MeshRow(mesh_spec(sizes), float(state), float(quick), why=why))
+
     # Seconds per token: a step of one sequence per batch shard.
     def per_token(r: MeshRow) -> float:
-        s = parallel.parse_mesh(r.mesh)
-        return r.quick / (s["data"] * s["fsdp"] * s["expert"])
+        return r.quick / _shards(r.mesh)
 
+    if not (isinstance(top, int) and top >= 1):
+        raise ConfigError(f"plan: top (the meshes planned in full) must be a positive integer, got {top!r}")
     live = sorted((r for r in rows if not r.why), key=per_token)
+    order = planning_order(live, sorted(live, key=lambda r: one_row[r.mesh] / _shards(r.mesh)))
     bodies = _flops.layer_bodies(model, seq_len)
     planned, best, tried = [], None, []
     # The top meshes that plan: one whose activations do not fit (the quick model sees only the
-    # state) gives its place to the next, up to top + 4 tries (a failed try traces, no more).
-    for r in live[: top + 4]:
+    # state) gives its place to the next, up to 2 top + 4 tries (a failed try traces, no more).
+    for r in order[: 2 * top + 4]:
         if sum(1 for x in planned if x.batch_size) >= top:
             break
         tried.append(r)
@@ -147,4 +159,21 @@ def search(
                                    if hw.host_link > 0 and not hw.unified else ())  # fmt: skip
     chosen = next(r for r in planned if r.mesh == best.mesh)
     ranked = [chosen] + sorted((r for r in planned if r is not chosen), key=lambda r: -r.tokens_per_s_device)
-    return dataclasses.replace(best, meshes=tuple(ranked + sorted(others, key=per_token)))
+    return dataclasses.replace(best, meshes=tuple(ranked + sorted(others, key=per_token)), meshes_planned=len(tried))
+
+
+def _shards(mesh: str) -> int:
+    s = parallel.parse_mesh(mesh)
+    return s["data"] * s["fsdp"] * s["expert"]
+
+
+def planning_order(by_rows: list[MeshRow], by_one_row: list[MeshRow]) -> list[MeshRow]:
+    """The order the search plans meshes in: the quick model's best at its rows and at one row
+    per device, taken in turn, each mesh once."""
+    out, seen = [], set()
+    for pair in zip(by_rows, by_one_row):
+        for r in pair:
+            if r.mesh not in seen:
+                seen.add(r.mesh)
+                out.append(r)
+    return out
