@@ -153,3 +153,26 @@ def test_recipe_plans_and_says_when_nothing_fits(capsys):
     assert "full remat" in out and "chosen: batch" in out
     assert recipe.main(["--preset", "small", "--seq-len", "128", "--hardware", "tpu-v9"]) == 2
     assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device-budget-gib", "-1"], "--device-budget-gib must be positive, got -1.0"),
+        (["--device-budget-gib", "nan"], "--device-budget-gib must be positive, got nan"),
+        (["--host-budget-gib", "-2"], "--host-budget-gib must be non-negative, got -2.0"),
+        (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+        (["--devices", "8", "--top", "0"], "--top must be positive, got 0"),
+    ],
+)
+def test_recipe_refuses_bad_flags_naming_them(flags, message, capsys):
+    """#42.9: the recipe's budgets, batch and --top are checked before planning, one line naming the flag."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("plan_recipe", Path(__file__).parents[1] / "recipes" / "plan.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    with pytest.raises(SystemExit) as e:
+        recipe.main(["--preset", "small", "--seq-len", "32", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err

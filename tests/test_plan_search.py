@@ -88,6 +88,25 @@ def test_errors_name_the_culprit():
         plan.plan(config("llama"), devices=0, seq_len=64)
 
 
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"device_budget": -1.0}, "device_budget must be a positive finite number of bytes per device, got -1.0"),
+        ({"device_budget": 0}, "device_budget must be a positive finite number of bytes per device, got 0"),
+        ({"device_budget": float("nan")}, "device_budget must be a positive .*, got nan"),
+        ({"host_budget": -5}, "host_budget must be a non-negative finite number of bytes per device, got -5"),
+        ({"host_budget": float("nan"), "devices": 8}, "host_budget must be a non-negative .*, got nan"),
+        ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+        ({"batch_size": -8, "mesh": "fsdp=8"}, "batch_size must be a positive integer, got -8"),
+    ],
+)
+def test_budgets_and_batch_are_checked_up_front(kw, message):
+    """#42.9: a negative, zero or NaN budget, or a batch of 0, is the caller's error, named (the
+    advice blamed the model; batch 0 was 'not divisible by 8')."""
+    with pytest.raises(ConfigError, match=message):
+        plan.plan(config("llama"), seq_len=64, **kw)
+
+
 def test_search_on_cpu_picks_a_mesh_that_fits():
     """On this machine's 8 simulated devices (one memory), a small Llama: the chosen mesh's own
     plan fits the budget."""

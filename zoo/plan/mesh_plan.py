@@ -50,6 +50,7 @@ def plan_mesh(
 ) -> Plan:
     """:func:`zoo.plan.plan` on one given mesh; ``bodies``: the layer bodies' FLOP counts, where a
     search already has them (they depend on the model and the sequence, not the mesh)."""
+    check_inputs(device_budget=device_budget, host_budget=host_budget, batch_size=batch_size)
     hw = lookup(hardware if hardware is not None else "cpu")
     device_budget = float(hw.hbm_bytes if device_budget is None else device_budget)
     host_budget = float(hw.host_bytes if host_budget is None else host_budget)
@@ -155,7 +156,11 @@ def price(
 
 
 def cost_model(
-    model_or_config: Any, *, seq_len: int, mesh: Any = None, hardware: str | Hardware | None = None,
+    model_or_config: Any,
+    *,
+    seq_len: int,
+    mesh: Any = None,
+    hardware: str | Hardware | None = None,
     compute_dtype: Any = None,
 ) -> CostModel:
     """The cost model of one model, sequence, mesh and hardware, from the full-remat step traced
@@ -171,6 +176,20 @@ def cost_model(
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
     return CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2, third=_third_trace(probe, 2, seq_len, mesh))
+
+
+def check_inputs(*, device_budget: Any = None, host_budget: Any = None, batch_size: Any = None) -> None:
+    """A one-line :class:`ConfigError` naming the argument where a budget is not a positive finite
+    number of bytes (the host budget may be 0: nothing offloaded) or the batch not a positive integer."""
+    for name, value, least in (("device_budget", device_budget, 0.0), ("host_budget", host_budget, None)):
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (least is not None and value <= least):
+            kind = "a positive" if least is not None else "a non-negative"
+            raise ConfigError(f"plan: {name} must be {kind} finite number of bytes per device, got {value!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ConfigError(f"plan: batch_size must be a positive integer, got {batch_size!r}")
 
 
 def _third_trace(probe: Step, second: int, seq_len: int, mesh: Any) -> tuple[int, Any] | None:
