@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import pytest
 
-from zoo import plan, registry
+from zoo import parallel, plan, registry
 from zoo.errors import ConfigError, MeshError
 from zoo.plan import search
+from zoo.plan._step import abstract_mesh
 
 
 def config(model_type: str, name: str = "small"):
@@ -127,3 +130,14 @@ def test_meshes_are_planned_from_both_rankings():
     assert len(order) == len(rows) and len({r.mesh for r in order}) == len(rows)
     with pytest.raises(ConfigError, match="top .* must be a positive integer, got 0"):
         plan.plan(config("llama"), devices=8, seq_len=128, top=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_mesh_advice_lists_only_sizes_the_model_accepts(model_type):
+    """#42.9: tiny has 4 query and 2 key/value heads; tensor=8 suggested tensor=4 (dividing the
+    query heads), which the key/value heads then refused. Every size suggested is accepted."""
+    cfg = config(model_type, "tiny")
+    with pytest.raises(MeshError, match=r"tensor=1 or 2 would work") as e:
+        plan.plan(cfg, mesh="tensor=8", seq_len=32)
+    for size in re.search(r"tensor=([\d or]+) would work", str(e.value)).group(1).split(" or "):
+        parallel.validate_mesh(abstract_mesh({**dict.fromkeys(parallel.AXES, 1), "tensor": int(size)}), cfg)
