@@ -141,3 +141,12 @@ def test_mesh_advice_lists_only_sizes_the_model_accepts(model_type):
         plan.plan(cfg, mesh="tensor=8", seq_len=32)
     for size in re.search(r"tensor=([\d or]+) would work", str(e.value)).group(1).split(" or "):
         parallel.validate_mesh(abstract_mesh({**dict.fromkeys(parallel.AXES, 1), "tensor": int(size)}), cfg)
+
+
+def test_simulated_cpu_devices_share_the_machines_memory():
+    """#42.8: on --hardware cpu the devices are simulated in one process: each is budgeted the
+    machine's memory divided among them, not all of it."""
+    cpu = plan.hardware("cpu")
+    p = plan.plan(config("llama", "tiny"), mesh="fsdp=2", seq_len=32, hardware="cpu", verify=False)
+    assert p.device_budget == cpu.hbm_bytes / 2 and f"budgets {cpu.hbm_bytes / 2 / 2**30:.1f} GiB device" in str(p)
+    assert plan.hardware("h100").memory_per_device(8) == plan.hardware("h100").hbm_bytes

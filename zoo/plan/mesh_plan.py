@@ -52,7 +52,8 @@ def plan_mesh(
     search already has them (they depend on the model and the sequence, not the mesh)."""
     check_inputs(device_budget=device_budget, host_budget=host_budget, batch_size=batch_size)
     hw = lookup(hardware if hardware is not None else "cpu")
-    device_budget = float(hw.hbm_bytes if device_budget is None else device_budget)
+    devices = math.prod(mesh_sizes(mesh).values())
+    device_budget = float(hw.memory_per_device(devices) if device_budget is None else device_budget)
     host_budget = float(hw.host_bytes if host_budget is None else host_budget)
     if hw.unified:
         host_budget = 0.0
@@ -149,7 +150,7 @@ def price(
         m = None if m is None else resolve(m, probe.model)
         t, flops = cm.time(m, b, param_memory, opt_memory, virtual_stages)
         d, h = cm.memory(m, b, param_memory, opt_memory, virtual_stages)
-        fits = d <= hw.hbm_bytes and h <= hw.host_bytes
+        fits = d <= hw.memory_per_device(math.prod(probe.sizes.values())) and h <= hw.host_bytes
         out.append(Candidate(label, m, param_memory, opt_memory, batch_size if fits else None, d, h, t,
                              flops / (t * cm.peak), batch_size * seq_len / t, virtual_stages))  # fmt: skip
     return tuple(out)

@@ -85,7 +85,9 @@ def search(
             f"({', '.join(f'{k} = {v}' for k, v in sizes.items())}); use a device count these divide"
         )
     margin = plan_kw.get("margin", 0.1)
-    budget_d = float(hw.hbm_bytes if plan_kw.get("device_budget") is None else plan_kw["device_budget"]) * (1 - margin)
+    budget_d = float(
+        hw.memory_per_device(devices) if plan_kw.get("device_budget") is None else plan_kw["device_budget"]
+    ) * (1 - margin)
     budget_h = 0.0 if hw.unified else float(hw.host_bytes if plan_kw.get("host_budget") is None
                                             else plan_kw["host_budget"]) * (1 - margin)  # fmt: skip
     states = [mesh_state(config, sizes)[0] for sizes in found]
