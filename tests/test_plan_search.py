@@ -150,3 +150,10 @@ def test_simulated_cpu_devices_share_the_machines_memory():
     p = plan.plan(config("llama", "tiny"), mesh="fsdp=2", seq_len=32, hardware="cpu", verify=False)
     assert p.device_budget == cpu.hbm_bytes / 2 and f"budgets {cpu.hbm_bytes / 2 / 2**30:.1f} GiB device" in str(p)
     assert plan.hardware("h100").memory_per_device(8) == plan.hardware("h100").hbm_bytes
+
+
+def test_plan_names_the_model_type():
+    """#42.15: --model qwen3_moe was labelled as Qwen3 (one config class spells both)."""
+    p = plan.plan(config("qwen3_moe", "tiny"), seq_len=32, verify=False)
+    assert str(p).startswith("plan: Qwen3Config(qwen3_moe, ")
+    assert str(plan.plan(config("qwen3", "tiny"), seq_len=32, verify=False)).startswith("plan: Qwen3Config(qwen3, ")
