@@ -90,7 +90,7 @@ def plan_mesh(
         choices = [c for c in (_choose(cm, fixed_b, *budgets, virtual_stages),
                                _choose(cm, fixed_b, *gpipe_budgets, 1) if gpipe else None) if c is not None]  # fmt: skip
         if not choices:
-            _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
+            _nothing_fits(cm, e1, fixed_b, device_budget, host_budget, usable)
         best = max(choices, key=lambda c: c[1] / cm.time(c[0], c[1], c[2], c[3], c[4])[0])  # tokens per second
         placement, b, pm, om, v = best
         step = make_step(probe.model, batch_size=b * shards, seq_len=seq_len, placement=placement, mesh=mesh,
@@ -106,11 +106,13 @@ def plan_mesh(
         if v == 1:
             gpipe_budgets = (gpipe_budgets[0] - miss[0], gpipe_budgets[1] - miss[1])
     else:
-        _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
+        _nothing_fits(cm, e1, fixed_b, device_budget, host_budget, usable)
     placement, b, pm, om, v = best
     t, flops = cm.time(placement, b, pm, om, v)
     verified = verify_offloads(probe.model, placement, seq_len) if verify and cm.can_offload else ()
-    candidates = _candidates(cm, fixed_b, device_budget, host_budget, best)
+    # The table's rows fit the budgets the plan was chosen within (less the margin): at the full
+    # budgets a preset's larger batch showed faster than the plan and was never in reach.
+    candidates = _candidates(cm, fixed_b, *usable, best)
     key = (_Where.of(placement), b, pm, om) + ((v,) if v != 1 else ())
     return Plan(
         placement=placement, batch_size=b * shards, param_memory=pm, opt_memory=om, step_time=t,
@@ -356,7 +358,14 @@ class NothingFits(ConfigError):
     candidates: tuple[Candidate, ...] = ()
 
 
-def _nothing_fits(cm: CostModel, e1: Estimate, fixed_b: int | None, device_budget: float, host_budget: float) -> None:
+def _nothing_fits(
+    cm: CostModel,
+    e1: Estimate,
+    fixed_b: int | None,
+    device_budget: float,
+    host_budget: float,
+    usable: tuple[float, float],
+) -> None:
     b = fixed_b or 1
     best = None
     for pm in TREE_PLACES:
@@ -384,5 +393,5 @@ def _nothing_fits(cm: CostModel, e1: Estimate, fixed_b: int | None, device_budge
         f"{om}) against budgets of {_size(device_budget)} device and {_size(host_budget)} host; the largest part "
         f"is {top} ({_size(parts[top])}): " + advice
     )
-    error.candidates = _candidates(cm, fixed_b, device_budget, host_budget)
+    error.candidates = _candidates(cm, fixed_b, *usable)
     raise error
