@@ -188,3 +188,23 @@ def test_no_candidate_in_the_table_beats_the_plan():
     for c in p.candidates:
         if c.batch_size:
             assert c.device_bytes <= usable and c.tokens_per_s <= p.tokens_per_s * (1 + 1e-9), c.label
+
+
+def test_when_the_trace_refuses_every_choice_the_error_says_so(monkeypatch):
+    """#42.5: where the cost model's choices keep failing their traced estimate, "nothing fits"
+    compared a 14.7 MiB peak with 74.5 GiB budgets; the error now names what failed."""
+    import dataclasses
+
+    from zoo.plan import mesh_plan
+
+    real = mesh_plan._from_step
+
+    def estimate(step, unified, jaxpr=None):
+        e = real(step, unified=unified, jaxpr=jaxpr)
+        return e if jaxpr is not None else dataclasses.replace(e, device_bytes=e.device_bytes + 2**40)
+
+    monkeypatch.setattr(mesh_plan, "_from_step", estimate)
+    with pytest.raises(plan.NothingFits, match=r"nothing fits as verified: the cost model's choice at local batch \d+ "
+                       r"priced .* but its traced step needs \d+\.\d GiB"):  # fmt: skip
+        plan.plan(registry.by_model_type("llama").config_cls.preset("tiny", "llama"), seq_len=32, hardware="h100",
+                  verify=False)  # fmt: skip

@@ -85,11 +85,14 @@ def plan_mesh(
     # interleaved step is derived from GPipe's traces, not traced (with FSDP inside the stages it
     # keeps up to ~8% more than the cost model says, on XLA:CPU), so its miss lowers only its own.
     gpipe_budgets = budgets
+    missed: tuple = ()  # the last choice whose traced estimate exceeded the budgets
     for attempt in range(4):
         gpipe = virtual_stages is None and gpipe_budgets != budgets
         choices = [c for c in (_choose(cm, fixed_b, *budgets, virtual_stages),
                                _choose(cm, fixed_b, *gpipe_budgets, 1) if gpipe else None) if c is not None]  # fmt: skip
         if not choices:
+            if missed:  # not the budgets: the cost model's earlier choices failed their own trace
+                _unverified(cm, fixed_b, usable, *missed)
             _nothing_fits(cm, e1, fixed_b, device_budget, host_budget, usable)
         best = max(choices, key=lambda c: c[1] / cm.time(c[0], c[1], c[2], c[3], c[4])[0])  # tokens per second
         placement, b, pm, om, v = best
@@ -101,12 +104,13 @@ def plan_mesh(
             break
         # The model was optimistic for this candidate: search again with the budgets less its miss.
         d, h = cm.memory(placement, b, pm, om, v)
+        missed = (b, d, h, est)
         miss = (max(est.device_bytes - d, 0.0) + 1.0, max(est.host_bytes - h, 0.0) + 1.0)
         budgets = (budgets[0] - miss[0], budgets[1] - miss[1])
         if v == 1:
             gpipe_budgets = (gpipe_budgets[0] - miss[0], gpipe_budgets[1] - miss[1])
     else:
-        _nothing_fits(cm, e1, fixed_b, device_budget, host_budget, usable)
+        _unverified(cm, fixed_b, usable, *missed)
     placement, b, pm, om, v = best
     t, flops = cm.time(placement, b, pm, om, v)
     verified = verify_offloads(probe.model, placement, seq_len) if verify and cm.can_offload else ()
@@ -349,6 +353,21 @@ def _largest(cm, m, pm, om, fixed_b, device_budget, host_budget) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if _fits(cm, m, mid, pm, om, device_budget, host_budget) else (lo, mid)
     return lo
+
+
+def _unverified(cm: CostModel, fixed_b: int | None, usable: tuple[float, float], b: int, d: float, h: float,
+                est: Estimate) -> None:  # fmt: skip
+    """NothingFits where the budgets are not what failed: the cost model's choices kept
+    exceeding them once traced, and with the budgets less each miss none was left."""
+    error = NothingFits(
+        f"nothing fits as verified: the cost model's choice at local batch {b} priced {_size(d)} device and "
+        f"{_size(h)} host per device, but its traced step needs {_size(est.device_bytes)} and "
+        f"{_size(est.host_bytes)} against {_size(usable[0])} and {_size(usable[1])} usable; searching again "
+        f"within the budgets less each such miss left no candidate (the cost model underestimates this step: "
+        f"give --batch-size, or a larger budget)"
+    )
+    error.candidates = _candidates(cm, fixed_b, *usable)
+    raise error
 
 
 class NothingFits(ConfigError):
