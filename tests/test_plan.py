@@ -206,5 +206,5 @@ def test_when_the_trace_refuses_every_choice_the_error_says_so(monkeypatch):
     monkeypatch.setattr(mesh_plan, "_from_step", estimate)
     with pytest.raises(plan.NothingFits, match=r"nothing fits as verified: the cost model's choice at local batch \d+ "
                        r"priced .* but its traced step needs \d+\.\d GiB"):  # fmt: skip
-        plan.plan(registry.by_model_type("llama").config_cls.preset("tiny", "llama"), seq_len=32, hardware="h100",
-                  verify=False)  # fmt: skip
+        plan.plan(registry.by_model_type("llama").config_cls.preset("tiny", "llama"), seq_len=16, batch_size=1,
+                  hardware="h100", verify=False)  # fmt: skip
