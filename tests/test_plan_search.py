@@ -122,12 +122,22 @@ def test_search_on_cpu_picks_a_mesh_that_fits():
 
 def test_meshes_are_planned_from_both_rankings():
     """#42.4: 671B on 256 H200s ranked fsdp=32,expert=8 57th at the quick model's rows (the
-    transient leaves room for one) and the search planned two meshes; the one-row ranking's best
-    is planned second whatever the other ranking says."""
-    rows = [search.MeshRow(f"fsdp={2**i}", 0.0, float(i)) for i in range(8)]
-    order = search.planning_order(rows, rows[::-1])
-    assert [r.mesh for r in order[:4]] == ["fsdp=1", "fsdp=128", "fsdp=2", "fsdp=64"]
-    assert len(order) == len(rows) and len({r.mesh for r in order}) == len(rows)
+    transient leaves room for one row) and the search planned two meshes, the first seven of
+    that ranking not fitting; the one-row ranking's best meshes are planned too, and a mesh
+    planned for one ranking counts for the other."""
+    rows = [search.MeshRow(f"fsdp={2**i}", 0.0, float(i)) for i in range(16)]
+    fits = {r.mesh: i >= 7 for i, r in enumerate(rows)}  # the first seven by rows do not fit
+    tried = search.plan_in_turn(rows, rows[::-1], 5, lambda r: fits[r.mesh])
+    names = [r.mesh for r in tried]
+    assert names[:4] == ["fsdp=1", "fsdp=32768", "fsdp=2", "fsdp=16384"] and len(set(names)) == len(names)
+    # By rows: 9 tries (top + 4), 2 fit; by one row: 2 (top // 2) fit at the first two tries.
+    assert len(tried) == 11 and sum(fits[n] for n in names) == 4
+    # Top 2, everything fits: the two best at their rows and the best at one row.
+    tried = search.plan_in_turn(rows, rows[::-1], 2, lambda r: True)
+    assert [r.mesh for r in tried] == ["fsdp=1", "fsdp=32768", "fsdp=2"]
+    # The same mesh first in both: planned once, counted for both.
+    tried = search.plan_in_turn(rows, rows, 2, lambda r: True)
+    assert [r.mesh for r in tried] == ["fsdp=1", "fsdp=2"]
     with pytest.raises(ConfigError, match="top .* must be a positive integer, got 0"):
         plan.plan(config("llama"), devices=8, seq_len=128, top=0)
 
