@@ -32,9 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default="llama", choices=registry.model_types(), help="model type")
     p.add_argument("--preset", default="small", help="a named config of the model type (llama3.1-405b, small, ...)")
-    p.add_argument("--mesh", default="", help="axis=size pairs: pipeline, data, fsdp, context, tensor, expert "
-                   "(default: one device, or searched with --devices)")
+    p.add_argument(
+        "--mesh",
+        default="",
+        help="axis=size pairs: pipeline, data, fsdp, context, tensor, expert "
+        "(default: one device, or searched with --devices)",
+    )
     p.add_argument("--devices", type=int, default=None, help="device count: search the mesh (or check --mesh's size)")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=5,
+        help="with --devices: the meshes planned in full (the quick "
+        "model ranks the others; the output says how many were planned)",
+    )
     p.add_argument("--no-pipeline", action="store_true", help="with --devices: search no mesh with a pipeline axis")
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="with a pipeline axis: the interleaved schedule's chunks per stage (default: searched; "
@@ -51,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true", help="skip the CUDA export check of the offloaded names")
     p.add_argument("--estimate", action="store_true", help="also print the plan's estimate, part by part")
     args = p.parse_args(argv)
+    for flag, value, least in (("--device-budget-gib", args.device_budget_gib, "positive"),
+                               ("--host-budget-gib", args.host_budget_gib, "non-negative"),
+                               ("--batch-size", args.batch_size, "positive"), ("--devices", args.devices, "positive"),
+                               ("--top", args.top, "positive")):  # fmt: skip
+        if value is not None and not (value > 0 or (value == 0 and least == "non-negative")):
+            p.error(f"{flag} must be {least}, got {value}")
 
     import jax.numpy as jnp
 
@@ -73,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             compute_dtype=getattr(jnp, args.compute_dtype),
             verify=not args.no_verify,
             devices=args.devices,
+            top=args.top,
             pipeline=not args.no_pipeline,
             virtual_stages=args.virtual_stages,
         )

@@ -153,3 +153,58 @@ def test_recipe_plans_and_says_when_nothing_fits(capsys):
     assert "full remat" in out and "chosen: batch" in out
     assert recipe.main(["--preset", "small", "--seq-len", "128", "--hardware", "tpu-v9"]) == 2
     assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device-budget-gib", "-1"], "--device-budget-gib must be positive, got -1.0"),
+        (["--device-budget-gib", "nan"], "--device-budget-gib must be positive, got nan"),
+        (["--host-budget-gib", "-2"], "--host-budget-gib must be non-negative, got -2.0"),
+        (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+        (["--devices", "8", "--top", "0"], "--top must be positive, got 0"),
+    ],
+)
+def test_recipe_refuses_bad_flags_naming_them(flags, message, capsys):
+    """#42.9: the recipe's budgets, batch and --top are checked before planning, one line naming the flag."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("plan_recipe", Path(__file__).parents[1] / "recipes" / "plan.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    with pytest.raises(SystemExit) as e:
+        recipe.main(["--preset", "small", "--seq-len", "32", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_no_candidate_in_the_table_beats_the_plan():
+    """#42.15: the table priced its rows at the full budget, the plan within it less the margin:
+    Llama small at 0.1 GiB listed save_matmuls at batch 5 (102.0 MiB of 102.4, 4,804 tokens/s)
+    over the plan's 4,696. Every row that fits is now one the plan could have chosen."""
+    p = plan.plan(registry.by_model_type("llama").config_cls.preset("small", "llama"), seq_len=128,
+                  device_budget=0.1 * 2**30, compute_dtype=jnp.float32, verify=False)  # fmt: skip
+    usable = p.device_budget * 0.9
+    for c in p.candidates:
+        if c.batch_size:
+            assert c.device_bytes <= usable and c.tokens_per_s <= p.tokens_per_s * (1 + 1e-9), c.label
+
+
+def test_when_the_trace_refuses_every_choice_the_error_says_so(monkeypatch):
+    """#42.5: where the cost model's choices keep failing their traced estimate, "nothing fits"
+    compared a 14.7 MiB peak with 74.5 GiB budgets; the error now names what failed."""
+    import dataclasses
+
+    from zoo.plan import mesh_plan
+
+    real = mesh_plan._from_step
+
+    def estimate(step, unified, jaxpr=None):
+        e = real(step, unified=unified, jaxpr=jaxpr)
+        return e if jaxpr is not None else dataclasses.replace(e, device_bytes=e.device_bytes + 2**40)
+
+    monkeypatch.setattr(mesh_plan, "_from_step", estimate)
+    with pytest.raises(plan.NothingFits, match=r"nothing fits as verified: the cost model's choice at local batch \d+ "
+                       r"priced .* but its traced step needs \d+\.\d GiB"):  # fmt: skip
+        plan.plan(registry.by_model_type("llama").config_cls.preset("tiny", "llama"), seq_len=16, batch_size=1,
+                  hardware="h100", verify=False)  # fmt: skip

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 
+import numpy as np
 import pytest
 
 from zoo import plan, registry
 from zoo.errors import ConfigError
+from zoo.parallel import AXES
 from zoo.plan import collectives
 from zoo.plan._step import make_step, mesh_sizes
 
@@ -93,13 +97,16 @@ def test_collectives_across_tpu_slices_are_hierarchical():
     flat = collectives.seconds("all_gather", nbytes, 512, v6e.cross_link)
     assert flat > 25 * two_stage
     assert collectives.collective_seconds("all_to_all", nbytes, v6e, sizes, ("fsdp",)) == pytest.approx(
-        collectives.seconds("all_to_all", nbytes, 512, v6e.cross_link))
+        collectives.seconds("all_to_all", nbytes, 512, v6e.cross_link)
+    )
     h100_sizes = mesh_sizes("fsdp=16")
     assert collectives.collective_seconds("all_gather", nbytes, h100, h100_sizes, ("fsdp",)) == pytest.approx(
-        collectives.seconds("all_gather", nbytes, 16, h100.cross_link))
+        collectives.seconds("all_gather", nbytes, 16, h100.cross_link)
+    )
     # Inside one slice: one ring on ICI.
-    assert collectives.collective_seconds("all_gather", nbytes, v6e, mesh_sizes("fsdp=256"), ("fsdp",)) == pytest.approx(
-        collectives.seconds("all_gather", nbytes, 256, v6e.domain_link))
+    assert collectives.collective_seconds(
+        "all_gather", nbytes, v6e, mesh_sizes("fsdp=256"), ("fsdp",)
+    ) == pytest.approx(collectives.seconds("all_gather", nbytes, 256, v6e.domain_link))
 
 
 def test_a_hardware_without_link_figures_is_refused():
@@ -107,3 +114,26 @@ def test_a_hardware_without_link_figures_is_refused():
     with pytest.raises(ConfigError, match=r"'h100-no-ib' has no link figure across its fast domains \(cross_link"):
         collectives.link(bare, mesh_sizes("fsdp=16"), ("fsdp",))
     assert collectives.link(bare, mesh_sizes("fsdp=8"), ("fsdp",)) == bare.domain_link
+
+
+def _spans_by_device_ids(sizes, axes, domain):
+    """The span by brute force: every device's id, grouped along ``axes``."""
+    ids = np.arange(math.prod(sizes[a] for a in AXES)).reshape([sizes[a] for a in AXES])
+    idx = [AXES.index(a) for a in axes]
+    rest = [i for i in range(len(AXES)) if i not in idx]
+    groups = np.sort(ids.transpose(rest + idx).reshape(-1, math.prod(sizes[a] for a in axes)) // domain, axis=1)
+    return int(1 + (np.diff(groups, axis=1) != 0).sum(axis=1).max())
+
+
+def test_spans_come_from_the_mesh_shape():
+    """#42.8: spans is computed from the shape (one group per base residue, cached), the same as
+    grouping every device id; 100,000 devices take no device array per collective."""
+    for spec in ("data=3,fsdp=4,tensor=6", "pipeline=2,fsdp=9,expert=4", "data=8,tensor=9", "fsdp=6,context=2"):
+        sizes = mesh_sizes(spec)
+        for axes in (("tensor",), ("fsdp",), ("data", "fsdp"), ("fsdp", "expert"), ("pipeline", "context")):
+            for domain in (1, 4, 8, 9, 16, 72):
+                assert collectives.spans(sizes, axes, domain) == _spans_by_device_ids(sizes, axes, domain), (spec, axes)
+    start = time.perf_counter()
+    assert collectives.spans(mesh_sizes("data=12500,fsdp=8"), ("data",), 72) == 12500 * 8 // 72 + 1
+    assert collectives.spans(mesh_sizes("fsdp=100000"), ("fsdp",), 8) == 12500
+    assert time.perf_counter() - start < 2.0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import pytest
 
-from zoo import plan, registry
+from zoo import parallel, plan, registry
 from zoo.errors import ConfigError, MeshError
 from zoo.plan import search
+from zoo.plan._step import abstract_mesh
 
 
 def config(model_type: str, name: str = "small"):
@@ -88,8 +91,79 @@ def test_errors_name_the_culprit():
         plan.plan(config("llama"), devices=0, seq_len=64)
 
 
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"device_budget": -1.0}, "device_budget must be a positive finite number of bytes per device, got -1.0"),
+        ({"device_budget": 0}, "device_budget must be a positive finite number of bytes per device, got 0"),
+        ({"device_budget": float("nan")}, "device_budget must be a positive .*, got nan"),
+        ({"host_budget": -5}, "host_budget must be a non-negative finite number of bytes per device, got -5"),
+        ({"host_budget": float("nan"), "devices": 8}, "host_budget must be a non-negative .*, got nan"),
+        ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+        ({"batch_size": -8, "mesh": "fsdp=8"}, "batch_size must be a positive integer, got -8"),
+    ],
+)
+def test_budgets_and_batch_are_checked_up_front(kw, message):
+    """#42.9: a negative, zero or NaN budget, or a batch of 0, is the caller's error, named (the
+    advice blamed the model; batch 0 was 'not divisible by 8')."""
+    with pytest.raises(ConfigError, match=message):
+        plan.plan(config("llama"), seq_len=64, **kw)
+
+
 def test_search_on_cpu_picks_a_mesh_that_fits():
     """On this machine's 8 simulated devices (one memory), a small Llama: the chosen mesh's own
     plan fits the budget."""
     p = plan.plan(config("llama"), devices=8, seq_len=128, hardware="cpu", device_budget=0.2 * 2**30, top=2)
     assert p.devices == 8 and p.estimate.device_bytes <= p.device_budget
+    # The output says how many meshes were planned in full, and how to plan more (#42.4).
+    assert 2 <= p.meshes_planned < len(p.meshes)
+    assert f"planned {p.meshes_planned} of {len(p.meshes)} meshes in full (--top to plan more)" in str(p)
+
+
+def test_meshes_are_planned_from_both_rankings():
+    """#42.4: 671B on 256 H200s ranked fsdp=32,expert=8 57th at the quick model's rows (the
+    transient leaves room for one row) and the search planned two meshes, the first seven of
+    that ranking not fitting; the one-row ranking's best meshes are planned too, and a mesh
+    planned for one ranking counts for the other."""
+    rows = [search.MeshRow(f"fsdp={2**i}", 0.0, float(i)) for i in range(16)]
+    fits = {r.mesh: i >= 7 for i, r in enumerate(rows)}  # the first seven by rows do not fit
+    tried = search.plan_in_turn(rows, rows[::-1], 5, lambda r: fits[r.mesh])
+    names = [r.mesh for r in tried]
+    assert names[:4] == ["fsdp=1", "fsdp=32768", "fsdp=2", "fsdp=16384"] and len(set(names)) == len(names)
+    # By rows: 9 tries (top + 4), 2 fit; by one row: 2 (top // 2) fit at the first two tries.
+    assert len(tried) == 11 and sum(fits[n] for n in names) == 4
+    # Top 2, everything fits: the two best at their rows and the best at one row.
+    tried = search.plan_in_turn(rows, rows[::-1], 2, lambda r: True)
+    assert [r.mesh for r in tried] == ["fsdp=1", "fsdp=32768", "fsdp=2"]
+    # The same mesh first in both: planned once, counted for both.
+    tried = search.plan_in_turn(rows, rows, 2, lambda r: True)
+    assert [r.mesh for r in tried] == ["fsdp=1", "fsdp=2"]
+    with pytest.raises(ConfigError, match="top .* must be a positive integer, got 0"):
+        plan.plan(config("llama"), devices=8, seq_len=128, top=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_mesh_advice_lists_only_sizes_the_model_accepts(model_type):
+    """#42.9: tiny has 4 query and 2 key/value heads; tensor=8 suggested tensor=4 (dividing the
+    query heads), which the key/value heads then refused. Every size suggested is accepted."""
+    cfg = config(model_type, "tiny")
+    with pytest.raises(MeshError, match=r"tensor=1 or 2 would work") as e:
+        plan.plan(cfg, mesh="tensor=8", seq_len=32)
+    for size in re.search(r"tensor=([\d or]+) would work", str(e.value)).group(1).split(" or "):
+        parallel.validate_mesh(abstract_mesh({**dict.fromkeys(parallel.AXES, 1), "tensor": int(size)}), cfg)
+
+
+def test_simulated_cpu_devices_share_the_machines_memory():
+    """#42.8: on --hardware cpu the devices are simulated in one process: each is budgeted the
+    machine's memory divided among them, not all of it."""
+    cpu = plan.hardware("cpu")
+    p = plan.plan(config("llama", "tiny"), mesh="fsdp=2", seq_len=32, hardware="cpu", verify=False)
+    assert p.device_budget == cpu.hbm_bytes / 2 and f"budgets {cpu.hbm_bytes / 2 / 2**30:.1f} GiB device" in str(p)
+    assert plan.hardware("h100").memory_per_device(8) == plan.hardware("h100").hbm_bytes
+
+
+def test_plan_names_the_model_type():
+    """#42.15: --model qwen3_moe was labelled as Qwen3 (one config class spells both)."""
+    for model_type in ("qwen3_moe", "qwen3"):
+        e = plan.estimate(config(model_type, "tiny"), seq_len=16, batch_size=1)
+        assert e.model.startswith(f"Qwen3Config({model_type}, ")  # what print(plan) heads with

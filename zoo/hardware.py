@@ -61,6 +61,14 @@ class Hardware:
     hierarchical: bool = False
     # float32 matmuls run at this fraction of the bf16 peak (TF32 on NVIDIA, bf16 passes on TPU).
     f32_ratio: float = 0.5
+    # The devices of a mesh are simulated in one process (XLA:CPU's forced device count): they
+    # share ``hbm_bytes``, the machine's memory, rather than each having it.
+    simulated: bool = False
+
+    def memory_per_device(self, devices: int) -> float:
+        """Device memory per device of a mesh of ``devices``: ``hbm_bytes``, or (``simulated``)
+        the machine's memory divided among them."""
+        return self.hbm_bytes / max(int(devices), 1) if self.simulated else self.hbm_bytes
 
     def peak_for(self, dtype: Any) -> float:
         """Dense matmul peak, FLOP/s, in the compute dtype ``dtype`` (bf16 or float32)."""
@@ -185,6 +193,7 @@ HARDWARE: dict[str, Hardware] = {
             domain=1 << 20, domain_link=20e9, cross_link=20e9,
             link_source="simulated devices of one process: a collective is a copy in RAM",
             f32_ratio=1.0,
+            simulated=True,
         ),
     )
 }

@@ -198,9 +198,20 @@ def unpad(model_or_tree: PyTree) -> PyTree:
     return _resized(model_or_tree, lambda m: m.config.sizes)
 
 
-def _would_work(size: int, axis: str, mesh: AnyMesh) -> str:
+def _would_work(size: int, axis: str, mesh: AnyMesh, config: Any = None, split: Any = ()) -> str:
+    """The sizes of ``axis`` that divide ``size`` and (a single axis, with ``config`` and its
+    ``split``) every other unpadded dimension that axis splits: only sizes the model accepts."""
     devices = math.prod(int(n) for n in mesh.shape.values())
     divisors = [d for d in range(1, min(size, devices) + 1) if size % d == 0]
+    names = axis_names(axis)
+    if config is not None and len(names) == 1:
+        rules, sizes = rules_of(config), config.sizes
+
+        def accepted(d: int) -> bool:
+            return all(sizes[letter] % math.prod(d if a == names[0] else axis_size(mesh, a) for a in axis_names(ax)) == 0
+                       for letter, ax in split if names[0] in axis_names(ax) and not rules[letter].pad)  # fmt: skip
+
+        divisors = [d for d in divisors if accepted(d)]
     return f"{axis}={' or '.join(map(str, divisors))} would work"
 
 
@@ -231,7 +242,7 @@ def validate_mesh(mesh: AnyMesh, config: Any, *, virtual_stages: int = 1) -> Non
             field = rules[letter].field
             raise MeshError(
                 f"{name}.{field} = {sizes[letter]} is not divisible by mesh axis {axis!r} of size {n} "
-                f"(it splits dimension {letter} of {path}; {_would_work(sizes[letter], axis, mesh)}; "
+                f"(it splits dimension {letter} of {path}; {_would_work(sizes[letter], axis, mesh, config, split)}; "
                 f"{letter} is not padded: that would change the model's function)"
             )
     used = {a for _, axis in split for a in axis_names(axis)}

@@ -16,6 +16,7 @@ all-to-all moves ``(n-1)/n`` of its buffer through each device, an all-reduce tw
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -240,7 +241,9 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                 parts = [b * scale for b in map(shape_bytes, re.findall(r"\w+\[[\d,]*\]", result))]
                 # A combined all-reduce holds separate buffers; an all-to-all's tuple is one
                 # buffer cut in a chunk per peer.
-                size = sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
+                size = (
+                    sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
+                )
                 if kind == "permute":  # the axes any (source, target) pair differs along
                     axes = tuple(a for a in AXES if any(a in axes_of(g) for g in groups))
                 else:
@@ -273,12 +276,29 @@ def device_ids(sizes: Mapping[str, int]) -> np.ndarray:
 
 def spans(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> int:
     """How many fast domains of ``domain`` consecutive devices the widest group of devices that
-    differ only along ``axes`` spans."""
-    ids = device_ids(sizes)
-    idx = [AXES.index(a) for a in axes]
-    rest = [i for i in range(len(AXES)) if i not in idx]
-    groups = np.sort(ids.transpose(rest + idx).reshape(-1, math.prod(sizes[a] for a in axes)) // max(domain, 1), axis=1)
-    return int(1 + (np.diff(groups, axis=1) != 0).sum(axis=1).max())
+    differ only along ``axes`` spans (from the mesh's shape: cached, and no device array where the
+    whole mesh sits in one domain)."""
+    return _spans(tuple(sizes[a] for a in AXES), tuple(AXES.index(a) for a in axes), max(domain, 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans(shape: tuple[int, ...], idx: tuple[int, ...], domain: int) -> int:
+    group = math.prod(shape[i] for i in idx)
+    if group == 1 or math.prod(shape) <= domain:
+        return 1
+    if domain == 1:
+        return group
+    # A group's devices are a base plus the offsets along ``axes``; the domains it spans depend
+    # on the base only modulo the domain: one group per residue is enough.
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    offsets = np.zeros(1, dtype=np.int64)
+    for i in idx:
+        offsets = (offsets[:, None] + np.arange(shape[i], dtype=np.int64)[None, :] * strides[i]).reshape(-1)
+    rest = [i for i in range(len(shape)) if i not in idx]
+    residues = np.zeros(1, dtype=np.int64)
+    for i in rest:
+        residues = np.unique((residues[:, None] + np.arange(shape[i], dtype=np.int64)[None, :] * strides[i]) % domain)
+    return int(max(np.unique((r + offsets) // domain).size for r in residues.tolist()))
 
 
 def crosses(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> bool:

@@ -99,10 +99,16 @@ class Estimate:
         return self.table()
 
 
+def _model_type(cfg: Any) -> str:
+    kind = getattr(cfg, "model_type", None)
+    return f"{kind}, " if isinstance(kind, str) else ""
+
+
 def _describe(step: Step) -> dict[str, Any]:
     cfg = step.config
     return {
-        "model": f"{type(cfg).__name__}({cfg.num_params() / 1e9:.3g}B params, "
+        # A config spelling several model types (Qwen3's dense and MoE) says which it is.
+        "model": f"{type(cfg).__name__}({_model_type(cfg)}{cfg.num_params() / 1e9:.3g}B params, "
         f"{jnp.dtype(step.model.compute_dtype).name} compute)",
         "batch_size": step.batch_size,
         "seq_len": step.seq_len,

@@ -50,8 +50,10 @@ def plan_mesh(
 ) -> Plan:
     """:func:`zoo.plan.plan` on one given mesh; ``bodies``: the layer bodies' FLOP counts, where a
     search already has them (they depend on the model and the sequence, not the mesh)."""
+    check_inputs(device_budget=device_budget, host_budget=host_budget, batch_size=batch_size)
     hw = lookup(hardware if hardware is not None else "cpu")
-    device_budget = float(hw.hbm_bytes if device_budget is None else device_budget)
+    devices = math.prod(mesh_sizes(mesh).values())
+    device_budget = float(hw.memory_per_device(devices) if device_budget is None else device_budget)
     host_budget = float(hw.host_bytes if host_budget is None else host_budget)
     if hw.unified:
         host_budget = 0.0
@@ -83,12 +85,15 @@ def plan_mesh(
     # interleaved step is derived from GPipe's traces, not traced (with FSDP inside the stages it
     # keeps up to ~8% more than the cost model says, on XLA:CPU), so its miss lowers only its own.
     gpipe_budgets = budgets
+    missed: tuple = ()  # the last choice whose traced estimate exceeded the budgets
     for attempt in range(4):
         gpipe = virtual_stages is None and gpipe_budgets != budgets
         choices = [c for c in (_choose(cm, fixed_b, *budgets, virtual_stages),
                                _choose(cm, fixed_b, *gpipe_budgets, 1) if gpipe else None) if c is not None]  # fmt: skip
         if not choices:
-            _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
+            if missed:  # not the budgets: the cost model's earlier choices failed their own trace
+                _unverified(cm, fixed_b, usable, *missed)
+            _nothing_fits(cm, e1, fixed_b, device_budget, host_budget, usable)
         best = max(choices, key=lambda c: c[1] / cm.time(c[0], c[1], c[2], c[3], c[4])[0])  # tokens per second
         placement, b, pm, om, v = best
         step = make_step(probe.model, batch_size=b * shards, seq_len=seq_len, placement=placement, mesh=mesh,
@@ -99,16 +104,19 @@ def plan_mesh(
             break
         # The model was optimistic for this candidate: search again with the budgets less its miss.
         d, h = cm.memory(placement, b, pm, om, v)
+        missed = (b, d, h, est)
         miss = (max(est.device_bytes - d, 0.0) + 1.0, max(est.host_bytes - h, 0.0) + 1.0)
         budgets = (budgets[0] - miss[0], budgets[1] - miss[1])
         if v == 1:
             gpipe_budgets = (gpipe_budgets[0] - miss[0], gpipe_budgets[1] - miss[1])
     else:
-        _nothing_fits(cm, e1, fixed_b, device_budget, host_budget)
+        _unverified(cm, fixed_b, usable, *missed)
     placement, b, pm, om, v = best
     t, flops = cm.time(placement, b, pm, om, v)
     verified = verify_offloads(probe.model, placement, seq_len) if verify and cm.can_offload else ()
-    candidates = _candidates(cm, fixed_b, device_budget, host_budget, best)
+    # The table's rows fit the budgets the plan was chosen within (less the margin): at the full
+    # budgets a preset's larger batch showed faster than the plan and was never in reach.
+    candidates = _candidates(cm, fixed_b, *usable, best)
     key = (_Where.of(placement), b, pm, om) + ((v,) if v != 1 else ())
     return Plan(
         placement=placement, batch_size=b * shards, param_memory=pm, opt_memory=om, step_time=t,
@@ -148,14 +156,18 @@ def price(
         m = None if m is None else resolve(m, probe.model)
         t, flops = cm.time(m, b, param_memory, opt_memory, virtual_stages)
         d, h = cm.memory(m, b, param_memory, opt_memory, virtual_stages)
-        fits = d <= hw.hbm_bytes and h <= hw.host_bytes
+        fits = d <= hw.memory_per_device(math.prod(probe.sizes.values())) and h <= hw.host_bytes
         out.append(Candidate(label, m, param_memory, opt_memory, batch_size if fits else None, d, h, t,
                              flops / (t * cm.peak), batch_size * seq_len / t, virtual_stages))  # fmt: skip
     return tuple(out)
 
 
 def cost_model(
-    model_or_config: Any, *, seq_len: int, mesh: Any = None, hardware: str | Hardware | None = None,
+    model_or_config: Any,
+    *,
+    seq_len: int,
+    mesh: Any = None,
+    hardware: str | Hardware | None = None,
     compute_dtype: Any = None,
 ) -> CostModel:
     """The cost model of one model, sequence, mesh and hardware, from the full-remat step traced
@@ -171,6 +183,20 @@ def cost_model(
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
     return CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2, third=_third_trace(probe, 2, seq_len, mesh))
+
+
+def check_inputs(*, device_budget: Any = None, host_budget: Any = None, batch_size: Any = None) -> None:
+    """A one-line :class:`ConfigError` naming the argument where a budget is not a positive finite
+    number of bytes (the host budget may be 0: nothing offloaded) or the batch not a positive integer."""
+    for name, value, least in (("device_budget", device_budget, 0.0), ("host_budget", host_budget, None)):
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (least is not None and value <= least):
+            kind = "a positive" if least is not None else "a non-negative"
+            raise ConfigError(f"plan: {name} must be {kind} finite number of bytes per device, got {value!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ConfigError(f"plan: batch_size must be a positive integer, got {batch_size!r}")
 
 
 def _third_trace(probe: Step, second: int, seq_len: int, mesh: Any) -> tuple[int, Any] | None:
@@ -329,6 +355,21 @@ def _largest(cm, m, pm, om, fixed_b, device_budget, host_budget) -> int:
     return lo
 
 
+def _unverified(cm: CostModel, fixed_b: int | None, usable: tuple[float, float], b: int, d: float, h: float,
+                est: Estimate) -> None:  # fmt: skip
+    """NothingFits where the budgets are not what failed: the cost model's choices kept
+    exceeding them once traced, and with the budgets less each miss none was left."""
+    error = NothingFits(
+        f"nothing fits as verified: the cost model's choice at local batch {b} priced {_size(d)} device and "
+        f"{_size(h)} host per device, but its traced step needs {_size(est.device_bytes)} and "
+        f"{_size(est.host_bytes)} against {_size(usable[0])} and {_size(usable[1])} usable; searching again "
+        f"within the budgets less each such miss left no candidate (the cost model underestimates this step: "
+        f"give --batch-size, or a larger budget)"
+    )
+    error.candidates = _candidates(cm, fixed_b, *usable)
+    raise error
+
+
 class NothingFits(ConfigError):
     """No map, batch and placement of parameters and optimizer state fits the budgets;
     ``candidates``: the table, each row at the smallest batch."""
@@ -336,7 +377,14 @@ class NothingFits(ConfigError):
     candidates: tuple[Candidate, ...] = ()
 
 
-def _nothing_fits(cm: CostModel, e1: Estimate, fixed_b: int | None, device_budget: float, host_budget: float) -> None:
+def _nothing_fits(
+    cm: CostModel,
+    e1: Estimate,
+    fixed_b: int | None,
+    device_budget: float,
+    host_budget: float,
+    usable: tuple[float, float],
+) -> None:
     b = fixed_b or 1
     best = None
     for pm in TREE_PLACES:
@@ -364,5 +412,5 @@ def _nothing_fits(cm: CostModel, e1: Estimate, fixed_b: int | None, device_budge
         f"{om}) against budgets of {_size(device_budget)} device and {_size(host_budget)} host; the largest part "
         f"is {top} ({_size(parts[top])}): " + advice
     )
-    error.candidates = _candidates(cm, fixed_b, device_budget, host_budget)
+    error.candidates = _candidates(cm, fixed_b, *usable)
     raise error

@@ -20,7 +20,15 @@ from zoo.plan import search
 from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan._step import mesh_spec
 from zoo.plan.costs import MICROBATCH_ROWS, CostModel
-from zoo.plan.mesh_plan import TREE_PLACES, VIRTUAL_TOLERANCE, NothingFits, cost_model, plan_mesh, price
+from zoo.plan.mesh_plan import (
+    TREE_PLACES,
+    VIRTUAL_TOLERANCE,
+    NothingFits,
+    check_inputs,
+    cost_model,
+    plan_mesh,
+    price,
+)
 from zoo.plan.offloads import verify_offloads
 from zoo.plan.plans import Candidate, Plan, candidate_table
 from zoo.train.hlo import host_moves, tensor_type
@@ -70,6 +78,7 @@ def plan(
     the model or the batch, :class:`~zoo.errors.ConfigError` for an unknown hardware name or a
     budget nothing fits (naming the smallest peak found and what dominates it).
     """
+    check_inputs(device_budget=device_budget, host_budget=host_budget, batch_size=batch_size)
     if devices is not None:
         if not isinstance(devices, int) or devices < 1:
             raise ConfigError(f"plan: devices must be a positive integer, got {devices!r}")

@@ -58,6 +58,7 @@ class Plan:
     # (each row a mesh's best candidate, the chosen mesh first; empty for a given mesh).
     comm_time: float = 0.0
     meshes: tuple[Any, ...] = ()
+    meshes_planned: int = 0  # of the meshes, how many the search planned in full
     # With a pipeline axis: the micro-batches per device (TrainConfig.microbatches), the bubble's
     # share of the ticks, and per device per step the point-to-point bytes and those all-reduced
     # over the pipeline axis (CostModel.pipeline_bytes); None / 0 without one. virtual_stages:
@@ -84,7 +85,8 @@ class Plan:
         )
         lines = [head]
         if self.meshes:
-            lines += [f"meshes of {self.devices} devices, the chosen first:", mesh_table(self.meshes), "",
+            lines += [f"meshes of {self.devices} devices, the chosen first:", mesh_table(self.meshes),
+                      f"planned {self.meshes_planned} of {len(self.meshes)} meshes in full (--top to plan more)", "",
                       f"the chosen mesh {self.mesh or 'one device'}:"]  # fmt: skip
         lines += [
             self.table(),

@@ -15,7 +15,15 @@
    all-reduce over the axes that do not split a weight, tensor all-reduces, the all-to-alls'
    padded buffers and the pipeline's hand-overs, each on its link), then **plan in full**
    (:func:`zoo.plan.mesh_plan.plan_mesh`: traced memory, the map, the batch, collectives counted
-   on the traced step, the interleaved schedule's virtual stages) the ``top`` best, and keep the fastest.
+   on the traced step, the interleaved schedule's virtual stages) the most promising, and keep the
+   fastest. The quick model knows the state, not the activations: at its rows a mesh whose
+   transient (gathered weights, an all-to-all's buffers) leaves room for one row looks far
+   faster than it is. So the meshes are planned in turn from two rankings, the quick model's
+   at its rows (until ``top`` have planned) and at one row per device (what any mesh that fits
+   at all does at least; until ``top // 2`` have, at least one: :func:`plan_in_turn`): 671B on
+   256 H200s, fsdp=128,tensor=2 ranks first at 87 rows and plans at 4 (198 tokens/s per device),
+   fsdp=32,expert=8 ranks 57th at its rows, first at one row, and plans at 474. The plan says how
+   many meshes it planned (``Plan.meshes_planned``).
 
 The enumeration, the pruning's state bytes, the quick model and the table are
 :mod:`zoo.plan.meshes`'s (below the planner, which prices with them); :func:`search` is here.
@@ -28,7 +36,7 @@ from typing import Any
 
 from zoo import parallel
 from zoo.core.mesh import PIPELINE
-from zoo.errors import MeshError
+from zoo.errors import ConfigError, MeshError
 from zoo.hardware import Hardware
 from zoo.hardware import hardware as lookup
 from zoo.plan import _flops
@@ -51,13 +59,20 @@ from zoo.plan.offloads import verify_offloads
 # zoo.plan.meshes's names, importable from here as before they moved below the planner (which prices with them).
 __all__ = [
     "MeshRow", "factorizations", "mesh_state", "mesh_table", "meshes", "pipeline_sizes", "pipelined_layers",
-    "quick_rows", "quick_time", "search", "worth_pipelining",
+    "plan_in_turn", "quick_rows", "quick_time", "search", "worth_pipelining",
 ]  # fmt: skip
 
 
 def search(
-    model_or_config: Any, *, devices: int, seq_len: int, hardware: str | Hardware | None, top: int = 5,
-    compute_dtype: Any = None, pipeline: bool = True, **plan_kw: Any,
+    model_or_config: Any,
+    *,
+    devices: int,
+    seq_len: int,
+    hardware: str | Hardware | None,
+    top: int = 5,
+    compute_dtype: Any = None,
+    pipeline: bool = True,
+    **plan_kw: Any,
 ) -> Any:
     """The fastest plan over the meshes of ``devices`` (see the module; ``pipeline=False``: none
     with a pipeline axis); ``plan_kw``: the budgets, batch, margin and verification of
@@ -78,7 +93,9 @@ def search(
             f"({', '.join(f'{k} = {v}' for k, v in sizes.items())}); use a device count these divide"
         )
     margin = plan_kw.get("margin", 0.1)
-    budget_d = float(hw.hbm_bytes if plan_kw.get("device_budget") is None else plan_kw["device_budget"]) * (1 - margin)
+    budget_d = float(
+        hw.memory_per_device(devices) if plan_kw.get("device_budget") is None else plan_kw["device_budget"]
+    ) * (1 - margin)
     budget_h = 0.0 if hw.unified else float(hw.host_bytes if plan_kw.get("host_budget") is None
                                             else plan_kw["host_budget"]) * (1 - margin)  # fmt: skip
     states = [mesh_state(config, sizes)[0] for sizes in found]
@@ -86,47 +103,50 @@ def search(
     found = [sizes for sizes, k in zip(found, keep) if k]
     states = [st for st, k in zip(states, keep) if k]
     rows: list[MeshRow] = []
+    one_row: dict[str, float] = {}  # mesh -> the quick model's seconds at one row per device
     for sizes, p_bytes in zip(found, states):
         state = 4 * p_bytes
         shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
         given = plan_kw.get("batch_size")
         b = max(given // shards, 1) if given else quick_rows(config, sizes, seq_len, budget_d + budget_h, dtype)
         quick = quick_time(config, sizes, seq_len, hw, dtype, rows=b) / b
+        one_row[mesh_spec(sizes)] = quick if given or b == 1 else quick_time(config, sizes, seq_len, hw, dtype)
         why = ""
         if p_bytes > budget_d or state > budget_d + budget_h:
             why = f"state {state / 2**30:.0f} GiB per device"
         rows.append(MeshRow(mesh_spec(sizes), float(state), float(quick), why=why))
+
     # Seconds per token: a step of one sequence per batch shard.
     def per_token(r: MeshRow) -> float:
-        s = parallel.parse_mesh(r.mesh)
-        return r.quick / (s["data"] * s["fsdp"] * s["expert"])
+        return r.quick / _shards(r.mesh)
 
+    if not (isinstance(top, int) and top >= 1):
+        raise ConfigError(f"plan: top (the meshes planned in full) must be a positive integer, got {top!r}")
     live = sorted((r for r in rows if not r.why), key=per_token)
     bodies = _flops.layer_bodies(model, seq_len)
-    planned, best, tried = [], None, []
-    # The top meshes that plan: one whose activations do not fit (the quick model sees only the
-    # state) gives its place to the next, up to top + 4 tries (a failed try traces, no more).
-    for r in live[: top + 4]:
-        if sum(1 for x in planned if x.batch_size) >= top:
-            break
-        tried.append(r)
+    planned, found_plans = [], {}
+
+    def attempt(r: MeshRow) -> bool:
         try:
             p = plan_mesh(model, mesh=r.mesh or None, seq_len=seq_len, hardware=hw, bodies=bodies,
                           **{**plan_kw, "verify": False})  # fmt: skip
         except NothingFits as e:
             planned.append(dataclasses.replace(r, why=str(e).split(":")[0] + " (activations)"))
-            continue
+            return False
         except MeshError as e:  # a pipeline the family cannot stage (Qwen3's blocks must line up)
             planned.append(dataclasses.replace(r, why=str(e)[:120]))
-            continue
-        row = dataclasses.replace(
+            return False
+        planned.append(dataclasses.replace(
             r, batch_size=p.batch_size, device_bytes=float(p.estimate.device_bytes), host_bytes=float(p.estimate.host_bytes),
             step_time=p.step_time, mfu=p.mfu, tokens_per_s_device=p.tokens_per_s / devices,
             placement=p.placement.spec(), virtual_stages=p.virtual_stages,
-        )  # fmt: skip
-        planned.append(row)
-        if best is None or p.tokens_per_s > best.tokens_per_s:
-            best = p
+        ))  # fmt: skip
+        found_plans[r.mesh] = p
+        return True
+
+    by_one_row = sorted(live, key=lambda r: one_row[r.mesh] / _shards(r.mesh))
+    tried = plan_in_turn(live, by_one_row, top, attempt)
+    best = max(found_plans.values(), key=lambda p: p.tokens_per_s, default=None)
     others = [r for r in rows if r not in tried]
     if best is None:
         table = mesh_table(planned + sorted(others, key=lambda r: r.state_bytes)[:5])
@@ -147,4 +167,38 @@ def search(
                                    if hw.host_link > 0 and not hw.unified else ())  # fmt: skip
     chosen = next(r for r in planned if r.mesh == best.mesh)
     ranked = [chosen] + sorted((r for r in planned if r is not chosen), key=lambda r: -r.tokens_per_s_device)
-    return dataclasses.replace(best, meshes=tuple(ranked + sorted(others, key=per_token)))
+    return dataclasses.replace(best, meshes=tuple(ranked + sorted(others, key=per_token)), meshes_planned=len(tried))
+
+
+def _shards(mesh: str) -> int:
+    s = parallel.parse_mesh(mesh)
+    return s["data"] * s["fsdp"] * s["expert"]
+
+
+def plan_in_turn(by_rows: list[MeshRow], by_one_row: list[MeshRow], top: int, attempt: Any) -> list[MeshRow]:
+    """The meshes the search plans in full, in order (``attempt(row)`` plans one, True where it
+    fits): from the quick model's ranking at its rows until ``top`` have planned, and from its
+    ranking at one row per device until ``max(1, top // 2)`` have, taken in turn, each ranking
+    at most ``top + 4`` tries (a failed try traces, no more); a mesh planned for one ranking
+    counts for the other where it comes up there."""
+    queues = {"rows": list(by_rows), "one": list(by_one_row)}
+    quota = {"rows": top, "one": max(1, top // 2)}
+    fits: dict[str, bool] = {}
+    done = dict.fromkeys(queues, 0)
+    tries = dict.fromkeys(queues, 0)
+    tried: list[MeshRow] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for k, queue in queues.items():
+            while queue and queue[0].mesh in fits:  # planned for the other ranking
+                done[k] += fits[queue.pop(0).mesh]
+            if done[k] >= quota[k] or tries[k] >= top + 4 or not queue:
+                continue
+            r = queue.pop(0)
+            tries[k] += 1
+            tried.append(r)
+            fits[r.mesh] = bool(attempt(r))
+            done[k] += fits[r.mesh]
+            progressed = True
+    return tried
