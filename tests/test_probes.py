@@ -789,3 +789,16 @@ def test_a_hub_id_loads_from_the_hub_cache(tmp_path, monkeypatch):
     with pytest.raises(zoo.CheckpointError, match=r"^org/name: no such local folder; to load it as a Hugging Face hub "
                                                   r"id install huggingface_hub"):  # fmt: skip
         zoo.from_pretrained("org/name")
+
+
+def test_the_run_line_names_the_model_type_where_a_family_has_several():
+    """Issue 42: --model qwen3_moe was announced as "Qwen3 small"."""
+    from types import SimpleNamespace
+
+    from zoo.qwen3 import preset as qwen3_preset
+    from zoo.train import setup
+
+    data = SimpleNamespace(source="stdlib", num_tokens=lambda split: 1000)
+    moe = zoo.Qwen3(qwen3_preset("tiny", "qwen3_moe"), key=jr.key(0))
+    assert setup.describe(moe, "tiny", data, 1e12).startswith("Qwen3 (qwen3_moe) tiny: ")
+    assert setup.describe(zoo.Llama(preset("tiny"), key=jr.key(0)), "tiny", data, 1e12).startswith("Llama tiny: ")

@@ -222,7 +222,9 @@ def mesh_share(mesh: Any) -> str:
 
 def describe(model: Any, name: str, data: Any, peak_flops: float) -> str:
     """The run in a line: model, size, data, devices and the matmul peak MFU is quoted against."""
-    return (f"{type(model).__name__} {name}: {model.config.num_params() / 1e6:.1f}M parameters; "
+    kind = getattr(model.config, "model_type", None)  # a family of several (Qwen3: qwen3, qwen3_moe) says which
+    label = f"{type(model).__name__} ({kind})" if isinstance(kind, str) else type(model).__name__
+    return (f"{label} {name}: {model.config.num_params() / 1e6:.1f}M parameters; "
             f"data {data.source} ({count(data.num_tokens('train'), 'train tokens')}); {jax.device_count()} "
             f"{jax.devices()[0].platform} device(s); matmul peak {peak_flops / 1e12:.2f} TFLOP/s")  # fmt: skip
 
