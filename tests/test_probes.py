@@ -802,3 +802,15 @@ def test_the_run_line_names_the_model_type_where_a_family_has_several():
     moe = zoo.Qwen3(qwen3_preset("tiny", "qwen3_moe"), key=jr.key(0))
     assert setup.describe(moe, "tiny", data, 1e12).startswith("Qwen3 (qwen3_moe) tiny: ")
     assert setup.describe(zoo.Llama(preset("tiny"), key=jr.key(0)), "tiny", data, 1e12).startswith("Llama tiny: ")
+
+
+def test_a_longer_resume_keeps_the_runs_warm_up(tmp_path):
+    """A resume from 100 to 300 steps was refused: the warm-up's default follows --steps (10 ->
+    20), a setting the user never gave. Unset, it is now the run's own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"train": {"steps": 100, "warmup": 10}}))
+    train = _recipe("train")
+    assert train.parse_args(["--run-dir", str(run), "--resume", "--steps", "300"]).warmup == 10
+    assert train.parse_args(["--run-dir", str(run), "--resume", "--steps", "300", "--warmup", "5"]).warmup == 5
+    assert train.parse_args(["--run-dir", str(tmp_path / "new"), "--steps", "300"]).warmup == 20

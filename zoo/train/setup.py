@@ -11,7 +11,9 @@ dimension the mesh does not divide) worded with the recipe's flags: it reports t
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -78,12 +80,23 @@ def complete(flags: Any) -> None:
         flags.profile = check_window(flags.profile, flags.steps, flags.run_dir)
     except ConfigError as e:
         raise ConfigError(f"--{e}") from None
+    if flags.warmup is None and flags.resume:  # a resume keeps its run's warm-up (the default follows --steps)
+        flags.warmup = _recorded_warmup(flags.run_dir)
     if flags.warmup is None:  # a short run gets a short warm-up, so --steps alone is always valid
         flags.warmup = min(20, flags.steps // 10)
     elif flags.warmup < 0:
         raise ConfigError(f"--warmup must be >= 0, got {flags.warmup}")
     elif flags.warmup >= flags.steps:
         raise ConfigError(f"--warmup ({flags.warmup}) must be smaller than --steps ({flags.steps})")
+
+
+def _recorded_warmup(run_dir: str) -> int | None:
+    """The warm-up the run in ``run_dir`` was made with (its ``run.json``), or None."""
+    try:
+        warmup = json.loads((Path(run_dir) / "run.json").read_text())["train"]["warmup"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no run yet, or one check_resume will describe
+    return warmup if isinstance(warmup, int) else None
 
 
 def option_fields() -> dict[str, tuple[type, str | None]]:
