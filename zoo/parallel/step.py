@@ -174,8 +174,10 @@ def value_and_grad(
     device's rows are cut into ``microbatches`` micro-batches (default: the stage count) that
     flow through the stages; the rows are not split over ``pipeline``. ``virtual_stages=V``:
     the interleaved schedule, each stage's layers in ``V`` chunks that the micro-batches visit
-    in ``V`` rounds of the stages (bubble ``(P-1)/(V·M+P-1)``); the model's pipelined stacks
-    must then be in stage order (:func:`zoo.pipeline.to_stage_order`, which ``zoo.train`` applies).
+    in ``V`` rounds of the stages (bubble ``(P-1)/(V·M+P-1)``); the model must then come in
+    stage order, as :func:`zoo.parallel.to_stage_order`'s ``StageOrdered`` (its gradients come
+    back so), or as a plain model under ``zoo.pipeline.stacks_in_stage_order`` (``zoo.train``'s
+    way); a model in layer order is refused, as it would compute another function.
     """
     return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=True)
 
