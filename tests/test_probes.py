@@ -587,8 +587,6 @@ def test_resume_says_which_run_it_continues(tmp_path, monkeypatch):
     runs/llama-small (the default --model/--preset's run dir), and after a Qwen3-MoE run said
     "nothing to do". The words now say what it does, and the recipe says, before anything runs,
     which run it continues, naming the latest run when that is another."""
-    from zoo.train import setup
-
     monkeypatch.chdir(tmp_path)
     for name in ("llama-small", "qwen3_moe-small"):  # the Qwen3-MoE run is the latest
         (tmp_path / "runs" / name).mkdir(parents=True)
