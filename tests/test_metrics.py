@@ -58,7 +58,7 @@ def test_every_public_name_imports_where_the_readme_and_docs_show_it():
 def test_each_training_module_owns_one_concern_and_none_imports_the_loop():
     modules = sorted(p for p in TRAIN.glob("*.py") if p.name != "__init__.py")
     assert {p.stem for p in modules} == {"config", "batch", "step", "checkpoints", "run_dir", "metrics", "preemption", "restore",
-                                         "verify", "hlo", "profile", "trace_report", "op_names", "loop", "setup", "export", "run_data", "trace_files"}
+                                         "verify", "hlo", "profile", "trace_report", "op_names", "loop", "setup", "export", "run_data", "trace_files", "resume"}
     for path in modules:
         text = path.read_text()
         assert len(text.splitlines()) <= 300, f"{path.name} has {len(text.splitlines())} lines"

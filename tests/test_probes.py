@@ -578,7 +578,7 @@ def test_a_longer_resume_keeps_the_runs_schedule_unless_told(corpus, tmp_path, c
     assert "resuming with changed settings: decay_steps 4 -> 6, steps 4 -> 6" in out
     assert f"learning rate: the decay now ends at step 6, not 4: step 5 trains at lr {float(stretched(4)):.2e}" in out
     longer_warmup = ztrain.TrainConfig(steps=500, warmup=20)  # than the run's decay: not kept, said (no traceback)
-    kept, said = ztrain.run_dir.keep_schedule(other, longer_warmup, 4)
+    kept, said = ztrain.resume.keep_schedule(other, longer_warmup, 4)
     assert kept == longer_warmup and said.startswith("learning rate: the decay now ends at step 500, not 6")
 
 
@@ -812,3 +812,16 @@ def test_a_longer_resume_keeps_the_runs_warm_up(tmp_path):
     assert train.parse_args(["--run-dir", str(run), "--resume", "--steps", "300"]).warmup == 10
     assert train.parse_args(["--run-dir", str(run), "--resume", "--steps", "300", "--warmup", "5"]).warmup == 5
     assert train.parse_args(["--run-dir", str(tmp_path / "new"), "--steps", "300"]).warmup == 20
+
+
+def test_pipeline_settings_of_a_run_without_a_pipeline_do_not_block_its_resume(tmp_path):
+    """Runs made before the recipe refused --microbatches/--virtual-stages without a pipeline
+    axis recorded them; they do nothing there, so a resume without them is not refused."""
+    settings = {"mesh": {"pipeline": 1, "fsdp": 8}, "train": {"steps": 4, "microbatches": 3, "virtual_stages": 2}}
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    now = {"mesh": {"pipeline": 1, "fsdp": 8}, "train": {"steps": 4, "microbatches": None, "virtual_stages": 1}}
+    assert ztrain.resume.check_resume(tmp_path, now) == {}
+    piped = {"mesh": {"pipeline": 2, "fsdp": 4}}
+    (tmp_path / "run.json").write_text(json.dumps({**settings, **piped}))
+    with pytest.raises(ztrain.RunDirError, match="microbatches 3 -> None"):
+        ztrain.resume.check_resume(tmp_path, {**now, **piped})

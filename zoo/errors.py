@@ -11,3 +11,8 @@ class ConfigError(ValueError):
 
 class MeshError(ValueError):
     """A mesh spec, mesh or batch that does not fit the devices or the model; names the culprit."""
+
+
+class RunDirError(ValueError):
+    """A run directory in use by a running run, or holding an earlier run's files; a resume
+    whose settings differ from the run's."""

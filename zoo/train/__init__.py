@@ -9,19 +9,20 @@ the loop around it is the only place with I/O. One module a concern, none import
 - ``checkpoints``: the orbax manager, saves with bit sums, ``SaveFailed``, ``NonFiniteLoss``
 - ``restore``: verified restores, ``load_run`` / ``load_model``
 - ``run_dir``: the run dir's lock and the rules for a previous run
+- ``resume``: what a resume may change, and the schedule a longer resume keeps
 - ``preemption``: stopping on SIGTERM or Ctrl-C with a checkpoint at the step reached, ``Preempted``
 - ``metrics``: the metrics log (JSON lines, TensorBoard, W&B, terminal), the loss plot, the matmul peak
 - ``verify``: the placements proven on the compiled step before it runs
 - ``hlo``: reading a lowered program's text (the host transfers it asks for), ``verify``'s and the planner's
-- ``profile`` / ``trace_report``: ``train(profile=...)``'s trace of some steps, and its per-step report
+- ``profile`` / ``trace_files`` / ``trace_report``: ``train(profile=...)``'s trace of some steps, its files, its per-step report
 - ``loop``: ``train``
-- ``setup``: a run set up from ``recipes/train.py``'s flags (model, mesh, data, checks), its names
-  in ``zoo.train.setup`` only
+- ``setup`` (with ``run_data`` and ``export``): a run set up from ``recipes/train.py``'s flags (model,
+  mesh, data, checks, ``--save-hf``), its names in ``zoo.train.setup`` only
 
 Every name is importable from ``zoo.train`` itself (``from zoo import train; train.TrainConfig``).
 """
 
-from zoo.train import hlo, profile, setup, trace_report, verify  # noqa: E402,F401  (zoo.train.profile etc., as the docs name them)
+from zoo.train import hlo, profile, resume, setup, trace_report, verify  # noqa: E402,F401  (zoo.train.profile etc., as the docs name them)
 from zoo.train.batch import BATCH_FIELDS, as_batch, batches, local_rows, place_batch
 from zoo.train.checkpoints import NonFiniteLoss
 from zoo.train.config import TrainConfig, learning_rate, optimizer, param_specs

@@ -34,7 +34,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup: int = 100
     # Where the cosine decay ends (None: at ``steps``); steps after it train at the final lr. A
-    # resume that changes ``steps`` keeps the run's own (zoo.train.run_dir.keep_schedule).
+    # resume that changes ``steps`` keeps the run's own (zoo.train.resume.keep_schedule).
     decay_steps: int | None = None
     weight_decay: float = 0.1
     b1: float = 0.9

@@ -28,7 +28,8 @@ from zoo.train.config import RisingLoss, TrainConfig, optimizer
 from zoo.train.metrics import MetricsLog, device_memory_in_use, plot_losses, run_settings
 from zoo.train.preemption import Interrupted, Preempted, StopSignals, interrupted_message, preempted_message
 from zoo.train.profile import CheckedStep, check_window
-from zoo.train.run_dir import RunDirLock, check_resume, keep_schedule, write_run_files
+from zoo.train.resume import check_resume, keep_schedule
+from zoo.train.run_dir import RunDirLock, write_run_files
 from zoo.train.step import make_eval
 
 
@@ -67,7 +68,7 @@ def train(
     made from (the recipe's ``data`` and ``checkpoint``), kept in ``run_dir/run.json`` with the
     other settings; a resume whose settings differ from those is refused, listing the
     differences, except for the names in ``allow_change`` (and what never changes the numbers:
-    ``zoo.train.run_dir.FREE_ON_RESUME``).
+    ``zoo.train.resume.FREE_ON_RESUME``).
 
     The step compiles with the backend's XLA options (:data:`zoo.runtime.XLA_OPTIONS`) and
     ``xla_options`` on top (``xla_defaults=False``: only those); its placements are proven on the
