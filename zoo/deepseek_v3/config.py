@@ -10,6 +10,7 @@ from zoo.core.protocol import AxisRule, check_positive_ints
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig, decoder_hf
 from zoo.layers.decoder import DecoderConfig
+from zoo.layers.moe_dispatch import dispatch_of
 from zoo.layers.rope import Rope, yarn_mscale
 
 DEEPSEEK_V3_ROPE = Rope(
@@ -70,9 +71,15 @@ class DeepseekV3Config(DecoderConfig):
     num_nextn_predict_layers: int = 0
     mtp: bool = False
     aux_loss_alpha: float = 0.0
+    # Not architecture (never in config.json): expert parallelism's all-to-all rounds, a slot of
+    # capacity_factor x the mean rows per destination, and past it "dropless" (more rounds) or
+    # "drop" (dropped, counted): zoo.layers.moe_dispatch.
+    capacity_factor: float = 1.25
+    moe_overflow: str = "dropless"
 
     def __post_init__(self):
         super().__post_init__()
+        dispatch_of(self)
         check_positive_ints(
             self, "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",

@@ -19,6 +19,7 @@ from zoo.deepseek_v3.moe import MoE, route, sequence_balance_loss
 from zoo.layers import rms_norm, swiglu
 from zoo.layers.decoder import DenseBlock, MoEBlock
 from zoo.layers.moe import expert_load, moe_experts
+from zoo.layers.moe_dispatch import dispatch_of
 
 
 class DenseLayer(DenseBlock):
@@ -32,21 +33,22 @@ class MoELayer(MoEBlock):
 
 def moe_ffn(
     config: DeepseekV3Config, p: MoE, h: Float[Array, "B S D"], impl: str
-) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""]]:
-    """Routed + shared experts. Returns the output, the per-expert load and the (un-weighted)
-    sequence-wise balance loss."""
+) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""], Int[Array, ""]]:
+    """Routed + shared experts. Returns the output, the per-expert load, the (un-weighted)
+    sequence-wise balance loss and the (token, expert) pairs the dispatch dropped."""
     b, s, d = h.shape
     x = h.reshape(b * s, d)
     routing = route(
         x, p.router, p.router_bias, top_k=config.num_experts_per_tok, n_group=config.n_group,
         topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor,
     )  # fmt: skip
-    out = moe_experts(x, routing, p.w_gate, p.w_up, p.w_down, impl=impl).reshape(b, s, d)
+    out, dropped = moe_experts(x, routing, p.w_gate, p.w_up, p.w_down, impl=impl, dispatch=dispatch_of(config))
+    out = out.reshape(b, s, d)
     if p.shared is not None:
         out = out + swiglu(h, p.shared.w_gate, p.shared.w_up, p.shared.w_down, prefix="shared")
     k = config.num_experts_per_tok
     balance = sequence_balance_loss(routing.scores.reshape(b, s, -1), routing.experts.reshape(b, s, k))
-    return out, expert_load(routing.experts, config.n_routed_experts), balance
+    return out, expert_load(routing.experts, config.n_routed_experts), balance, dropped
 
 
 def dense_layer(config, layer: DenseLayer, x, cos, sin, segment_ids):
@@ -64,7 +66,7 @@ def dense_layer_ffn(config: DeepseekV3Config, layer: DenseLayer, x: Float[Array,
 
 
 def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
-    """Pre-norm MLA then pre-norm MoE; also the layer's expert load and balance loss."""
+    """Pre-norm MLA then pre-norm MoE; also the layer's expert load, balance loss and dropped pairs."""
     x = named("layer_input", lambda: x)
     h = named("attn_norm", rms_norm, x, layer.attn_norm, config.rms_norm_eps)
     x = x + mla(config, layer.attn, h, cos, sin, segment_ids)
@@ -73,12 +75,12 @@ def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
 
 def moe_layer_ffn(
     config: DeepseekV3Config, layer: MoELayer, x: Float[Array, "B S D"], impl: str
-) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""]]:
+) -> tuple[Float[Array, "B S D"], Int[Array, " E"], Float[Array, ""], Int[Array, ""]]:
     """An MoE layer after its attention: pre-norm MoE added to the residual stream; also the
-    layer's expert load and balance loss."""
+    layer's expert load, balance loss and dropped pairs."""
     h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
-    out, load, balance = moe_ffn(config, layer.moe, h, impl)
-    return x + out, load, balance
+    out, load, balance, dropped = moe_ffn(config, layer.moe, h, impl)
+    return x + out, load, balance, dropped
 
 
 def cast_moe(layer: MoELayer, dtype) -> MoELayer:

@@ -37,6 +37,7 @@ class DeepseekV3Metrics(NamedTuple):
     mtp_loss: Float[Array, ""]
     balance_loss: Float[Array, ""]
     expert_load: Int[Array, "Lm E"] | None
+    dropped_pairs: Int[Array, ""] | None = None
 
 
 def deepseek_v3_loss(
@@ -67,4 +68,4 @@ def deepseek_v3_loss(
         mtp = chunked_cross_entropy(out.mtp_logits, head, labels2, mask2, vocab_size=vocab)
     alpha = model.config.aux_loss_alpha if balance_alpha is None else balance_alpha
     total = lm + mtp_weight * mtp + alpha * out.balance_loss
-    return total, DeepseekV3Metrics(lm, mtp, out.balance_loss, out.expert_load)
+    return total, DeepseekV3Metrics(lm, mtp, out.balance_loss, out.expert_load, out.dropped_pairs)

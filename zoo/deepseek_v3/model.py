@@ -130,6 +130,9 @@ class DeepseekV3Output(NamedTuple):
     expert_load: Int[Array, "Lm E"] | None
     balance_loss: Float[Array, ""]
     mtp_logits: Float[Array, "B S V"] | None
+    # (token, expert) pairs dropped past the dispatch's capacity, all MoE layers and the MTP
+    # block's together (0 unless config.moe_overflow is "drop").
+    dropped_pairs: Int[Array, ""] | None = None
 
 
 class DeepseekV3(CausalLM):
@@ -209,23 +212,23 @@ class DeepseekV3(CausalLM):
 
             x, ys = scan_layers(dense_body, x, self.dense_layers, policy=policy, rows=rows)
             outputs.append(ys)
-        load, balance = None, jnp.zeros((), jnp.float32)
+        load, balance, dropped = None, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
         if self.moe_layers is not None:
 
             def moe_body(h, layer, rows):
-                h, layer_load, layer_balance = moe_layer(
+                h, layer_load, layer_balance, layer_dropped = moe_layer(
                     config, gather_layer(cast_moe(layer, dtype)), h, *rows, self.expert_impl
                 )
-                return h, (layer_load, layer_balance, h if return_hidden else None)
+                return h, (layer_load, layer_balance, layer_dropped, h if return_hidden else None)
 
             # Per-layer balance losses as scan outputs, not a carry: a carry starts typed as varying
             # over every axis the tokens do, while a sequence's balance loss is the same on all the
             # context devices that hold its chunks. Pipelined, micro-batches' loads add up and
             # their balance losses (means over equal numbers of sequences) average.
-            x, (load, balances, ys) = scan_layers(
-                moe_body, x, self.moe_layers, policy=policy, rows=rows, combine=("sum", "mean", "rows")
+            x, (load, balances, layer_dropped, ys) = scan_layers(
+                moe_body, x, self.moe_layers, policy=policy, rows=rows, combine=("sum", "mean", "sum", "rows")
             )
-            balance = jnp.sum(balances)
+            balance, dropped = jnp.sum(balances), jnp.sum(layer_dropped)
             outputs.append(ys)
         last = x
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
@@ -233,14 +236,16 @@ class DeepseekV3(CausalLM):
         logits = unembed(x, w, vocab_size=config.vocab_size) if head else x
         mtp_logits = None
         if self.mtp is not None:
-            mtp_logits = self._mtp(last, input_ids, w, cos, sin, segment_ids, dtype, policy)
+            mtp_logits, mtp_dropped = self._mtp(last, input_ids, w, cos, sin, segment_ids, dtype, policy)
+            dropped = dropped + mtp_dropped
         hidden = None
         if return_hidden:
             per_layer = jnp.concatenate([o for o in outputs[1:] if o is not None], axis=0)
             hidden = jnp.concatenate([outputs[0][None], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
-        return DeepseekV3Output(logits, hidden, load, balance, mtp_logits)
+        return DeepseekV3Output(logits, hidden, load, balance, mtp_logits, dropped)
 
-    def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype, policy=None) -> Float[Array, "B S _"]:
+    def _mtp(self, last, input_ids, head, cos, sin, segment_ids, dtype, policy=None):
+        """The MTP block's logits (or final-normed hidden states without ``head``) and its dropped pairs."""
         m, eps = self.mtp, self.config.rms_norm_eps
         # Token t+1 for position t (the last repeats: its prediction is masked out); under
         # context parallelism it may be on another device.
@@ -252,13 +257,14 @@ class DeepseekV3(CausalLM):
         x = jnp.einsum("bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
 
         def block(x, layer):
-            return moe_layer(self.config, layer, x, cos, sin, segment_ids, self.expert_impl)[0]
+            x, _, _, dropped = moe_layer(self.config, layer, x, cos, sin, segment_ids, self.expert_impl)
+            return x, dropped
 
         if policy is not None:  # the placement map places the MTP block's tensors as a layer's
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
-        x = block(x, cast_moe(m.block, dtype))
+        x, dropped = block(x, cast_moe(m.block, dtype))
         x = rms_norm(x, m.final_norm, eps)
-        return x if head is None else unembed(x, head, vocab_size=self.config.vocab_size)
+        return (x if head is None else unembed(x, head, vocab_size=self.config.vocab_size)), dropped
 
     def unembedding(self) -> Float[Array, "V D"]:
         """The output head's matrix (the embedding where tied)."""
@@ -280,6 +286,8 @@ class DeepseekV3(CausalLM):
         metrics = {"lm_loss": m.lm_loss, "mtp_loss": m.mtp_loss, "balance_loss": m.balance_loss}
         if m.expert_load is not None:
             metrics["expert_load"] = m.expert_load
+        if self.config.moe_overflow == "drop":
+            metrics["moe_dropped_pairs"] = m.dropped_pairs
         return total, metrics
 
     def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> DeepseekV3:

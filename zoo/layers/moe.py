@@ -1,5 +1,6 @@
 """Mixture-of-experts machinery shared by every MoE family: dropless expert compute on the
-(token, expert) pairs a router chose, and expert parallelism's dispatch and combine.
+(token, expert) pairs a router chose, and expert parallelism's dispatch and combine (its
+all-to-all rounds: :mod:`zoo.layers.moe_dispatch`).
 
 Routing is the family's own (DeepSeek-V3's sigmoid + bias + groups, Qwen3's softmax top-k): it
 produces a :class:`Routing`, and everything after it is here.
@@ -23,6 +24,7 @@ from zoo.core.named import named
 from zoo.hooks.step import current_step, psum_varying, varying_axes, varying_like
 from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
+from zoo.layers.moe_dispatch import Dispatch, exchange_experts
 
 ExpertImpl = Literal["auto", "ragged_dot", "capacity", "grouped", "tiled", "dense"]
 
@@ -251,8 +253,10 @@ def routed_experts(
     w_down: Float[Array, "E M D"],
     *,
     pair_mlp: Callable[..., Float[Array, "P D"]],
-) -> Float[Array, "T D"]:
-    """The routed experts' combined output; expert-parallel inside the step.
+    dispatch: Dispatch = Dispatch(),
+) -> tuple[Float[Array, "T D"], Int[Array, ""]]:
+    """The routed experts' combined output, expert-parallel inside the step; and the (token,
+    expert) pairs dropped past the dispatch's capacity (0 unless ``dispatch.overflow="drop"``).
 
     Outside the step (or with experts not split over ``"expert"``) this is ``impl``. Split,
     each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
@@ -261,30 +265,26 @@ def routed_experts(
     each pair ``(p // k, pair_experts[p])`` through its local expert, an id of ``E / expert``
     marking a pair that is not the device's (skipped, zeros).
 
-    - Tokens split over ``"expert"`` (a batch split over it): **all-to-all dispatch** — each
-      device sorts its pairs by destination and sends each device its pairs in one
-      ``jax.lax.all_to_all``; the outputs come back by the reverse all-to-all and are combined
-      where the tokens live.
+    - Tokens split over ``"expert"`` (a batch split over it): **all-to-all dispatch** in rounds
+      of ``dispatch.capacity_factor`` x the mean rows per destination
+      (:func:`zoo.layers.moe_dispatch.exchange_experts`); the outputs come back by the reverse
+      all-to-all and are combined where the tokens live.
     - Tokens shared by the expert group (the batch split over ``data``/``fsdp`` only): no move;
       each device picks its own pairs, and a ``psum`` over ``"expert"`` combines.
-
-    Dropless with static shapes: each destination's slot holds a device's T·K pairs, the worst
-    case (every pair to one device), so no token is ever dropped whatever the routing; padding
-    costs buffer memory, not FLOPs. ``ragged_all_to_all`` would send only the real rows but
-    XLA:CPU does not implement it (jaxlib 0.10), and the tests run there.
     """
+    none = jnp.zeros((), jnp.int32)
     step = current_step()
     if step is None:
-        return impl(x, routing, w_gate, w_up, w_down)
+        return impl(x, routing, w_gate, w_up, w_down), none
     if "expert" not in varying_axes(w_gate):
         x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
-        return psum_varying(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",))
+        return psum_varying(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",)), none
     t, k = routing.experts.shape
     e_local = w_gate.shape[0]
     flat = routing.experts.reshape(-1)
     spread = "expert" in varying_axes(x)
     if spread:
-        out = _all_to_all_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down))
+        out, dropped = exchange_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down), dispatch)
         combine = routing.weights
     else:
         # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
@@ -295,38 +295,10 @@ def routed_experts(
         # About 1/expert of the pairs are this device's: the capacity pass is sized for those.
         n = axis_size(step.mesh, "expert")
         out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down, expected_rows=-(-t * k // n))
-        combine = varying_like(routing.weights, w_gate)
+        combine, dropped = varying_like(routing.weights, w_gate), none
     out = named("moe_out", out.reshape, t, k, -1)
     out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))
-    return psum_varying(out if spread else jax.lax.psum(out, "expert"), ("tensor",))
-
-
-def _all_to_all_experts(
-    pair_mlp: Callable[..., Array], x: Float[Array, "T D"], flat: Int[Array, " P"], k: int, weights: tuple
-) -> Float[Array, "P D"]:
-    """Each local pair's expert output, its experts living on other devices of the group."""
-    n, e_local = axis_size(current_step().mesh, "expert"), weights[0].shape[0]
-    pairs = flat.shape[0]
-    dest = flat // e_local
-    order = jnp.argsort(flat, stable=True)  # by expert, hence by destination
-    count = jnp.bincount(dest, length=n)
-    start = jnp.cumsum(count) - count
-    # Slot c of destination d holds sorted pair start[d] + c, if d has that many.
-    c = jnp.arange(pairs, dtype=jnp.int32)
-    valid = c[None, :] < count[:, None]
-    pos = jnp.where(valid, start[:, None] + c[None, :], 0)
-    pair = jnp.take(order, pos)
-    send_x = jnp.where(valid[..., None], jnp.take(x, pair // k, axis=0), jnp.zeros((), x.dtype))
-    send_e = jnp.where(valid, jnp.take(flat, pair) - jnp.arange(n, dtype=flat.dtype)[:, None] * e_local, e_local)
-    recv_x, recv_e = (
-        jax.lax.all_to_all(a.reshape(n * pairs, *a.shape[2:]), "expert", 0, 0, tiled=True) for a in (send_x, send_e)
-    )
-    # The receive buffer has room for every pair at every source; about `pairs` rows are real.
-    out = pair_mlp(recv_x, recv_e.astype(jnp.int32), 1, *weights, expected_rows=pairs)
-    back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
-    # Sorted pair j went to slot j - start[dest] of its destination.
-    rank = jnp.argsort(order)
-    return jnp.take(back, dest * pairs + rank - start[dest], axis=0)
+    return psum_varying(out if spread else jax.lax.psum(out, "expert"), ("tensor",)), dropped
 
 
 def moe_experts(
@@ -337,8 +309,10 @@ def moe_experts(
     w_down: Float[Array, "E M D"],
     *,
     impl: str = "auto",
-) -> Float[Array, "T D"]:
+    dispatch: Dispatch = Dispatch(),
+) -> tuple[Float[Array, "T D"], Int[Array, ""]]:
     """The routed experts' combined output through expert path ``impl`` (see
-    :func:`resolve_expert_impl`), expert-parallel inside :func:`zoo.parallel.value_and_grad`."""
+    :func:`resolve_expert_impl`), expert-parallel inside :func:`zoo.parallel.value_and_grad`
+    as ``dispatch`` says; and the pairs it dropped (:func:`routed_experts`)."""
     path = EXPERT_IMPLS[resolve_expert_impl(impl)]
-    return routed_experts(path, x, routing, w_gate, w_up, w_down, pair_mlp=pair_mlp_for(impl))
+    return routed_experts(path, x, routing, w_gate, w_up, w_down, pair_mlp=pair_mlp_for(impl), dispatch=dispatch)

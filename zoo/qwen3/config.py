@@ -15,6 +15,7 @@ from zoo.core.protocol import AxisRule
 from zoo.errors import ConfigError, MeshError
 from zoo.hf.config import HFConfig, decoder_hf
 from zoo.layers.decoder import GQAConfig
+from zoo.layers.moe_dispatch import dispatch_of
 from zoo.layers.rope import Rope
 
 QWEN3_ROPE = Rope(theta=1000000.0)
@@ -74,9 +75,15 @@ class Qwen3Config(GQAConfig):
     rms_norm_eps: float = 1e-6
     rope: Rope = field(default_factory=lambda: QWEN3_ROPE)
     max_position_embeddings: int = 40960
+    # Not architecture (never in config.json): expert parallelism's all-to-all rounds, a slot of
+    # capacity_factor x the mean rows per destination, and past it "dropless" (more rounds) or
+    # "drop" (dropped, counted): zoo.layers.moe_dispatch.
+    capacity_factor: float = 1.25
+    moe_overflow: str = "dropless"
 
     def __post_init__(self):
         super().__post_init__()
+        dispatch_of(self)
         name = "Qwen3Config"
         if self.model_type not in ("qwen3", "qwen3_moe"):
             raise ConfigError(f"{name}.model_type must be 'qwen3' or 'qwen3_moe', got {self.model_type!r}")

@@ -34,10 +34,12 @@ class Qwen3Training:
 
 class RouterStats(NamedTuple):
     """What the balance loss needs of the routers: per MoE layer, the (token, choice) pairs per
-    expert; over all MoE layers, the sum of the router probabilities per expert."""
+    expert; over all MoE layers, the sum of the router probabilities per expert and the pairs
+    the dispatch dropped."""
 
     load: Int[Array, "Lm E"]
     prob_sum: Float[Array, " E"]
+    dropped_pairs: Int[Array, ""] | None = None  # past the dispatch's capacity (zoo.layers.moe_dispatch)
 
 
 def layer_router_stats(routing: Routing, n_experts: int) -> tuple[Int[Array, " E"], Float[Array, " E"]]:

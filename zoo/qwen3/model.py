@@ -31,6 +31,7 @@ from zoo.layers.decoder import DenseBlock, GQAttention, MoEBlock
 from zoo.layers.embed import positions_for
 from zoo.layers.gqa_decode import GQAGeneration, GQALayers
 from zoo.layers.moe import moe_experts, resolve_expert_impl
+from zoo.layers.moe_dispatch import dispatch_of
 from zoo.layers.stack import scan_layers
 from zoo.loss import chunked_cross_entropy, shifted_targets
 from zoo.placement import layer_policy
@@ -131,15 +132,16 @@ def dense_ffn(config: Qwen3Config, layer: DenseLayer, x: Float[Array, "B S D"]) 
 
 def moe_ffn(
     config: Qwen3Config, layer: MoELayer, x: Float[Array, "B S D"], impl: str
-) -> tuple[Float[Array, "B S D"], tuple[Int[Array, " E"], Float[Array, " E"]]]:
-    """Pre-norm MoE added to the residual stream; also the layer's expert load and the sum of
-    its router probabilities (what the balance loss needs)."""
+) -> tuple[Float[Array, "B S D"], tuple[Int[Array, " E"], Float[Array, " E"], Int[Array, ""]]]:
+    """Pre-norm MoE added to the residual stream; also the layer's expert load, the sum of its
+    router probabilities (what the balance loss needs) and the pairs its dispatch dropped."""
     b, s, d = x.shape
     h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
     tokens = h.reshape(b * s, d)
     routing = route(tokens, layer.moe.router, top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob)
-    out = moe_experts(tokens, routing, layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down, impl=impl)
-    return x + out.reshape(b, s, d), layer_router_stats(routing, config.num_experts)
+    out, dropped = moe_experts(tokens, routing, layer.moe.w_gate, layer.moe.w_up, layer.moe.w_down, impl=impl,
+                               dispatch=dispatch_of(config))  # fmt: skip
+    return x + out.reshape(b, s, d), (*layer_router_stats(routing, config.num_experts), dropped)
 
 
 def qwen3_layer(config, layer, x, cos, sin, segment_ids, kind: str, impl: str):
@@ -265,13 +267,13 @@ class Qwen3(GQAGeneration):
         cos, sin = rope_cos_sin(config.rope, config.head_dim, positions_for(input_ids, positions))
         policy = layer_policy(placement, self)
         x = embed(self.embed, input_ids, dtype, vocab_size=config.vocab_size)
-        outputs, loads, probs = [x[None]], [], []
+        outputs, loads, probs, dropped = [x[None]], [], [], []
         split = block_pipeline(self)
         rows = (cos, sin, segment_ids)  # per-row inputs: cut into micro-batches when pipelined
         for block, (dense, moe, pattern) in zip(config.blocks, block_stacks(self, pipelined=split is not None)):
 
             def body(h, layers, rows, pattern=pattern):
-                taken, hs, block_loads, block_probs = {"dense": 0, "moe": 0}, [], [], []
+                taken, hs, block_loads, block_probs, block_dropped = {"dense": 0, "moe": 0}, [], [], [], []
                 for kind in pattern:  # the repeat's layers, in their stored order
                     layer = jax.tree.map(lambda w, i=taken[kind]: w[i], layers[kind])
                     taken[kind] += 1
@@ -280,19 +282,23 @@ class Qwen3(GQAGeneration):
                     if stats is not None:
                         block_loads.append(stats[0])
                         block_probs.append(stats[1])
+                        block_dropped.append(stats[2])
                     hs.append(h)
                 stacked = lambda xs, axis=0: jnp.stack(xs, axis=axis) if xs else None  # noqa: E731
-                return h, (stacked(hs, 1) if return_hidden else None, stacked(block_loads), stacked(block_probs))
+                return h, (stacked(hs, 1) if return_hidden else None, stacked(block_loads), stacked(block_probs),
+                           stacked(block_dropped))  # fmt: skip
 
             # The router probabilities' sums are per-layer outputs, not a carry: pipelined
             # (zoo.pipeline), each micro-batch's are summed, like the expert load.
             here = None if split is None else (split, block.repeats)
-            x, (ys, load, prob) = scan_layers(
-                body, x, {"dense": dense, "moe": moe}, policy=policy, rows=rows, combine=("rows", "sum", "sum"), pipeline=here
-            )
+            x, (ys, load, prob, block_drops) = scan_layers(
+                body, x, {"dense": dense, "moe": moe}, policy=policy, rows=rows, combine=("rows", "sum", "sum", "sum"),
+                pipeline=here,
+            )  # fmt: skip
             if load is not None:
                 loads.append(load.reshape(-1, *load.shape[2:]))
                 probs.append(jnp.sum(prob, axis=(0, 1)))
+                dropped.append(jnp.sum(block_drops))
             if return_hidden:  # [repeats, rows, per repeat, S, D] -> [layers, rows, S, D]
                 outputs.append(jnp.moveaxis(ys, 2, 1).reshape(-1, *ys.shape[1:2], *ys.shape[3:]))
         x = rms_norm(x, self.final_norm, config.rms_norm_eps)
@@ -301,7 +307,7 @@ class Qwen3(GQAGeneration):
         if return_hidden:
             per_layer = jnp.concatenate(outputs[1:], axis=0)
             hidden = jnp.concatenate([outputs[0], per_layer[:-1], x[None]], axis=0).astype(jnp.float32)
-        stats = RouterStats(jnp.concatenate(loads, axis=0), sum(probs[1:], probs[0])) if loads else None
+        stats = RouterStats(jnp.concatenate(loads, axis=0), sum(probs[1:], probs[0]), sum(dropped)) if loads else None
         return Qwen3Output(logits, hidden, stats)
 
     # -- training (zoo/qwen3/loss.py) ---------------------------------------------------------
@@ -316,7 +322,10 @@ class Qwen3(GQAGeneration):
             return lm, {"lm_loss": lm}
         coef = self.config.router_aux_loss_coef if o.aux_loss_coef is None else o.aux_loss_coef
         balance = switch_balance_loss(out.router, self.config.num_experts_per_tok)
-        return lm + coef * balance, {"lm_loss": lm, "balance_loss": balance, "expert_load": out.router.load}
+        metrics = {"lm_loss": lm, "balance_loss": balance, "expert_load": out.router.load}
+        if self.config.moe_overflow == "drop":
+            metrics["moe_dropped_pairs"] = out.router.dropped_pairs
+        return lm + coef * balance, metrics
 
     # -- generation: the shared grouped-query decoder (zoo.layers.gqa_decode) ----------------
     def decode_layers(self) -> GQALayers:

@@ -190,6 +190,8 @@ class MetricsLog:
                          ("lr", ".2e")):  # fmt: skip
             if record.get(key) is not None:
                 parts.append(f"{key} {format(record[key], fmt)}")
+        if record.get("moe_dropped_pairs"):  # token dropping (moe_overflow "drop"): never silent
+            parts.append(f"dropped {record['moe_dropped_pairs']:.0f} pairs")
         if record.get("memory_bytes"):
             parts.append(f"mem {record['memory_bytes'] / 2**20:.0f}MiB")
         parts.extend(self._timing(record["step"]))

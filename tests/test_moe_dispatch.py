@@ -1,0 +1,154 @@
+"""Expert parallelism's capacity-bounded all-to-all (zoo.layers.moe_dispatch), layer by layer on
+8 CPU devices: the routed experts' output and gradients equal one device's on balanced and
+adversarial routing, the all-to-all moves ``capacity_factor x`` the routed rows (not ``expert x``),
+and token dropping drops exactly the pairs past a destination's slot and counts them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from zoo import parallel
+from zoo.errors import ConfigError
+from zoo.hooks.step import step_context
+from zoo.layers.moe import Routing, pair_mlp_for, routed_experts, routed_experts_dense
+from zoo.layers.moe_dispatch import Dispatch, slot_rows
+
+T, D, M, E, K = 64, 16, 24, 8, 2  # tokens per device, width, expert hidden, experts, top-k
+MESHES = ["expert=8", "fsdp=2,expert=4", "data=2,expert=4"]
+
+
+def inputs(routing: str, devices: int, *, seed: int = 0):
+    """Tokens, their routing (``"balanced"``: random distinct experts; ``"adversarial"``: every
+    token to experts 0 and 1, both on the group's first device) and expert weights."""
+    kx, kr, kw, kg, ku, kd = jr.split(jr.key(seed), 6)
+    n = T * devices
+    x = jr.normal(kx, (n, D))
+    if routing == "balanced":
+        experts = jnp.argsort(jr.uniform(kr, (n, E)), axis=-1)[:, :K].astype(jnp.int32)
+    else:
+        experts = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (n, K))
+    weights = jax.nn.softmax(jr.normal(kw, (n, K)), axis=-1)
+    w = [jr.normal(k, s) / np.sqrt(s[1]) for k, s in ((kg, (E, D, M)), (ku, (E, D, M)), (kd, (E, M, D)))]
+    return x, experts, weights, w
+
+
+def sharded_experts(mesh, dispatch: Dispatch, impl: str = "capacity"):
+    """``(x, experts, weights, wg, wu, wd, cot) -> (out, dropped, value, grads)`` under ``mesh``:
+    the routed experts' output, the dropped pairs (summed over devices), ``sum(out * cot)`` and
+    its gradients for tokens, combine weights and expert weights, taken inside the step as
+    :func:`zoo.parallel.value_and_grad` takes them. Tokens are split over every axis but
+    ``tensor``, experts over ``expert``."""
+    batch = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
+
+    def body(x, experts, weights, wg, wu, wd, cot):
+        with step_context(mesh, {}):
+
+            def local(x, weights, w):
+                routing = Routing(experts, weights, jnp.zeros((x.shape[0], E)))
+                out, dropped = routed_experts(routed_experts_dense, x, routing, *w, pair_mlp=pair_mlp_for(impl),
+                                              dispatch=dispatch)  # fmt: skip
+                return jnp.sum(out * cot), (out, dropped)
+
+            (value, (out, dropped)), grads = jax.value_and_grad(local, (0, 1, 2), has_aux=True)(x, weights, (wg, wu, wd))
+        return out, jax.lax.psum(dropped, batch), jax.lax.psum(value, batch), grads
+
+    tok, ex = P(batch), P("expert")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, ex, ex, ex, tok),
+                                 out_specs=(tok, P(), P(), (tok, tok, (ex, ex, ex))), check_vma=True))  # fmt: skip
+
+
+def reference(x, experts, weights, w, kept=None):
+    """One device's routed experts (every expert on every token), pairs not ``kept`` left out."""
+    if kept is not None:
+        weights = jnp.where(kept, weights, 0.0)
+    return routed_experts_dense(x, Routing(experts, weights, jnp.zeros((x.shape[0], E))), *w)
+
+
+def kept_pairs(experts: np.ndarray, mesh, capacity_factor: float) -> np.ndarray:
+    """Which pairs a ``"drop"`` dispatch keeps, worked out here from its rule: on each source
+    device, the pairs sorted by expert (stably), each destination's first ``slot`` kept."""
+    n = mesh.shape["expert"]
+    sources = experts.reshape(-1, T * K)  # the batch axes' devices, in order
+    kept = np.zeros_like(sources, bool)
+    slot = slot_rows(T * K, n, capacity_factor)
+    for s, flat in enumerate(sources):
+        order = np.argsort(flat, kind="stable")
+        dest = flat[order] // (E // n)
+        for d in range(n):
+            kept[s, order[dest == d][:slot]] = True
+    return kept.reshape(experts.shape)
+
+
+@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("routing", ["balanced", "adversarial"])
+def test_dropless_exchange_equals_one_device(spec, routing):
+    """Output and gradients (tokens, combine weights, expert weights) equal one device's, also
+    when every pair goes to one device (four rounds of slots at capacity factor 1)."""
+    mesh = parallel.make_mesh(spec)
+    x, experts, weights, w = inputs(routing, 8)
+    cot = jr.normal(jr.key(9), x.shape)
+    _, dropped, value, grads = sharded_experts(mesh, Dispatch(1.0, "dropless"))(x, experts, weights, *w, cot)
+    loss = lambda x, c, w: jnp.sum(reference(x, experts, c, w) * cot)
+    ref_value, ref_grads = jax.value_and_grad(loss, (0, 1, 2))(x, weights, w)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+    assert int(dropped) == 0
+
+
+@pytest.mark.parametrize("spec", ["expert=8", "fsdp=2,expert=4"])
+@pytest.mark.parametrize("routing", ["balanced", "adversarial"])
+def test_token_dropping_drops_exactly_the_pairs_past_the_slot(spec, routing):
+    """``overflow="drop"``: the output is one device's without the pairs past each destination's
+    slot (worked out independently), and the step counts exactly those."""
+    mesh = parallel.make_mesh(spec)
+    x, experts, weights, w = inputs(routing, 8, seed=1)
+    out, dropped, _, _ = sharded_experts(mesh, Dispatch(1.0, "drop"))(x, experts, weights, *w, jnp.ones_like(x))
+    kept = kept_pairs(np.asarray(experts), mesh, 1.0)
+    assert int(dropped) == int((~kept).sum())
+    if routing == "adversarial":  # a source's T pairs per expert 0 and 1, past their devices' slots
+        n = mesh.shape["expert"]
+        homes = {e // (E // n) for e in range(K)}
+        assert int(dropped) == 8 * (T * K - len(homes) * slot_rows(T * K, n, 1.0)) > 0
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(x, experts, weights, w, kept)), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+
+
+def all_to_all_bytes(fn, *args) -> list[int]:
+    """The bytes of each all-to-all's result in ``fn``'s compiled program (per device)."""
+    from zoo.plan.collectives import shape_bytes
+
+    hlo = fn.lower(*args).compile().as_text()
+    return [shape_bytes(line.split(" all-to-all(")[0].split("=", 1)[1]) for line in hlo.splitlines()
+            if " all-to-all(" in line]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", ["expert=8", "fsdp=2,expert=4"])
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_all_to_all_moves_capacity_factor_times_the_routed_rows(spec, factor):
+    """Each all-to-all of token rows moves ``capacity_factor x`` a device's T·K routed rows
+    (rounded up to whole slots of 8), where a slot per destination for every pair moved
+    ``expert x`` them."""
+    mesh = parallel.make_mesh(spec)
+    x, experts, weights, w = inputs("balanced", 8)
+    n = mesh.shape["expert"]
+    sizes = all_to_all_bytes(sharded_experts(mesh, Dispatch(factor)), x, experts, weights, *w, x)
+    rows = max(sizes) // (D * 4)
+    assert rows == n * slot_rows(T * K, n, factor) <= factor * T * K + 8 * n
+    assert rows < n * T * K / 2  # today's worst-case slots moved n x the routed rows
+
+
+def test_dispatch_settings_are_checked_naming_the_field():
+    with pytest.raises(ConfigError, match="capacity_factor"):
+        Dispatch(0.0)
+    with pytest.raises(ConfigError, match="overflow"):
+        Dispatch(1.0, "sometimes")
+    from zoo.deepseek_v3.config import DeepseekV3Config
+
+    with pytest.raises(ConfigError, match=r"DeepseekV3Config\.moe_overflow"):
+        DeepseekV3Config.preset("tiny").__class__(**{**DeepseekV3Config.preset("tiny").__dict__, "moe_overflow": "x"})
