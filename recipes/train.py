@@ -48,6 +48,12 @@ def parser() -> argparse.ArgumentParser:
                    help="attention path: auto picks splash (TPU), cuDNN (GPU, bf16, unpacked), the Pallas GPU kernel "
                         "(GPU, bf16, packed), blockwise (long sequences, context parallelism) or dense XLA "
                         "(see docs/models.md)")  # fmt: skip
+    m.add_argument("--capacity-factor", type=positive, default=None,
+                   help="MoE expert parallelism: each all-to-all round's slot per destination, x the mean routed rows "
+                        "(default: the config's, 1.25; see docs/parallelism.md)")  # fmt: skip
+    m.add_argument("--moe-overflow", choices=["dropless", "drop"], default=None,
+                   help="MoE: past a round's slots, more rounds (dropless, the default: exact) or token dropping "
+                        "(dropped pairs counted and logged)")  # fmt: skip
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib",
                    help="'stdlib' (embedded), a .npy token file, or comma-separated text files, JSON lines (.jsonl), "
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         mesh = setup.make_mesh(args.mesh, args)  # before anything is built: rows the mesh cannot split, named
         before = runtime.reset_resident_peak()
         model = setup.build_model(checkpoint=args.checkpoint, model_type=args.model, preset=args.preset,
-                                  attention=args.attention, seed=args.seed, mesh=mesh,
+                                  attention=args.attention, seed=args.seed, mesh=mesh, moe=setup.moe_settings(args),
                                   param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])  # fmt: skip
     except MeshError as e:  # a dimension the mesh does not divide, named
         parser().error(f"--mesh {args.mesh}: {e}")

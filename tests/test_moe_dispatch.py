@@ -119,13 +119,16 @@ def test_token_dropping_drops_exactly_the_pairs_past_the_slot(spec, routing):
                                atol=1e-6)  # fmt: skip
 
 
-def all_to_all_bytes(fn, *args) -> list[int]:
-    """The bytes of each all-to-all's result in ``fn``'s compiled program (per device)."""
-    from zoo.plan.collectives import shape_bytes
+def all_to_all_bytes(fn, mesh, *args) -> tuple[list[int], int]:
+    """The bytes of each all-to-all's result in ``fn``'s compiled program (per device), and the
+    all-to-all bytes per step the planner reads in it (:func:`zoo.plan.collectives.hlo_traffic`)."""
+    from zoo.plan.collectives import hlo_traffic, shape_bytes
 
     hlo = fn.lower(*args).compile().as_text()
-    return [shape_bytes(line.split(" all-to-all(")[0].split("=", 1)[1]) for line in hlo.splitlines()
-            if " all-to-all(" in line]  # fmt: skip
+    sizes = [shape_bytes(line.split(" all-to-all(")[0].split("=", 1)[1]) for line in hlo.splitlines()
+             if " all-to-all(" in line]  # fmt: skip
+    traffic = hlo_traffic(hlo, dict(mesh.shape))
+    return sizes, traffic.get(("all_to_all", ("expert",)), 0)
 
 
 @pytest.mark.parametrize("spec", ["expert=8", "fsdp=2,expert=4"])
@@ -137,10 +140,13 @@ def test_all_to_all_moves_capacity_factor_times_the_routed_rows(spec, factor):
     mesh = parallel.make_mesh(spec)
     x, experts, weights, w = inputs("balanced", 8)
     n = mesh.shape["expert"]
-    sizes = all_to_all_bytes(sharded_experts(mesh, Dispatch(factor)), x, experts, weights, *w, x)
+    sizes, priced = all_to_all_bytes(sharded_experts(mesh, Dispatch(factor)), mesh, x, experts, weights, *w, x)
     rows = max(sizes) // (D * 4)
     assert rows == n * slot_rows(T * K, n, factor) <= factor * T * K + 8 * n
-    assert rows < n * T * K / 2  # today's worst-case slots moved n x the routed rows
+    assert rows < n * T * K / 2  # a slot for every pair at every destination moved n x the routed rows
+    # The planner prices the first round (tokens, expert ids and outputs forward; the two float
+    # transposes backward), not the later rounds' loops, which balanced routing never enters.
+    assert priced == 4 * rows * D * 4 + rows * 4
 
 
 def test_dispatch_settings_are_checked_naming_the_field():
@@ -152,3 +158,24 @@ def test_dispatch_settings_are_checked_naming_the_field():
 
     with pytest.raises(ConfigError, match=r"DeepseekV3Config\.moe_overflow"):
         DeepseekV3Config.preset("tiny").__class__(**{**DeepseekV3Config.preset("tiny").__dict__, "moe_overflow": "x"})
+
+
+def test_the_recipe_flags_set_the_dispatch_and_refuse_a_dense_model(tmp_path, capsys):
+    """``--capacity-factor`` / ``--moe-overflow`` reach the model's config (and so run.json's
+    loading options); on a model without routed experts they are refused naming the flags; a
+    step that dropped pairs says so on its progress line."""
+    import jax.numpy as jnp
+
+    from zoo.train import setup
+    from zoo.train.metrics import MetricsLog
+
+    flags = type("Flags", (), {"capacity_factor": 1.0, "moe_overflow": "drop"})()
+    common = dict(checkpoint=None, preset="tiny", attention="auto", seed=0, mesh=None, param_dtype=jnp.float32,
+                  compute_dtype=jnp.float32)  # fmt: skip
+    model = setup.build_model(model_type="deepseek_v3", moe=setup.moe_settings(flags), **common)
+    assert (model.config.capacity_factor, model.config.moe_overflow) == (1.0, "drop")
+    with pytest.raises(ConfigError, match="--capacity-factor and --moe-overflow: Llama has no routed experts"):
+        setup.build_model(model_type="llama", moe=setup.moe_settings(flags), **common)
+    log = MetricsLog(None, 4)
+    log.write({"step": 1, "loss": 2.0, "moe_dropped_pairs": 480})
+    assert "dropped 480 pairs" in capsys.readouterr().out

@@ -26,6 +26,7 @@ from helpers import free_port, run_in_fresh_process
 import zoo
 from zoo import parallel, registry
 from zoo.deepseek_v3 import deepseek_v3_loss
+from zoo.layers.moe_dispatch import slot_rows
 from zoo.deepseek_v3 import preset as deepseek_preset
 from zoo.llama import preset as llama_preset
 from zoo.parallel import MeshError
@@ -661,3 +662,56 @@ def test_gpu_kernel_lowers_for_cuda_inside_shard_map():
     names = sorted(set(re.findall(r'name = "(mha_\w+)"', text)))
     assert names == ["mha_backward", "mha_forward", "mha_preprocess_backward"], names
     assert "stablehlo.dot_general" not in text  # no dense attention anywhere in the program
+
+
+# -- expert parallelism on adversarial routing ------------------------------------------------
+
+
+def all_to_first_experts(model, **dispatch):
+    """The same model with every router (and DeepSeek-V3's bias) zero: every score ties, so every
+    token picks experts 0..K-1, all on the expert group's first device; ``dispatch`` sets the
+    config's ``capacity_factor`` / ``moe_overflow``."""
+    from zoo.params import flatten
+
+    arrays = {p: (jnp.zeros_like(x) if p.split(".")[-1] in ("router", "router_bias") else x)
+              for p, x in flatten(model).items()}  # fmt: skip
+    config = dataclasses.replace(model.config, **dispatch)
+    return type(model)(config, arrays=arrays, compute_dtype=model.compute_dtype, expert_impl=model.expert_impl)
+
+
+def moe_bodies(model) -> int:
+    """MoE layers the forward pass runs (DeepSeek-V3's MTP block included)."""
+    config = model.config
+    if isinstance(model, zoo.DeepseekV3):
+        return config.num_layers - config.first_k_dense_replace + int(config.mtp)
+    return config.layer_kinds.count("moe")
+
+
+@pytest.mark.parametrize("name, spec", [("deepseek_v3", "fsdp=2,expert=4"), ("qwen3_moe", "fsdp=2,expert=4"),
+                                        ("qwen3_moe", "expert=4,tensor=2")])  # fmt: skip
+def test_every_token_to_one_device_equals_single_device(name, spec):
+    """All tokens routed to the experts of one device, at capacity factor 1: the dropless
+    dispatch runs four rounds of slots and the step equals one device's (loss, metrics and
+    gradients); with token dropping the step counts exactly the pairs past the slots."""
+    model, loss_fn, has_aux = MODELS[name]()
+    model = all_to_first_experts(model, capacity_factor=1.0)
+    mesh = parallel.make_mesh(spec)
+    ids = batch(model)
+    (ref_loss, ref_aux), ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=True))(model, ids)
+    load = ref_aux["expert_load"] if isinstance(ref_aux, dict) else ref_aux.expert_load
+    assert np.asarray(load)[..., model.config.num_experts_per_tok :].sum() == 0  # every pair to experts 0..K-1
+    step = parallel.value_and_grad(loss_fn, mesh, has_aux=True)
+    (loss, _), grads = step(parallel.shard(model, mesh), ids)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    g, ref_g = flat(grads), flat(ref_grads)
+    for path in ref_g:
+        r = np.asarray(ref_g[path])
+        np.testing.assert_allclose(np.asarray(g[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
+
+    dropping = all_to_first_experts(model, capacity_factor=1.0, moe_overflow="drop")
+    (drop_loss, metrics), _ = parallel.value_and_grad(training_loss, mesh, has_aux=True)(parallel.shard(dropping, mesh), ids)
+    devices = mesh.size // mesh.shape["tensor"]  # the batch's shards
+    pairs = ids.size // devices * model.config.num_experts_per_tok  # a device's pairs, all to one destination
+    expected = moe_bodies(model) * devices * (pairs - slot_rows(pairs, mesh.shape["expert"], 1.0))
+    assert int(metrics["moe_dropped_pairs"]) == expected > 0
+    assert float(drop_loss) != float(ref_loss)

@@ -183,7 +183,8 @@ class DeepseekV3Config(DecoderConfig):
 
     # -- Hugging Face config.json ---------------------------------------------------------
     @classmethod
-    def from_hf(cls, data: dict[str, Any], source: str = "config.json", *, mtp: bool = False) -> DeepseekV3Config:
+    def from_hf(cls, data: dict[str, Any], source: str = "config.json", *, mtp: bool = False,
+                capacity_factor: float = 1.25, moe_overflow: str = "dropless") -> DeepseekV3Config:  # fmt: skip
         c = HFConfig(data, source)
         scoring = c.get("scoring_func", str, "sigmoid")
         if scoring != "sigmoid":
@@ -211,6 +212,8 @@ class DeepseekV3Config(DecoderConfig):
             rope_interleave=c.get("rope_interleave", bool, True),
             num_nextn_predict_layers=c.get("num_nextn_predict_layers", int, 0),
             mtp=mtp,
+            capacity_factor=capacity_factor,
+            moe_overflow=moe_overflow,
             aux_loss_alpha=c.get("aux_loss_alpha", float, 0.0),
         )
 

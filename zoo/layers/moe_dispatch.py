@@ -31,6 +31,10 @@ from zoo.hooks.step import current_step, varying_like
 
 Overflow = Literal["dropless", "drop"]
 OVERFLOWS = ("dropless", "drop")
+# The name scope of the later rounds' loops (forward and backward). The planner prices them as
+# not run, the aux-loss-free bias keeping each destination's load within its slot
+# (zoo.plan.jaxprs.later_rounds); memory is counted for them all the same.
+LATER_ROUNDS = "moe_later_rounds"
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,8 @@ def _zeros_like_out(x, weights, pairs):
 def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot):
     body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot)
     zero = _zeros_like_out(x, weights, layout.order.shape[0])
-    out = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zero)
+    with jax.named_scope(LATER_ROUNDS):
+        out = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zero)
     return out, (x, weights, layout)
 
 
@@ -150,7 +155,8 @@ def _later_rounds_bwd(pair_mlp, k, slot, residuals, dout):
         return grads[0] + dx, jax.tree.map(jnp.add, grads[1], dw)
 
     zeros = (varying_like(jnp.zeros_like(x), x), tuple(varying_like(jnp.zeros_like(w), w) for w in weights))
-    dx, dw = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zeros)
+    with jax.named_scope(LATER_ROUNDS):
+        dx, dw = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zeros)
     return dx, dw, None
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax._src import core
 
 from zoo.placement import subjaxprs
-from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of
+from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds
 
 
 def _dot_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
@@ -134,6 +134,8 @@ def _loop_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
         j = jaxpr_of(eqn.params["jaxpr"])
         _flatten(j, {v: id(v) for v in j.invars}, inner, seq_len, 1.0)
         return inner.forward_flops() * eqn.params["length"]
+    if later_rounds(eqn):  # a MoE dispatch's later rounds: priced as not run
+        return 0.0
     if name == "while":
         inner = Body(1, 1)
         j = jaxpr_of(eqn.params["body_jaxpr"])

@@ -30,7 +30,8 @@ from zoo.errors import ConfigError
 from zoo.parallel import AXES
 from zoo.placement import subjaxprs
 from zoo.plan._step import tick_ring
-from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, nbytes
+from zoo.layers.moe_dispatch import LATER_ROUNDS
+from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds, nbytes
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
 _PRIMITIVES = {
@@ -140,6 +141,8 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
                 walk(body, times * n, depth + 1, inner, backward or (inner and not layer and back),
                      inlined or one, pairs > 0, has_dot(body), inside, pairs == stages if pairs else ring)  # fmt: skip
                 continue
+            if later_rounds(e):
+                continue  # priced as not run (zoo.plan.jaxprs.later_rounds)
             for sub in _subs(e):
                 walk(jaxpr_of(sub), times, depth, layer, backward, inlined, tick, dots, where, ring)
 
@@ -252,6 +255,8 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                     out[(kind, axes)] = out.get((kind, axes), 0) + size * times
                 continue
             if op == "while":
+                if LATER_ROUNDS in line:  # a MoE dispatch's later rounds: priced as not run
+                    continue
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
                 body = re.search(r"body=%([\w.-]+)", line)
                 if body:

@@ -1,5 +1,5 @@
 """Walking a traced program: the calls whose body runs inline, a call's jaxpr, the jaxpr inside a
-closed one, and a value's bytes. The liveness walk (``zoo.plan._liveness``), the FLOP count of a
+closed one, a value's bytes, and the loops priced as not run. The liveness walk (``zoo.plan._liveness``), the FLOP count of a
 layer (``zoo.plan._flops``) and the collectives' count (``zoo.plan.collectives``) share them."""
 
 from __future__ import annotations
@@ -10,9 +10,18 @@ from typing import Any
 import numpy as np
 from jax._src import core
 
+from zoo.layers.moe_dispatch import LATER_ROUNDS
+
 # Calls whose body is inlined into the caller's order.
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
                    "custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "custom_lin"})  # fmt: skip
+
+
+def later_rounds(eqn: core.JaxprEqn) -> bool:
+    """A MoE dispatch's loop of later all-to-all rounds (:mod:`zoo.layers.moe_dispatch`), priced
+    as not run: with the aux-loss-free bias, each destination's pairs fit its first round's slot.
+    (Its buffers still count towards memory: when the routing does overflow, they are live.)"""
+    return eqn.primitive.name == "while" and LATER_ROUNDS in str(eqn.source_info.name_stack)
 
 
 def nbytes(aval: Any) -> int:

@@ -178,7 +178,10 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
     if sizes["expert"] > 1 and k:
         dense = getattr(config, "first_k_dense_replace", 0) or 0
         moe_rows = (stage_layers * ticks if stages > 1 else (layers - dense) * rows)
-        a2a = 6 * moe_rows * t("all_to_all", sizes["expert"] * tokens * k * d * item, ("expert",))
+        # A round's slots hold capacity_factor x the routed rows (zoo.layers.moe_dispatch), at
+        # most all of them; the later rounds are priced as not run.
+        moved = min(sizes["expert"], getattr(config, "capacity_factor", 1.0)) * tokens * k * d * item
+        a2a = 6 * moe_rows * t("all_to_all", moved, ("expert",))
     # The pipeline: a row handed on forward and its gradient back at every tick; all-reduced over
     # the stages, a row per row each for the last stage's output, the embedding's lookups, the
     # head's feature gradients and the stages' shared input's gradient.

@@ -221,7 +221,8 @@ class Qwen3Config(GQAConfig):
 
     # -- Hugging Face config.json ---------------------------------------------------------
     @classmethod
-    def from_hf(cls, data: dict[str, Any], source: str = "config.json") -> Qwen3Config:
+    def from_hf(cls, data: dict[str, Any], source: str = "config.json", *, capacity_factor: float = 1.25,
+                moe_overflow: str = "dropless") -> Qwen3Config:  # fmt: skip
         c = HFConfig(data, source)
         model_type = c.get("model_type", str)
         if c.get("attention_bias", bool, False):
@@ -255,6 +256,8 @@ class Qwen3Config(GQAConfig):
             model_type=model_type,
             rope=c.parsed("rope settings", Rope.from_hf),
             **moe,
+            capacity_factor=capacity_factor,
+            moe_overflow=moe_overflow,
         )
 
     def to_hf(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -139,15 +140,31 @@ def run_config(checkpoint: str | None, model_type: str, preset: str, attention: 
     return preset_config(model_type, preset, attention)
 
 
+# The MoE dispatch's flags (zoo.layers.moe_dispatch), each a config field of the MoE families.
+MOE_FLAGS = {"capacity_factor": "--capacity-factor", "moe_overflow": "--moe-overflow"}
+
+
+def moe_settings(flags: Any) -> dict[str, Any]:
+    """The MoE dispatch settings the flags give (those left unset keep the config's defaults)."""
+    return {name: v for name in MOE_FLAGS if (v := getattr(flags, name, None)) is not None}
+
+
 def build_model(*, checkpoint: str | None, model_type: str, preset: str, attention: str, seed: int, mesh: Any,
-                param_dtype: Any, compute_dtype: Any) -> Any:  # fmt: skip
+                param_dtype: Any, compute_dtype: Any, moe: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
     """The model of ``checkpoint`` or of ``model_type``'s ``preset``, made in place on ``mesh``
     where there is one: each process reads or initialises only its devices' shards. A preset
-    with one multi-token-prediction layer (DeepSeek-V3's) trains it."""
+    with one multi-token-prediction layer (DeepSeek-V3's) trains it. ``moe``: the dispatch
+    settings (:func:`moe_settings`), refused for a model without routed experts."""
+    moe = dict(moe or {})
+    if moe:
+        family = read_config(hub.resolve(checkpoint))[0] if checkpoint else registry.by_model_type(model_type, "--model")
+        if not set(moe) <= {f.name for f in dataclasses.fields(family.config_cls)}:
+            flags = " and ".join(MOE_FLAGS[f] for f in moe)
+            raise ConfigError(f"{flags}: {family.__name__} has no routed experts to dispatch")
     if checkpoint:
         return from_pretrained(checkpoint, dtype=param_dtype, compute_dtype=compute_dtype, attention=attention,
-                               mesh=mesh)  # fmt: skip
-    config = preset_config(model_type, preset, attention)
+                               mesh=mesh, **moe)  # fmt: skip
+    config = dataclasses.replace(preset_config(model_type, preset, attention), **moe)
     if getattr(config, "num_nextn_predict_layers", 0) == 1:
         config = dataclasses.replace(config, mtp=True)
     cls = registry.by_model_type(model_type, "--model")
