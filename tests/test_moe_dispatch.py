@@ -170,8 +170,8 @@ def test_the_recipe_flags_set_the_dispatch_and_refuse_a_dense_model(tmp_path, ca
     from zoo.train.metrics import MetricsLog
 
     flags = type("Flags", (), {"capacity_factor": 1.0, "moe_overflow": "drop"})()
-    common = dict(checkpoint=None, preset="tiny", attention="auto", seed=0, mesh=None, param_dtype=jnp.float32,
-                  compute_dtype=jnp.float32)  # fmt: skip
+    common = {"checkpoint": None, "preset": "tiny", "attention": "auto", "seed": 0, "mesh": None,
+              "param_dtype": jnp.float32, "compute_dtype": jnp.float32}  # fmt: skip
     model = setup.build_model(model_type="deepseek_v3", moe=setup.moe_settings(flags), **common)
     assert (model.config.capacity_factor, model.config.moe_overflow) == (1.0, "drop")
     with pytest.raises(ConfigError, match="--capacity-factor and --moe-overflow: Llama has no routed experts"):

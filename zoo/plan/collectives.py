@@ -27,10 +27,10 @@ import numpy as np
 from jax._src import core
 
 from zoo.errors import ConfigError
+from zoo.layers.moe_dispatch import LATER_ROUNDS
 from zoo.parallel import AXES
 from zoo.placement import subjaxprs
 from zoo.plan._step import tick_ring
-from zoo.layers.moe_dispatch import LATER_ROUNDS
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds, nbytes
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")

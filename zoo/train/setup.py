@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
