@@ -34,7 +34,9 @@ from zoo.qwen3 import preset as qwen3_preset
 ROOT = Path(__file__).resolve().parents[1]
 
 # The layouts written out by hand (size-1 axes included): what partition_specs must derive
-# from the models' Param letters. "-" is a dimension kept whole.
+# from the models' Param letters. "-" is a dimension kept whole; "fsdp+expert" one split over
+# both (fsdp outermost): the MoE families' weights outside the routed experts are stored split
+# over the expert group too, which splits the batch like fsdp (zoo.core.mesh.WEIGHT_SHARDS).
 LLAMA_LAYOUT = {
     "embed": "fsdp -",
     "layers.attn_norm": "- fsdp",
@@ -50,73 +52,84 @@ LLAMA_LAYOUT = {
     "head": "fsdp -",
 }
 _MLA = {
-    "attn_norm": "fsdp",
-    "attn.wq_a": "fsdp -",
-    "attn.q_norm": "fsdp",
-    "attn.wq_b": "fsdp tensor -",
-    "attn.wkv_a": "fsdp -",
-    "attn.kv_norm": "fsdp",
-    "attn.wkv_b": "fsdp tensor -",
-    "attn.wo": "tensor - fsdp",
-    "mlp_norm": "fsdp",
+    "attn_norm": "fsdp+expert",
+    "attn.wq_a": "fsdp+expert -",
+    "attn.q_norm": "fsdp+expert",
+    "attn.wq_b": "fsdp+expert tensor -",
+    "attn.wkv_a": "fsdp+expert -",
+    "attn.kv_norm": "fsdp+expert",
+    "attn.wkv_b": "fsdp+expert tensor -",
+    "attn.wo": "tensor - fsdp+expert",
+    "mlp_norm": "fsdp+expert",
 }
 _MOE = {
-    "moe.router": "fsdp -",
+    "moe.router": "fsdp+expert -",
     "moe.router_bias": "-",
+    # A routed expert's weights: E over the expert group, the hidden dimension over fsdp alone.
     "moe.w_gate": "expert fsdp tensor",
     "moe.w_up": "expert fsdp tensor",
     "moe.w_down": "expert tensor fsdp",
-    "moe.shared.w_gate": "fsdp tensor",
-    "moe.shared.w_up": "fsdp tensor",
-    "moe.shared.w_down": "tensor fsdp",
+    "moe.shared.w_gate": "fsdp+expert tensor",
+    "moe.shared.w_up": "fsdp+expert tensor",
+    "moe.shared.w_down": "tensor fsdp+expert",
 }
 DEEPSEEK_LAYOUT = {
-    "embed": "fsdp -",
+    # The vocabulary takes fsdp (zoo.vocab_parallel streams it); the expert group the hidden dimension.
+    "embed": "fsdp expert",
     **{f"dense_layers.{k}": f"- {v}" for k, v in _MLA.items()},
-    "dense_layers.mlp.w_gate": "- fsdp tensor",
-    "dense_layers.mlp.w_up": "- fsdp tensor",
-    "dense_layers.mlp.w_down": "- tensor fsdp",
+    "dense_layers.mlp.w_gate": "- fsdp+expert tensor",
+    "dense_layers.mlp.w_up": "- fsdp+expert tensor",
+    "dense_layers.mlp.w_down": "- tensor fsdp+expert",
     **{f"moe_layers.{k}": f"- {v}" for k, v in {**_MLA, **_MOE}.items()},
-    "final_norm": "fsdp",
-    "head": "fsdp -",
-    "mtp.enorm": "fsdp",
-    "mtp.hnorm": "fsdp",
-    "mtp.proj": "- fsdp",
-    "mtp.final_norm": "fsdp",
+    "final_norm": "fsdp+expert",
+    "head": "fsdp expert",
+    "mtp.enorm": "fsdp+expert",
+    "mtp.hnorm": "fsdp+expert",
+    "mtp.proj": "- fsdp+expert",
+    "mtp.final_norm": "fsdp+expert",
     **{f"mtp.block.{k}": v for k, v in {**_MLA, **_MOE}.items()},
 }
 _QK = {
-    "attn_norm": "fsdp",
-    "attn.wq": "fsdp tensor -",
-    "attn.wk": "fsdp tensor -",
-    "attn.wv": "fsdp tensor -",
-    "attn.wo": "tensor - fsdp",
+    "attn_norm": "fsdp+expert",
+    "attn.wq": "fsdp+expert tensor -",
+    "attn.wk": "fsdp+expert tensor -",
+    "attn.wv": "fsdp+expert tensor -",
+    "attn.wo": "tensor - fsdp+expert",
     "attn.q_norm": "-",
     "attn.k_norm": "-",
-    "mlp_norm": "fsdp",
+    "mlp_norm": "fsdp+expert",
 }
-_DENSE_MLP = {"mlp.w_gate": "fsdp tensor", "mlp.w_up": "fsdp tensor", "mlp.w_down": "tensor fsdp"}
+_DENSE_MLP = {"mlp.w_gate": "fsdp+expert tensor", "mlp.w_up": "fsdp+expert tensor", "mlp.w_down": "tensor fsdp+expert"}
 _QWEN_MOE = {
-    "moe.router": "fsdp -",
+    "moe.router": "fsdp+expert -",
     "moe.w_gate": "expert fsdp tensor",
     "moe.w_up": "expert fsdp tensor",
     "moe.w_down": "expert tensor fsdp",
 }
 QWEN3_LAYOUT = {
-    "embed": "fsdp -",
+    "embed": "fsdp expert",
     **{f"dense_layers.{k}": f"- {v}" for k, v in {**_QK, **_DENSE_MLP}.items()},
-    "final_norm": "fsdp",
+    "final_norm": "fsdp+expert",
 }
 QWEN3_MOE_LAYOUT = {
     **QWEN3_LAYOUT,
     **{f"moe_layers.{k}": f"- {v}" for k, v in {**_QK, **_QWEN_MOE}.items()},
-    "head": "fsdp -",
+    "head": "fsdp expert",
 }
 LAYOUT = {"llama": LLAMA_LAYOUT, "deepseek_v3": DEEPSEEK_LAYOUT, "qwen3": QWEN3_LAYOUT, "qwen3_moe": QWEN3_MOE_LAYOUT}
 
 
 def expected_spec(layout: str, mesh) -> tuple:
-    return tuple(None if a == "-" or mesh.shape[a] == 1 else a for a in layout.split())
+    def entry(word: str):
+        axes = tuple(a for a in word.split("+") if a != "-" and mesh.shape[a] > 1)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return tuple(entry(word) for word in layout.split())
+
+
+def split_by(layout: str, mesh) -> int:
+    """Devices a parameter of hand-written ``layout`` is split over on ``mesh``."""
+    return math.prod(mesh.shape[a] for e in expected_spec(layout, mesh) for a in parallel.axis_names(e))
 
 
 @functools.cache
@@ -330,7 +343,7 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
 
     # Parameter bytes per device shrink by exactly the product of the axes each one is split on.
     full = {p: x.nbytes for p, x in flat(model).items()}
-    expected = sum(n // math.prod(mesh.shape[a] for a in expected_spec(layout[p], mesh) if a) for p, n in full.items())
+    expected = sum(n // split_by(layout[p], mesh) for p, n in full.items())
     assert parallel.param_bytes(sharded) == expected
     print(f"\n{name} {spec}: {parallel.param_bytes(sharded)} parameter bytes per device of {sum(full.values())}")
 
@@ -397,17 +410,38 @@ def primitives(jaxpr) -> list[tuple[str, dict]]:
 ])  # fmt: skip
 def test_expert_parallelism_moves_tokens_by_all_to_all(spec, batch_axes, dispatch):
     """Tokens split over the expert group reach their experts by all-to-all, never by an
-    all-gather over ``expert``; tokens the group shares are not moved at all."""
+    all-gather over ``expert``; tokens the group shares are not moved at all. The weights
+    outside the experts, stored split over the group too, are what it gathers: every
+    all-gather over ``expert`` takes a parameter's shard (one layer's, in a layer stack)."""
     model = deepseek()
     mesh = parallel.make_mesh(spec)
     step = parallel.value_and_grad(deepseek_v3_loss, mesh, has_aux=True, batch_axes=batch_axes)
-    prims = primitives(jax.make_jaxpr(step)(parallel.shard(model, mesh), batch(model)).jaxpr)
+    sharded = parallel.shard(model, mesh)
+    jaxpr = jax.make_jaxpr(step)(sharded, batch(model)).jaxpr
+    prims = primitives(jaxpr)
 
-    def over_expert(name):
-        axes = [p.get("axis_name", p.get("axes", ())) for n, p in prims if n == name]
+    def over_expert(*names):
+        axes = [p.get("axis_name", p.get("axes", ())) for n, p in prims if n in names]
         return [a for a in axes if "expert" in ((a,) if isinstance(a, str) else tuple(a))]
 
-    assert not over_expert("all_gather")
+    def gathers_over_expert(j) -> list[tuple[int, ...]]:
+        """The operand shape of every all-gather over ``expert`` (the shared group's are invariant)."""
+        from zoo.placement import subjaxprs
+
+        out = []
+        for eqn in j.eqns:
+            names = eqn.params.get("axis_name", ())
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if eqn.primitive.name in ("all_gather", "all_gather_invariant") and "expert" in names:
+                out.append(tuple(eqn.invars[0].aval.shape))
+            for sub in subjaxprs(eqn):
+                out += gathers_over_expert(sub)
+        return out
+
+    shards = {x.addressable_shards[0].data.shape for x in jax.tree.leaves(sharded) if isinstance(x, jax.Array)}
+    shards |= {s[1:] for s in shards}  # one layer of a stack's shard
+    gathered = gathers_over_expert(jaxpr)
+    assert gathered and set(gathered) <= shards, set(gathered) - shards  # weights only: no tokens
     if dispatch == "all_to_all":
         # Two traced MoE bodies (the scanned MoE layers, the MTP block), each with 3 forward
         # (tokens, their expert ids, the outputs back) and 2 backward (the float ones' transposes).
