@@ -373,6 +373,59 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
         assert not np.any(np.asarray(g["moe_layers.moe.router_bias"]))  # trainable=False: no update
 
 
+@pytest.mark.parametrize("spec, batch_axes", [
+    ("fsdp=2,expert=4", parallel.BATCH_AXES),  # tokens split over the expert group: it splits the batch like fsdp
+    ("data=2,expert=4", ("data", "fsdp")),  # tokens shared by the group: stored split, gathered, same gradient
+])  # fmt: skip
+def test_weights_outside_the_experts_are_split_over_the_expert_group_too(spec, batch_axes):
+    """DeepSeek-V3 (issue 38): every parameter but a routed expert's (attention, the dense
+    layers, shared experts, router, norms, embedding and head) holds 1/(fsdp x expert) of its
+    bytes per device (the expert group joins fsdp on it), where it held 1/fsdp; the routed
+    experts keep 1/(expert x fsdp) over their own dimensions. The step still equals one
+    device's, its gradients laid out like the parameters."""
+    model, mesh = deepseek(), parallel.make_mesh(spec)
+    group = mesh.shape["fsdp"] * mesh.shape["expert"]
+    sharded = parallel.shard(model, mesh)
+    for path, x in flat(sharded).items():
+        if path.endswith("router_bias"):  # [E], a buffer nothing splits
+            continue
+        assert x.addressable_shards[0].data.nbytes * group == x.nbytes, (path, x.sharding.spec)
+        if path.split(".")[-1] in ("w_gate", "w_up", "w_down") and ".moe." in f".{path}" and "shared" not in path:
+            assert "expert" in tuple(x.sharding.spec), path  # a routed expert's: E over the group, D over fsdp
+        elif path not in ("embed", "head"):  # the vocabulary takes fsdp, the expert group D
+            assert any("expert" in parallel.axis_names(e) and "fsdp" in parallel.axis_names(e) or
+                       e == "expert" and mesh.shape["fsdp"] == 1 for e in x.sharding.spec), (path, x.sharding.spec)  # fmt: skip
+    step = parallel.value_and_grad(deepseek_v3_loss, mesh, has_aux=True, batch_axes=batch_axes)
+    (loss, _), grads = step(sharded, batch(model))
+    (ref_loss, _), ref_grads = reference("deepseek_v3")
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    g, ref, params = flat(grads), flat(ref_grads), flat(sharded)
+    for path in g:
+        r = np.asarray(ref[path])
+        np.testing.assert_allclose(np.asarray(g[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
+        assert g[path].sharding.is_equivalent_to(params[path].sharding, g[path].ndim), path
+
+
+def test_the_expert_group_joins_only_where_it_divides():
+    """A dimension the expert group does not divide with fsdp stays split over fsdp alone, as
+    before the group joined (no new MeshError); where fsdp alone does not divide it, the error
+    names fsdp, as before; a model without experts still refuses an expert axis."""
+    config = deepseek_preset("tiny", kv_lora_rank=12)  # C = 12: fsdp=2 divides it, fsdp=2 x expert=4 does not
+    mesh = parallel.make_mesh("fsdp=2,expert=4")
+    parallel.validate_mesh(mesh, config)
+    specs = parallel.param_shardings(config, mesh)
+    assert specs["moe_layers.attn.kv_norm"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+    assert specs["moe_layers.attn.wkv_b"].spec == jax.sharding.PartitionSpec(None, "fsdp", None, None)
+    assert specs["moe_layers.attn.wq_b"].spec == jax.sharding.PartitionSpec(None, ("fsdp", "expert"), None, None)
+    on_expert = parallel.param_shardings(config, parallel.make_mesh("expert=8"))
+    assert on_expert["moe_layers.attn.kv_norm"].spec == jax.sharding.PartitionSpec(None, None)  # whole, as before
+    with pytest.raises(MeshError, match=r"kv_lora_rank = 12 is not divisible by mesh axis 'fsdp' of size 8"):
+        parallel.validate_mesh(parallel.make_mesh("fsdp=8"), config)
+    dense = dataclasses.replace(qwen3_preset("tiny"))
+    with pytest.raises(MeshError, match=r"mesh axis 'expert' has size 8 but Qwen3Config has no experts"):
+        parallel.validate_mesh(parallel.make_mesh("expert=8"), dense)
+
+
 OFFLOAD_UNDER_EP = """
 import test_parallel as t
 t.test_sharded_step_equals_single_device("deepseek_v3", "data=2,expert=4", t.parallel.BATCH_AXES, {"placement": "nvidia_offload"})
