@@ -35,7 +35,9 @@ from zoo.qwen3 import preset as qwen3_preset
 ROOT = Path(__file__).resolve().parents[1]
 
 # The layouts written out by hand (size-1 axes included): what partition_specs must derive
-# from the models' Param letters. "-" is a dimension kept whole.
+# from the models' Param letters. "-" is a dimension kept whole; "fsdp+expert" one split over
+# both (fsdp outermost): the MoE families' weights outside the routed experts are stored split
+# over the expert group too, which splits the batch like fsdp (zoo.core.mesh.WEIGHT_SHARDS).
 LLAMA_LAYOUT = {
     "embed": "fsdp -",
     "layers.attn_norm": "- fsdp",
@@ -51,73 +53,84 @@ LLAMA_LAYOUT = {
     "head": "fsdp -",
 }
 _MLA = {
-    "attn_norm": "fsdp",
-    "attn.wq_a": "fsdp -",
-    "attn.q_norm": "fsdp",
-    "attn.wq_b": "fsdp tensor -",
-    "attn.wkv_a": "fsdp -",
-    "attn.kv_norm": "fsdp",
-    "attn.wkv_b": "fsdp tensor -",
-    "attn.wo": "tensor - fsdp",
-    "mlp_norm": "fsdp",
+    "attn_norm": "fsdp+expert",
+    "attn.wq_a": "fsdp+expert -",
+    "attn.q_norm": "fsdp+expert",
+    "attn.wq_b": "fsdp+expert tensor -",
+    "attn.wkv_a": "fsdp+expert -",
+    "attn.kv_norm": "fsdp+expert",
+    "attn.wkv_b": "fsdp+expert tensor -",
+    "attn.wo": "tensor - fsdp+expert",
+    "mlp_norm": "fsdp+expert",
 }
 _MOE = {
-    "moe.router": "fsdp -",
+    "moe.router": "fsdp+expert -",
     "moe.router_bias": "-",
+    # A routed expert's weights: E over the expert group, the hidden dimension over fsdp alone.
     "moe.w_gate": "expert fsdp tensor",
     "moe.w_up": "expert fsdp tensor",
     "moe.w_down": "expert tensor fsdp",
-    "moe.shared.w_gate": "fsdp tensor",
-    "moe.shared.w_up": "fsdp tensor",
-    "moe.shared.w_down": "tensor fsdp",
+    "moe.shared.w_gate": "fsdp+expert tensor",
+    "moe.shared.w_up": "fsdp+expert tensor",
+    "moe.shared.w_down": "tensor fsdp+expert",
 }
 DEEPSEEK_LAYOUT = {
-    "embed": "fsdp -",
+    # The vocabulary takes fsdp (zoo.vocab_parallel streams it); the expert group the hidden dimension.
+    "embed": "fsdp expert",
     **{f"dense_layers.{k}": f"- {v}" for k, v in _MLA.items()},
-    "dense_layers.mlp.w_gate": "- fsdp tensor",
-    "dense_layers.mlp.w_up": "- fsdp tensor",
-    "dense_layers.mlp.w_down": "- tensor fsdp",
+    "dense_layers.mlp.w_gate": "- fsdp+expert tensor",
+    "dense_layers.mlp.w_up": "- fsdp+expert tensor",
+    "dense_layers.mlp.w_down": "- tensor fsdp+expert",
     **{f"moe_layers.{k}": f"- {v}" for k, v in {**_MLA, **_MOE}.items()},
-    "final_norm": "fsdp",
-    "head": "fsdp -",
-    "mtp.enorm": "fsdp",
-    "mtp.hnorm": "fsdp",
-    "mtp.proj": "- fsdp",
-    "mtp.final_norm": "fsdp",
+    "final_norm": "fsdp+expert",
+    "head": "fsdp expert",
+    "mtp.enorm": "fsdp+expert",
+    "mtp.hnorm": "fsdp+expert",
+    "mtp.proj": "- fsdp+expert",
+    "mtp.final_norm": "fsdp+expert",
     **{f"mtp.block.{k}": v for k, v in {**_MLA, **_MOE}.items()},
 }
 _QK = {
-    "attn_norm": "fsdp",
-    "attn.wq": "fsdp tensor -",
-    "attn.wk": "fsdp tensor -",
-    "attn.wv": "fsdp tensor -",
-    "attn.wo": "tensor - fsdp",
+    "attn_norm": "fsdp+expert",
+    "attn.wq": "fsdp+expert tensor -",
+    "attn.wk": "fsdp+expert tensor -",
+    "attn.wv": "fsdp+expert tensor -",
+    "attn.wo": "tensor - fsdp+expert",
     "attn.q_norm": "-",
     "attn.k_norm": "-",
-    "mlp_norm": "fsdp",
+    "mlp_norm": "fsdp+expert",
 }
-_DENSE_MLP = {"mlp.w_gate": "fsdp tensor", "mlp.w_up": "fsdp tensor", "mlp.w_down": "tensor fsdp"}
+_DENSE_MLP = {"mlp.w_gate": "fsdp+expert tensor", "mlp.w_up": "fsdp+expert tensor", "mlp.w_down": "tensor fsdp+expert"}
 _QWEN_MOE = {
-    "moe.router": "fsdp -",
+    "moe.router": "fsdp+expert -",
     "moe.w_gate": "expert fsdp tensor",
     "moe.w_up": "expert fsdp tensor",
     "moe.w_down": "expert tensor fsdp",
 }
 QWEN3_LAYOUT = {
-    "embed": "fsdp -",
+    "embed": "fsdp expert",
     **{f"dense_layers.{k}": f"- {v}" for k, v in {**_QK, **_DENSE_MLP}.items()},
-    "final_norm": "fsdp",
+    "final_norm": "fsdp+expert",
 }
 QWEN3_MOE_LAYOUT = {
     **QWEN3_LAYOUT,
     **{f"moe_layers.{k}": f"- {v}" for k, v in {**_QK, **_QWEN_MOE}.items()},
-    "head": "fsdp -",
+    "head": "fsdp expert",
 }
 LAYOUT = {"llama": LLAMA_LAYOUT, "deepseek_v3": DEEPSEEK_LAYOUT, "qwen3": QWEN3_LAYOUT, "qwen3_moe": QWEN3_MOE_LAYOUT}
 
 
 def expected_spec(layout: str, mesh) -> tuple:
-    return tuple(None if a == "-" or mesh.shape[a] == 1 else a for a in layout.split())
+    def entry(word: str):
+        axes = tuple(a for a in word.split("+") if a != "-" and mesh.shape[a] > 1)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return tuple(entry(word) for word in layout.split())
+
+
+def split_by(layout: str, mesh) -> int:
+    """Devices a parameter of hand-written ``layout`` is split over on ``mesh``."""
+    return math.prod(mesh.shape[a] for e in expected_spec(layout, mesh) for a in parallel.axis_names(e))
 
 
 @functools.cache
@@ -331,7 +344,7 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
 
     # Parameter bytes per device shrink by exactly the product of the axes each one is split on.
     full = {p: x.nbytes for p, x in flat(model).items()}
-    expected = sum(n // math.prod(mesh.shape[a] for a in expected_spec(layout[p], mesh) if a) for p, n in full.items())
+    expected = sum(n // split_by(layout[p], mesh) for p, n in full.items())
     assert parallel.param_bytes(sharded) == expected
     print(f"\n{name} {spec}: {parallel.param_bytes(sharded)} parameter bytes per device of {sum(full.values())}")
 
@@ -359,6 +372,59 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
                 np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=field)
     if "moe_layers.moe.router_bias" in g:
         assert not np.any(np.asarray(g["moe_layers.moe.router_bias"]))  # trainable=False: no update
+
+
+@pytest.mark.parametrize("spec, batch_axes", [
+    ("fsdp=2,expert=4", parallel.BATCH_AXES),  # tokens split over the expert group: it splits the batch like fsdp
+    ("data=2,expert=4", ("data", "fsdp")),  # tokens shared by the group: stored split, gathered, same gradient
+])  # fmt: skip
+def test_weights_outside_the_experts_are_split_over_the_expert_group_too(spec, batch_axes):
+    """DeepSeek-V3 (issue 38): every parameter but a routed expert's (attention, the dense
+    layers, shared experts, router, norms, embedding and head) holds 1/(fsdp x expert) of its
+    bytes per device (the expert group joins fsdp on it), where it held 1/fsdp; the routed
+    experts keep 1/(expert x fsdp) over their own dimensions. The step still equals one
+    device's, its gradients laid out like the parameters."""
+    model, mesh = deepseek(), parallel.make_mesh(spec)
+    group = mesh.shape["fsdp"] * mesh.shape["expert"]
+    sharded = parallel.shard(model, mesh)
+    for path, x in flat(sharded).items():
+        if path.endswith("router_bias"):  # [E], a buffer nothing splits
+            continue
+        assert x.addressable_shards[0].data.nbytes * group == x.nbytes, (path, x.sharding.spec)
+        if path.split(".")[-1] in ("w_gate", "w_up", "w_down") and ".moe." in f".{path}" and "shared" not in path:
+            assert "expert" in tuple(x.sharding.spec), path  # a routed expert's: E over the group, D over fsdp
+        elif path not in ("embed", "head"):  # the vocabulary takes fsdp, the expert group D
+            assert any("expert" in parallel.axis_names(e) and "fsdp" in parallel.axis_names(e) or
+                       e == "expert" and mesh.shape["fsdp"] == 1 for e in x.sharding.spec), (path, x.sharding.spec)  # fmt: skip
+    step = parallel.value_and_grad(deepseek_v3_loss, mesh, has_aux=True, batch_axes=batch_axes)
+    (loss, _), grads = step(sharded, batch(model))
+    (ref_loss, _), ref_grads = reference("deepseek_v3")
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    g, ref, params = flat(grads), flat(ref_grads), flat(sharded)
+    for path in g:
+        r = np.asarray(ref[path])
+        np.testing.assert_allclose(np.asarray(g[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)
+        assert g[path].sharding.is_equivalent_to(params[path].sharding, g[path].ndim), path
+
+
+def test_the_expert_group_joins_only_where_it_divides():
+    """A dimension the expert group does not divide with fsdp stays split over fsdp alone, as
+    before the group joined (no new MeshError); where fsdp alone does not divide it, the error
+    names fsdp, as before; a model without experts still refuses an expert axis."""
+    config = deepseek_preset("tiny", kv_lora_rank=12)  # C = 12: fsdp=2 divides it, fsdp=2 x expert=4 does not
+    mesh = parallel.make_mesh("fsdp=2,expert=4")
+    parallel.validate_mesh(mesh, config)
+    specs = parallel.param_shardings(config, mesh)
+    assert specs["moe_layers.attn.kv_norm"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+    assert specs["moe_layers.attn.wkv_b"].spec == jax.sharding.PartitionSpec(None, "fsdp", None, None)
+    assert specs["moe_layers.attn.wq_b"].spec == jax.sharding.PartitionSpec(None, ("fsdp", "expert"), None, None)
+    on_expert = parallel.param_shardings(config, parallel.make_mesh("expert=8"))
+    assert on_expert["moe_layers.attn.kv_norm"].spec == jax.sharding.PartitionSpec(None, None)  # whole, as before
+    with pytest.raises(MeshError, match=r"kv_lora_rank = 12 is not divisible by mesh axis 'fsdp' of size 8"):
+        parallel.validate_mesh(parallel.make_mesh("fsdp=8"), config)
+    dense = qwen3_preset("tiny")
+    with pytest.raises(MeshError, match=r"mesh axis 'expert' has size 8 but Qwen3Config has no experts"):
+        parallel.validate_mesh(parallel.make_mesh("expert=8"), dense)
 
 
 OFFLOAD_UNDER_EP = """
@@ -398,17 +464,38 @@ def primitives(jaxpr) -> list[tuple[str, dict]]:
 ])  # fmt: skip
 def test_expert_parallelism_moves_tokens_by_all_to_all(spec, batch_axes, dispatch):
     """Tokens split over the expert group reach their experts by all-to-all, never by an
-    all-gather over ``expert``; tokens the group shares are not moved at all."""
+    all-gather over ``expert``; tokens the group shares are not moved at all. The weights
+    outside the experts, stored split over the group too, are what it gathers: every
+    all-gather over ``expert`` takes a parameter's shard (one layer's, in a layer stack)."""
     model = deepseek()
     mesh = parallel.make_mesh(spec)
     step = parallel.value_and_grad(deepseek_v3_loss, mesh, has_aux=True, batch_axes=batch_axes)
-    prims = primitives(jax.make_jaxpr(step)(parallel.shard(model, mesh), batch(model)).jaxpr)
+    sharded = parallel.shard(model, mesh)
+    jaxpr = jax.make_jaxpr(step)(sharded, batch(model)).jaxpr
+    prims = primitives(jaxpr)
 
-    def over_expert(name):
-        axes = [p.get("axis_name", p.get("axes", ())) for n, p in prims if n == name]
+    def over_expert(*names):
+        axes = [p.get("axis_name", p.get("axes", ())) for n, p in prims if n in names]
         return [a for a in axes if "expert" in ((a,) if isinstance(a, str) else tuple(a))]
 
-    assert not over_expert("all_gather")
+    def gathers_over_expert(j) -> list[tuple[int, ...]]:
+        """The operand shape of every all-gather over ``expert`` (the shared group's are invariant)."""
+        from zoo.placement import subjaxprs
+
+        out = []
+        for eqn in j.eqns:
+            names = eqn.params.get("axis_name", ())
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if eqn.primitive.name in ("all_gather", "all_gather_invariant") and "expert" in names:
+                out.append(tuple(eqn.invars[0].aval.shape))
+            for sub in subjaxprs(eqn):
+                out += gathers_over_expert(sub)
+        return out
+
+    shards = {x.addressable_shards[0].data.shape for x in jax.tree.leaves(sharded) if isinstance(x, jax.Array)}
+    shards |= {s[1:] for s in shards}  # one layer of a stack's shard
+    gathered = gathers_over_expert(jaxpr)
+    assert gathered and set(gathered) <= shards, set(gathered) - shards  # weights only: no tokens
     if dispatch == "all_to_all":
         # Two traced MoE bodies (the scanned MoE layers, the MTP block), each with a first round
         # of 3 forward (tokens, their expert ids, the outputs back) and 2 backward (the float

@@ -396,3 +396,35 @@ def test_a_mesh_given_as_a_spec_string_is_named_with_the_call_that_builds_it():
     """It raised AttributeError: 'str' object has no attribute 'shape' (issue #42, point 9)."""
     with pytest.raises(TypeError, match=r"mesh= takes a jax Mesh, got str 'fsdp=8' \(build it with zoo.parallel.make_mesh\('fsdp=8'\)\)"):
         zoo.from_pretrained(FIXTURES / "llama3_1-tiny", mesh="fsdp=8")
+
+
+def test_a_run_saved_before_the_expert_group_joined_fsdp_resumes_on_the_new_layout(tmp_path, monkeypatch):
+    """Issue 38: training checkpoints written while DeepSeek-V3's weights outside the experts
+    were split over fsdp alone (replicated over the expert group) restore onto today's layout,
+    which splits them over fsdp x expert: orbax reads each array onto the target shardings. The
+    resumed run continues at the saved step, its parameters laid out anew, and its losses are
+    those of a run made on the new layout from the start (the same numbers, reduced in
+    another order)."""
+    from zoo.core.protocol import AxisRule
+    from zoo.data import stdlib_corpus
+    from zoo.deepseek_v3.config import DEEPSEEK_V3_AXES
+
+    corpus = stdlib_corpus(max_bytes=2**20)
+    cfg = train.TrainConfig(steps=4, batch_size=8, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=100,
+                            checkpoint_every=2)  # fmt: skip
+    mesh = parallel.make_mesh("fsdp=2,expert=4")
+    model = zoo.DeepseekV3(zoo.deepseek_v3.preset("tiny"), key=jax.random.key(0))
+    with monkeypatch.context() as old:  # the rules of before: fsdp alone
+        for letter, field in (("D", "hidden_size"), ("Q", "q_lora_rank"), ("C", "kv_lora_rank")):
+            old.setitem(DEEPSEEK_V3_AXES, letter, AxisRule("fsdp", field))
+        assert parallel.param_shardings(model.config, mesh)["moe_layers.attn.wq_a"].spec == PartitionSpec(None, "fsdp", None)
+        train.train(model, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, stop_after=2)
+    new = parallel.param_shardings(model.config, mesh)
+    assert new["moe_layers.attn.wq_a"].spec == PartitionSpec(None, ("fsdp", "expert"), None)
+    resumed, rest = train.train(model, corpus, cfg, run_dir=tmp_path / "cut", mesh=mesh, resume=True)
+    assert [r["step"] for r in rest if "loss" in r] == [3, 4]
+    for path, x in flatten(resumed).items():
+        assert x.sharding.is_equivalent_to(new[path], x.ndim), (path, x.sharding.spec)
+    _, full = train.train(model, corpus, cfg, run_dir=tmp_path / "full", mesh=mesh)
+    np.testing.assert_allclose([r["loss"] for r in rest if "loss" in r], [r["loss"] for r in full if "loss" in r][2:],
+                               rtol=1e-5)  # fmt: skip

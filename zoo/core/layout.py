@@ -58,23 +58,50 @@ def _mesh_axis(param, letter: str, rules: Mapping[str, Any]) -> tuple[str, ...]:
     return axis_names(rule.mesh_axis)
 
 
-def param_axes(param, mesh: AnyMesh | None = None, *, rules: Mapping[str, Any]
+def param_axes(param, mesh: AnyMesh | None = None, *, rules: Mapping[str, Any], sizes: Mapping[str, int] | None = None
                ) -> tuple[str | tuple[str, ...] | None, ...]:  # fmt: skip
     """The mesh axis of each dimension of one :class:`~zoo.params.Param` (``None``: whole), or
-    its axes (``("pipeline", "fsdp")``: a rule that splits its letter over several), by the
-    family's ``rules`` (``config.axis_rules``). The first letter of the parameter's axes that
-    maps to a mesh axis gets it; each mesh axis splits at most one of its dimensions.
+    its axes (``("fsdp", "expert")``: a rule that splits its letter over several, outermost
+    first), by the family's ``rules`` (``config.axis_rules``). The first letter of the
+    parameter's axes that maps to a mesh axis gets it; each mesh axis splits at most one of its
+    dimensions.
 
     With a ``mesh``, axes of size 1 are left out: nothing is split over them, and the step's
-    type checks then need no collective over them.
+    type checks then need no collective over them; and a rule's ``optional`` axes (the expert
+    group joining ``fsdp``) join only where they and the letter's other axes divide its size
+    in ``sizes`` (``config.sizes``, which a mesh with such an axis needs).
     """
     out: list[str | tuple[str, ...] | None] = []
     used: set[str] = set()
     for letter in param.names:
         axes = tuple(a for a in _mesh_axis(param, letter, rules)
                      if a not in used and (mesh is None or axis_size(mesh, a) > 1))  # fmt: skip
+        optional = set(rules[letter].optional) & set(axes) if axes else set()
+        if mesh is not None and optional:
+            if sizes is None:
+                raise TypeError(f"param_axes: the rule of {letter!r} splits it over {sorted(optional)} only where "
+                                "they divide it: pass sizes= (config.sizes)")  # fmt: skip
+            kept = [a for a in axes if a not in optional]
+            for a in axes:  # each optional axis joins where the split with it still divides
+                if a in optional and sizes[letter] % (axis_size(mesh, (*kept, a))) == 0:
+                    kept.append(a)
+            axes = tuple(a for a in axes if a in kept)  # in the rule's order
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return tuple(out)
+
+
+def gather_axes(param, axes: tuple[str | tuple[str, ...] | None, ...], *, rules: Mapping[str, Any]
+                ) -> tuple[tuple[str, ...], ...]:  # fmt: skip
+    """Per dimension of ``param`` laid out on ``axes`` (:func:`param_axes`), the mesh axes the
+    step gathers it over before use: ``fsdp`` and the axes that join it optionally (the expert
+    group, :data:`zoo.core.mesh.WEIGHT_SHARDS`), outermost first; tensor-, expert- and
+    stage-split dimensions stay split."""
+    out = []
+    for letter, entry in zip(param.names, axes):
+        rule = rules.get(letter)
+        gathered = {"fsdp", *(rule.optional if rule is not None else ())}
+        out.append(tuple(a for a in axis_names(entry) if a in gathered))
     return tuple(out)
 
 
@@ -89,12 +116,12 @@ def model_specs(model) -> dict[str, Any]:
 
 
 def spec_tree(model, mesh: AnyMesh):
-    specs, rules = model_specs(model), rules_of(model)
+    specs, rules, sizes = model_specs(model), rules_of(model), model.config.sizes
 
     def leaf(path: str, x):
         if path not in specs:
             raise KeyError(f"{type(model).__name__}: array {path!r} has no Param description")
-        return PartitionSpec(*param_axes(specs[path], mesh, rules=rules))
+        return PartitionSpec(*param_axes(specs[path], mesh, rules=rules, sizes=sizes))
 
     return map_params(leaf, model)
 
@@ -121,7 +148,8 @@ def param_shardings(config: Any, mesh: Mesh, *, memory_kind: str | None = None) 
     rules = rules_of(config)
     specs = family_of(config).param_specs(config)
     return {
-        path: NamedSharding(mesh, PartitionSpec(*param_axes(p, mesh, rules=rules)), memory_kind=memory_kind)
+        path: NamedSharding(mesh, PartitionSpec(*param_axes(p, mesh, rules=rules, sizes=config.sizes)),
+                            memory_kind=memory_kind)
         for path, p in specs.items()
     }
 
@@ -131,7 +159,7 @@ def _splits(config: Any, mesh: AnyMesh) -> dict[tuple[str, str | tuple[str, ...]
     rules = rules_of(config)
     split: dict[tuple[str, str], str] = {}
     for path, p in family_of(config).param_specs(config).items():
-        for letter, axis in zip(p.names, param_axes(p, mesh, rules=rules)):
+        for letter, axis in zip(p.names, param_axes(p, mesh, rules=rules, sizes=config.sizes)):
             if axis is not None:
                 split.setdefault((letter, axis), path)
     return split
@@ -245,7 +273,9 @@ def validate_mesh(mesh: AnyMesh, config: Any, *, virtual_stages: int = 1) -> Non
                 f"(it splits dimension {letter} of {path}; {_would_work(sizes[letter], axis, mesh, config, split)}; "
                 f"{letter} is not padded: that would change the model's function)"
             )
-    used = {a for _, axis in split for a in axis_names(axis)}
+    # An axis that only joins another's split (the expert group on the FSDP-split weights) gives
+    # its devices no work of their own: a model without experts has none for "expert".
+    used = {a for letter, axis in split for a in axis_names(axis) if a not in rules[letter].optional}
     for axis in ("tensor", "expert", PIPELINE):
         if axis_size(mesh, axis) > 1 and axis not in used:
             what = {"expert": "experts", "tensor": "heads or hidden units", PIPELINE: "layer stack"}[axis]

@@ -28,6 +28,14 @@ AXES: tuple[str, ...] = (PIPELINE, "data", "fsdp", CONTEXT, "tensor", "expert")
 # The expert group splits the batch too: its devices would otherwise repeat the same attention
 # and dense work on the same tokens; the MoE layers then move tokens by all-to-all.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+# The axes a weight's FSDP dimension is stored split over (outermost first): fsdp, joined by the
+# expert group, whose devices hold different tokens too and would otherwise each keep a whole
+# copy of every weight outside the routed experts (MaxText's and Megatron's distributed
+# optimizer split these over the expert ranks as well). The step gathers such a weight over both
+# before use. A routed expert's own weights take "expert" on their expert dimension and keep
+# "fsdp" alone on this one. The families' rules join "expert" as optional
+# (zoo.core.protocol.AxisRule): a dimension it does not divide stays split over fsdp only.
+WEIGHT_SHARDS: tuple[str, ...] = ("fsdp", "expert")
 
 
 def check_axis(name: str, where: str) -> None:

@@ -39,12 +39,26 @@ class AxisRule:
         predicted), an MLP's hidden units (a zero unit adds nothing and gets no gradient) and
         a pipelined stack's layers (a padding layer is skipped: :mod:`zoo.pipeline`).
         Never a dimension that a norm or a softmax runs over, nor heads or experts.
+    optional: axes of ``mesh_axis`` that join the split only where the mesh's sizes still
+        divide the dimension with them; where they do not, it is split as the rule's other
+        axes split it and stored whole over them, as it was before they joined. The expert
+        group joins ``fsdp`` so on the weights outside the routed experts
+        (:data:`zoo.core.mesh.WEIGHT_SHARDS`): its devices hold different tokens, like
+        ``fsdp``'s, and the step gathers these weights over both (``docs/parallelism.md``).
+        Never with ``pad``.
     """
 
     mesh_axis: str | tuple[str, ...]
     field: str
     stored_apart_only: bool = False
     pad: bool = False
+    optional: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        names = (self.mesh_axis,) if isinstance(self.mesh_axis, str) else tuple(self.mesh_axis)
+        if not set(self.optional) <= set(names) or (self.optional and self.pad):
+            raise ConfigError(f"AxisRule {self.field!r}: optional axes {self.optional} must be among its mesh axes "
+                              f"{names}, and never with pad=True")  # fmt: skip
 
 
 # The dimension letter of the vocabulary in every family's legend: the embedding and the output

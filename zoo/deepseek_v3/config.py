@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from zoo.core.mesh import WEIGHT_SHARDS
 from zoo.core.protocol import AxisRule, check_positive_ints
 from zoo.errors import ConfigError
 from zoo.hf.config import HFConfig, decoder_hf
@@ -26,9 +27,9 @@ DEEPSEEK_V3_AXES: dict[str, AxisRule] = {
     "M": AxisRule("tensor", "moe_intermediate_size", pad=True),
     "X": AxisRule("tensor", "moe_intermediate_size * n_shared_experts", pad=True),
     "E": AxisRule("expert", "n_routed_experts", stored_apart_only=True),
-    "D": AxisRule("fsdp", "hidden_size"),
-    "Q": AxisRule("fsdp", "q_lora_rank"),
-    "C": AxisRule("fsdp", "kv_lora_rank"),
+    "D": AxisRule(WEIGHT_SHARDS, "hidden_size", optional=("expert",)),
+    "Q": AxisRule(WEIGHT_SHARDS, "q_lora_rank", optional=("expert",)),
+    "C": AxisRule(WEIGHT_SHARDS, "kv_lora_rank", optional=("expert",)),
     "V": AxisRule(("pipeline", "fsdp"), "vocab_size", pad=True),
     # The MoE stack is pipelined (stages over "pipeline", padding layers skipped: zoo.pipeline).
     # The first_k_dense_replace dense layers (3 of 61 in the published model) are not: they

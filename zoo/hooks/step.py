@@ -22,18 +22,35 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PyTree, Shaped
 
-from zoo.core.mesh import CONTEXT, PIPELINE, AnyMesh, axis_size
+from zoo.core.mesh import CONTEXT, PIPELINE, WEIGHT_SHARDS, AnyMesh, axis_size
 from zoo.core.named import named
 from zoo.errors import MeshError
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
+
+try:  # public from jax 0.11 on
+    from jax.lax import all_gather_invariant as _all_gather_invariant  # type: ignore[attr-defined]
+except ImportError:  # jax 0.10
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+
+
+class Gather(NamedTuple):
+    """One dimension of a weight the step all-gathers before use: ``dim``, split over mesh
+    ``axes`` (outermost first, its ``PartitionSpec`` entry: ``("fsdp", "expert")``);
+    ``shared``: those of them whose devices share their tokens (not batch axes of the step),
+    gathered as invariant over them, so the gradient is each device's block of the one
+    gradient they all computed, where over a batch axis it is the reduce-scatter of theirs."""
+
+    dim: int
+    axes: tuple[str, ...] = ("fsdp",)
+    shared: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +94,7 @@ class PipelineSplit:
 @dataclasses.dataclass
 class _Step:
     mesh: AnyMesh
-    plans: dict[Any, Any]  # layer treedef -> per-leaf dims to all-gather over "fsdp"
+    plans: dict[Any, Any]  # layer treedef -> per leaf, the Gather of each dimension gathered
     gathered: set[Any]
     vocab: VocabSplit | None = None
     pipeline: PipelineSplit | None = None
@@ -116,12 +133,15 @@ def tensor_psum(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
 
 
 def gather_layer(tree: PyTree) -> PyTree:
-    """FSDP: one layer's weights all-gathered over ``"fsdp"``; call inside the scanned body.
+    """FSDP: one layer's weights all-gathered over ``"fsdp"`` and, where the expert group
+    joins it on them, ``"expert"`` (:data:`zoo.core.mesh.WEIGHT_SHARDS`); call inside the
+    scanned body.
 
     Only this layer's full weights exist at a time; the step's remat policy re-gathers them
     for the backward pass instead of saving them, and autodiff turns the transpose of the
-    tiled all-gather into a reduce-scatter of the gradients. Tensor- and expert-split
-    dimensions stay split. Call it on the weights already cast to the compute dtype: the
+    tiled all-gather into a reduce-scatter of the gradients (over the axes that split the
+    batch; over one the batch is not split on, each device keeps its block of the gradient
+    they share). Tensor-split dimensions and the routed experts' expert dimension stay split. Call it on the weights already cast to the compute dtype: the
     gather then moves half the bytes in bf16, and nothing derived from the full weights is
     left for the backward pass to save (the reduce-scatter runs in the compute dtype too).
     """
@@ -136,10 +156,23 @@ def gather_layer(tree: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, [named(GATHERED, gather_fsdp, x, d) for x, d in zip(leaves, plan)])
 
 
-def gather_fsdp(x, dims: Sequence[int]):
-    """``x`` all-gathered over ``"fsdp"`` on each of ``dims`` (tiled)."""
-    for d in dims:
-        x = jax.lax.all_gather(x, "fsdp", axis=d, tiled=True)
+def gather_fsdp(x, dims: Sequence[int | Gather]):
+    """``x`` all-gathered (tiled) on each of ``dims``: a :class:`Gather`, or a dimension split
+    over ``"fsdp"`` alone. Axes that split the batch are gathered together in one collective,
+    the innermost group first; the devices of a ``shared`` axis, which compute the same
+    gradient, get their block of it back instead of a reduce-scatter."""
+    for g in dims:
+        g = Gather(g) if isinstance(g, int) else g
+        groups: list[tuple[list[str], bool]] = []  # innermost first
+        for a in reversed(g.axes):
+            shared = a in g.shared
+            if groups and groups[-1][1] == shared:
+                groups[-1][0].insert(0, a)
+            else:
+                groups.append(([a], shared))
+        for axes, shared in groups:
+            name = axes[0] if len(axes) == 1 else tuple(axes)
+            x = (_all_gather_invariant if shared else jax.lax.all_gather)(x, name, axis=g.dim, tiled=True)
     return x
 
 
@@ -205,17 +238,18 @@ def remat_policy(policy: Callable[..., Any] | None) -> Callable[..., Any] | None
     A placement map's policy already saves only named tensors, so it is kept as is.
     """
     step = _STEP.get()
-    if step is None or policy is not None or axis_size(step.mesh, "fsdp") == 1:
+    if step is None or policy is not None or all(axis_size(step.mesh, a) == 1 for a in WEIGHT_SHARDS):
         return policy
     return _regather
 
 
 def _regather(prim, *avals, **params) -> bool:
-    """Save anything but the FSDP all-gathers' outputs and the name on them. (Written out:
+    """Save anything but the FSDP all-gathers' outputs (over ``fsdp`` and the expert group,
+    which joins it on the weights outside the experts) and the name on them. (Written out:
     ``jax.checkpoint_policies.save_anything_except_these_names`` saves everything in jax 0.10.)"""
-    if prim is jax.lax.all_gather_p:
+    if prim is jax.lax.all_gather_p or prim.name == "all_gather_invariant":
         names = params.get("axis_name", ())
-        return "fsdp" not in (names if isinstance(names, tuple) else (names,))
+        return not set(names if isinstance(names, tuple) else (names,)) & set(WEIGHT_SHARDS)
     return not (prim.name == "name" and params.get("name") == GATHERED)
 
 
@@ -307,7 +341,7 @@ def psum_varying(x, axes: Sequence[str]):
 
 
 __all__ = [
-    "CONTEXT", "GATHERED", "PIPELINE", "PipelineSplit", "axis_size", "context_gather", "context_order", "context_positions",
+    "CONTEXT", "GATHERED", "PIPELINE", "Gather", "PipelineSplit", "axis_size", "context_gather", "context_order", "context_positions",
     "context_size", "context_sum", "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "pipeline_of",
     "psum_varying", "remat_policy", "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
     "varying_over", "VocabSplit", "vocab_split",

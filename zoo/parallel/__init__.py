@@ -10,6 +10,7 @@ Model code never imports this package: inside the step it calls :mod:`zoo.hooks`
 
 from zoo.core.layout import (
     StageOrdered,
+    gather_axes,
     init_arrays,
     is_padded,
     layout_sizes,
@@ -20,7 +21,7 @@ from zoo.core.layout import (
     unpad,
     validate_mesh,
 )
-from zoo.core.mesh import AXES, BATCH_AXES, PIPELINE, axis_names, check_axis, parse_mesh
+from zoo.core.mesh import AXES, BATCH_AXES, PIPELINE, WEIGHT_SHARDS, axis_names, check_axis, parse_mesh
 from zoo.errors import MeshError
 from zoo.hooks.step import GATHERED, gather_layer, in_step, remat_policy, sum_to_varying_of, tensor_psum, varying_like
 from zoo.layers.moe import routed_experts
@@ -29,7 +30,8 @@ from zoo.parallel.place import init_optimizer, param_bytes, reorder_stacks, repl
 from zoo.parallel.step import pipeline_split_of, value, value_and_grad, vocab_split_of
 
 __all__ = [
-    "AXES", "BATCH_AXES", "GATHERED", "PIPELINE", "MeshError", "StageOrdered", "axis_names", "check_axis", "gather_layer", "in_step",
+    "AXES", "BATCH_AXES", "GATHERED", "PIPELINE", "WEIGHT_SHARDS", "MeshError", "StageOrdered", "axis_names", "check_axis",
+    "gather_axes", "gather_layer", "in_step",
     "init_arrays", "init_optimizer", "initialize_distributed", "is_padded", "layout_sizes", "make_mesh", "pad",
     "param_axes", "param_bytes", "param_shardings", "parse_mesh", "partition_specs", "pipeline_split_of",
     "remat_policy", "reorder_stacks", "replicate_unplaced", "routed_experts", "shard", "sum_to_varying_of", "tensor_psum",

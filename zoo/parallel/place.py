@@ -94,7 +94,8 @@ def reorder_stacks(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = Fal
 
         def leaf(path, x):
             p = specs[path]
-            if not (p.names and p.names[0] in p.stacked and param_axes(p, mesh, rules=rules)[0] == PIPELINE):
+            if not (p.names and p.names[0] in p.stacked
+                    and param_axes(p, mesh, rules=rules, sizes=m.config.sizes)[0] == PIPELINE):
                 return x
             try:
                 order = stage_order(x.shape[0], stages, virtual)

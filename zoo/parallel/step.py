@@ -24,6 +24,7 @@ from jaxtyping import PyTree
 from zoo.core.layout import (
     StageOrdered,
     check_padded,
+    gather_axes,
     is_layer_stack,
     model_specs,
     param_axes,
@@ -37,6 +38,7 @@ from zoo.core.protocol import VOCAB
 from zoo.errors import ConfigError, MeshError
 from zoo.hooks.pipeline import stage_layout
 from zoo.hooks.step import (
+    Gather,
     PipelineSplit,
     VocabSplit,
     context_order,
@@ -47,12 +49,14 @@ from zoo.hooks.step import (
 )
 
 
-def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
+def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], list]:
     """Per layer stack (keyed by its tree structure), the dims each leaf of one layer is
-    all-gathered on; and per model leaf, the dims a non-layer leaf is gathered on at the
-    start of the step (none for layer-stack leaves: they are gathered layer by layer)."""
+    all-gathered on (:class:`Gather`: over ``fsdp`` and the expert group where it joins, as
+    :func:`gather_axes` says; ``shared`` where those axes are not among ``batch_axes``); and per
+    model leaf, the dims a non-layer leaf is gathered on at the start of the step (none for
+    layer-stack leaves: they are gathered layer by layer)."""
 
-    specs, rules = model_specs(model), rules_of(model)
+    specs, rules, sizes = model_specs(model), rules_of(model), model.config.sizes
     stacks: dict[str, bool] = {}
     for path, p in specs.items():
         root = path.split(".")[0]
@@ -60,12 +64,12 @@ def _layer_plans(model, mesh: AnyMesh) -> tuple[dict[Any, list], list]:
 
     vocab = vocab_split_of(model, mesh) is not None
 
-    def dims(path: str, drop: int) -> tuple[int, ...]:
+    def dims(path: str, drop: int) -> tuple[Gather, ...]:
         p = specs[path]
-        axes = param_axes(p, mesh, rules=rules)
+        gathered = gather_axes(p, param_axes(p, mesh, rules=rules, sizes=sizes), rules=rules)
         # The embedding and head split on the vocabulary stay split: zoo.vocab_parallel streams them.
-        return tuple(i - drop for i, a in enumerate(axes)
-                     if "fsdp" in axis_names(a) and not (vocab and p.names[i] == VOCAB))  # fmt: skip
+        return tuple(Gather(i - drop, axes, tuple(a for a in axes if a not in batch_axes))
+                     for i, axes in enumerate(gathered) if axes and not (vocab and p.names[i] == VOCAB))  # fmt: skip
 
     plans = {}
     for root, is_stack in stacks.items():
@@ -91,7 +95,7 @@ def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_st
     for root in dict.fromkeys(path.split(".")[0] for path, p in specs.items() if is_layer_stack(p)):
         sub = getattr(model, root, None)
         stack = [p for path, p in specs.items() if path.split(".")[0] == root]
-        if sub is not None and all(param_axes(p, mesh, rules=rules)[0] == PIPELINE for p in stack):
+        if sub is not None and all(param_axes(p, mesh, rules=rules, sizes=sizes)[0] == PIPELINE for p in stack):
             layers[jax.tree.structure(sub)] = sizes[stack[0].names[0]]
     m = stages if microbatches is None else microbatches
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
@@ -108,7 +112,8 @@ def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
     ``pipeline`` stages, those of the two that split the ``V`` of every parameter that has one;
     ``None`` where neither does (a vocabulary kept whole)."""
     specs, rules = model_specs(model), rules_of(model)
-    found = {param_axes(p, mesh, rules=rules)[p.names.index(VOCAB)] for p in specs.values() if VOCAB in p.names}
+    sizes = model.config.sizes
+    found = {param_axes(p, mesh, rules=rules, sizes=sizes)[p.names.index(VOCAB)] for p in specs.values() if VOCAB in p.names}
     if len(found) != 1:
         return None
     axes = axis_names(found.pop())
@@ -219,7 +224,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
         _check_batch(batch, mesh, axes)
         _check_batch(arrays, mesh, axes)
         specs = spec_tree(model, mesh)
-        plans, rest = _layer_plans(model, mesh)
+        plans, rest = _layer_plans(model, mesh, axes)
         trainable = _trainable_mask(model)
         bspec = PartitionSpec(axes if axes else None)
         if (context := axis_size(mesh, CONTEXT)) > 1:
@@ -258,7 +263,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
                 else:
                     (loss, aux), grads = objective(params), None
                 missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
-                if missing and axis_size(mesh, "fsdp") > 1:
+                if missing:
                     raise MeshError("the model's forward never called zoo.hooks.gather_layer on a layer stack")
             aux = jax.tree.map(lambda a: _reduce_aux(a, (*axes, CONTEXT)), aux)
             out = (loss, aux) if has_aux else loss

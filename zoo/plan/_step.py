@@ -163,7 +163,8 @@ class Step:
                 if not _is_sds(x):
                     return x
                 name = ".".join(str(getattr(p, "name", p)) for p in path)
-                return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules))
+                return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules,
+                                                           sizes=self.config.sizes))
 
             return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=_is_sds)
 

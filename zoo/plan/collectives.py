@@ -28,14 +28,15 @@ from jax._src import core
 
 from zoo.errors import ConfigError
 from zoo.layers.moe_dispatch import LATER_ROUNDS
-from zoo.parallel import AXES
+from zoo.parallel import AXES, WEIGHT_SHARDS
 from zoo.placement import subjaxprs
 from zoo.plan._step import tick_ring
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds, nbytes
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
 _PRIMITIVES = {
-    "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "psum_invariant": "all_reduce",
+    "all_gather": "all_gather", "all_gather_invariant": "all_gather", "reduce_scatter": "reduce_scatter",
+    "psum_invariant": "all_reduce",
     "psum": "all_reduce", "all_to_all": "all_to_all", "ppermute": "permute",
 }  # fmt: skip
 
@@ -90,7 +91,7 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
 
     def has_scatter(j: core.Jaxpr) -> bool:
         for e in j.eqns:
-            if e.primitive.name == "reduce_scatter" and "fsdp" in _axes(e):
+            if e.primitive.name == "reduce_scatter" and _weight_axes(_axes(e)):
                 return True
             if any(has_scatter(jaxpr_of(s)) for s in _subs(e)):
                 return True
@@ -115,7 +116,7 @@ def traced(jaxpr: Any, sizes: Mapping[str, int]) -> list[Collective]:
             if kind is not None:
                 axes = tuple(a for a in _axes(e) if sizes.get(a, 1) > 1)
                 size = _buffer(kind, e)
-                if inlined and kind == "all_gather" and axes == ("fsdp",):
+                if inlined and kind == "all_gather" and _weight_axes(axes):
                     continue  # the re-gather of a stack XLA inlines is the forward gather, CSE'd
                 if axes and size:
                     hoisted = stages > 1 and not where and layer and not dots
@@ -356,10 +357,17 @@ def collective_seconds(kind: str, nbytes: int | float, hw: Any, sizes: Mapping[s
 # -- a step's collectives as the planner prices them ------------------------------------------
 
 
+def _weight_axes(axes: tuple[str, ...]) -> bool:
+    """Whether a gather or reduce-scatter over ``axes`` is FSDP's, of weights: over ``fsdp``
+    and the expert group that joins it on the weights outside the experts
+    (:data:`zoo.parallel.WEIGHT_SHARDS`; tokens cross the expert group by all-to-all)."""
+    return bool(axes) and set(axes) <= set(WEIGHT_SHARDS)
+
+
 def _weights(c: Collective) -> bool:
     """FSDP's per-layer weight gathers and gradient reduce-scatters: XLA's latency-hiding
     scheduler runs them behind the neighbouring layer's compute."""
-    return c.layer and c.overlap and c.axes == ("fsdp",) and c.kind in ("all_gather", "reduce_scatter")
+    return c.layer and c.overlap and _weight_axes(c.axes) and c.kind in ("all_gather", "reduce_scatter")
 
 
 @dataclass

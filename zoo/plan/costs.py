@@ -416,11 +416,11 @@ def _stage_weights(step: Step) -> tuple[float, float]:
     stored = gathered = 0.0
     for path, x in jax.tree_util.tree_leaves_with_path(step.params, is_leaf=lambda x: isinstance(x, SDS)):
         p = described[".".join(str(getattr(k, "name", k)) for k in path)]
-        axes = parallel.param_axes(p, step.mesh, rules=rules)
+        axes = parallel.param_axes(p, step.mesh, rules=rules, sizes=step.config.sizes)
         if not (p.names and p.names[0] in p.stacked and axes and axes[0] == PIPELINE):
             continue
         held = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize / step.divisor(PartitionSpec(*axes))
-        fsdp = step.sizes["fsdp"] if "fsdp" in [a for e in axes for a in parallel.axis_names(e)] else 1
+        fsdp = math.prod(step.sizes[a] for g in parallel.gather_axes(p, axes, rules=rules) for a in g)
         stored += held
         gathered += held * fsdp * compute / jnp.dtype(x.dtype).itemsize
     return stored, gathered

@@ -108,11 +108,12 @@ def mesh_state(config: Any, sizes: dict[str, int]) -> tuple[float, float, float]
     params = layer = reduced = 0.0
     for p in family_of(config).param_specs(config).values():
         n = math.prod(p.shape(laid_out))
-        axes = [a for entry in parallel.param_axes(p, mesh, rules=rules) for a in parallel.axis_names(entry)]
+        entries = parallel.param_axes(p, mesh, rules=rules, sizes=config.sizes)
+        axes = [a for entry in entries for a in parallel.axis_names(entry)]
         split = math.prod(sizes[a] for a in axes)
         params += 4 * n / split
-        if p.names and p.names[0].startswith("L") and p.names[0] in p.stacked:
-            layer += 2 * n / split * (sizes["fsdp"] if "fsdp" in axes else 1)
+        if p.names and p.names[0].startswith("L") and p.names[0] in p.stacked:  # gathered over fsdp (and expert)
+            layer += 2 * n / split * math.prod(sizes[a] for g in parallel.gather_axes(p, entries, rules=rules) for a in g)
         over = [a for a in ("data", "fsdp", "context", "expert") if sizes[a] > 1 and a not in axes]
         if over:
             reduced += 4 * n / split

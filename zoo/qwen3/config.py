@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
+from zoo.core.mesh import WEIGHT_SHARDS
 from zoo.core.protocol import AxisRule
 from zoo.errors import ConfigError, MeshError
 from zoo.hf.config import HFConfig, decoder_hf
@@ -27,7 +28,7 @@ QWEN3_AXES: dict[str, AxisRule] = {
     "F": AxisRule("tensor", "intermediate_size", pad=True),
     "M": AxisRule("tensor", "moe_intermediate_size", pad=True),
     "E": AxisRule("expert", "num_experts", stored_apart_only=True),
-    "D": AxisRule("fsdp", "hidden_size"),
+    "D": AxisRule(WEIGHT_SHARDS, "hidden_size", optional=("expert",)),
     "V": AxisRule(("pipeline", "fsdp"), "vocab_size", pad=True),
     # Both layer stacks are pipelined (zoo.pipeline): each block of the forward pass (one
     # repeating pattern of kinds, or one run of a kind) is a GPipe pass over its repeats, which
