@@ -22,8 +22,11 @@
    at its rows (until ``top`` have planned) and at one row per device (what any mesh that fits
    at all does at least; until ``top // 2`` have, at least one: :func:`plan_in_turn`): 671B on
    256 H200s, fsdp=128,tensor=2 ranks first at 87 rows and plans at 4 (198 tokens/s per device),
-   fsdp=32,expert=8 ranks 57th at its rows, first at one row, and plans at 474. The plan says how
-   many meshes it planned (``Plan.meshes_planned``).
+   fsdp=32,expert=8 ranks 57th at its rows, first at one row, and plans at 474. Then every mesh
+   the quick model cannot rule out is planned too (:func:`plan_while_any_could_win`): while its
+   figure, off by as much as the quick model was on any mesh planned, beats the fastest plan
+   (there fsdp=64,tensor=2,expert=2, 58th of 1160 planned, at 488). The plan says how many
+   meshes it planned (``Plan.meshes_planned``).
 
 The enumeration, the pruning's state bytes, the quick model and the table are
 :mod:`zoo.plan.meshes`'s (below the planner, which prices with them); :func:`search` is here.
