@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         parser().error(str(e))
     cfg = setup.train_config(args, model)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else ztrain.matmul_peak_flops(dtype[args.compute_dtype])
-    print(setup.describe(model, args.checkpoint or args.preset, data, peak), flush=True)
+    print(setup.describe(model, args.checkpoint_id or args.checkpoint or args.preset, data, peak), flush=True)
     if cycled := setup.epochs(data, cfg):  # a small set is repeated: said, with how often
         print(cycled, flush=True)
     setup.copy_tokenizer(args.checkpoint, args.run_dir)  # eval.py and generate.py on the run dir tokenize as training did
@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,
             placement=args.placement, mesh=mesh, param_memory=args.param_memory, opt_memory=args.opt_memory,
             peak_flops=peak, consume=True, wandb=args.wandb,
-            sources=setup.sources(args.data, args.checkpoint, args.text_field, args.data_format),
+            sources=setup.sources(args.data, args.checkpoint, args.text_field, args.data_format,
+                                  checkpoint_id=args.checkpoint_id),
             allow_change=[n for n in args.allow_change.split(",") if n], xla_options=args.xla_options,
             xla_defaults=not args.no_xla_defaults, profile=args.profile,
         )  # fmt: skip

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from zoo import parallel, plan, registry
 from zoo.errors import ConfigError, MeshError
 from zoo.plan import search
-from zoo.plan._step import abstract_mesh
+from zoo.plan._step import abstract_mesh, mesh_spec
 
 
 def config(model_type: str, name: str = "small"):
@@ -140,6 +142,38 @@ def test_meshes_are_planned_from_both_rankings():
     assert [r.mesh for r in tried] == ["fsdp=1", "fsdp=2"]
     with pytest.raises(ConfigError, match="top .* must be a positive integer, got 0"):
         plan.plan(config("llama"), devices=8, seq_len=128, top=0)
+
+
+def test_no_mesh_is_left_unplanned_that_the_quick_model_could_price_faster(monkeypatch):
+    """#42: 671B on 256 H200s chose fsdp=32,expert=8 (474.2 tokens/s per device) while fsdp=64,
+    expert=4 planned at 481.9, ranked below the meshes planned by the quick model. Here the quick
+    model is set to misorder a tiny Llama's meshes so: by its rows fsdp=4 first and data=4 second,
+    at one row fsdp=2,tensor=2 first; the plans give 100, 400 and 300 tokens/s. With top=1 the
+    search planned fsdp=4 and fsdp=2,tensor=2 and chose the latter, though the quick model, as far
+    off as it was on that mesh (300 tokens/s against its 3 units: a margin of 900), gives data=4
+    (2 units) up to 450: it plans data=4 too, and no other (at 10 units, 90 at most)."""
+    module = sys.modules["zoo.plan.search"]
+    at_rows = {"fsdp=4": 1.0, "data=4": 2.0, "fsdp=2,tensor=2": 4.0}  # the quick model's seconds per token, at its rows
+    one = {"fsdp=4": 10.0, "data=4": 5.0, "fsdp=2,tensor=2": 3.0}  # ... and at one row per device
+    full = {"fsdp=4": 100.0, "data=4": 400.0, "fsdp=2,tensor=2": 300.0}  # tokens/s of the full plans
+
+    def quick_time(config, sizes, seq_len, hw, dtype, rows=1):
+        per_token = (at_rows if rows > 1 else one).get(mesh_spec(sizes), 10.0)
+        return sizes["data"] * sizes["fsdp"] * sizes["expert"] * rows * per_token
+
+    real = module.plan_mesh
+
+    def plan_mesh(model, *, mesh, **kw):
+        p = real(model, mesh=mesh, **kw)
+        return dataclasses.replace(p, tokens_per_s=full.get(mesh, 10.0))
+
+    monkeypatch.setattr(module, "quick_time", quick_time)
+    monkeypatch.setattr(module, "quick_rows", lambda *a, **k: 2)
+    monkeypatch.setattr(module, "plan_mesh", plan_mesh)
+    p = plan.plan(config("llama", "tiny"), devices=4, seq_len=32, hardware="cpu", verify=False, top=1)
+    assert p.mesh == "data=4" and p.tokens_per_s == 400.0
+    assert p.meshes_planned == 3 and {r.mesh for r in p.meshes if r.batch_size} == set(full)
+    assert f"planned 3 of {len(p.meshes)} meshes in full" in str(p)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])

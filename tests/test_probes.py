@@ -789,6 +789,34 @@ def test_a_hub_id_loads_from_the_hub_cache(tmp_path, monkeypatch):
         zoo.from_pretrained("org/name")
 
 
+def test_a_hub_id_is_recorded_as_given(tmp_path, monkeypatch, capsys):
+    """Issue 42: train.py --checkpoint org/name recorded in run.json the snapshot's path in this
+    machine's hub cache, not the id; it records the id as given and the snapshot's revision, says
+    the id in the run's line, and a resume resolves the id again (offline, from the cache)."""
+    snapshot = _hub_cache(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no local folder org/name
+    data = tmp_path / "d.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    run = tmp_path / "run"
+
+    def train(*extra: str) -> None:
+        _recipe("train").main(["--checkpoint", "org/name", "--data", str(data), "--data-cache", str(tmp_path / "c"),
+                               "--batch-size", "2", "--seq-len", "16", "--eval-every", "100", "--checkpoint-every", "2",
+                               "--peak-tflops", "1", "--run-dir", str(run), *extra])  # fmt: skip
+
+    train("--steps", "2")
+    sources = json.loads((run / "run.json").read_text())["sources"]
+    assert sources["checkpoint"] == "org/name" and sources["checkpoint_revision"] == snapshot.name, sources
+    assert " org/name: " in capsys.readouterr().out  # the run's line names the id, not the snapshot's path
+    flags = _recipe("train").parse_args(["--checkpoint", "org/name", "--run-dir", str(Path("runs") / "name"), "--resume"])
+    assert ztrain.run_dir.resume_target(flags).endswith("(the run dir of --checkpoint org/name; another: --run-dir)")
+    train("--steps", "3", "--resume", "--allow-change", "steps")  # the id resolves again, equal to the run's
+    assert json.loads((run / "run.json").read_text())["sources"] == sources
+    assert ztrain.load_run(run)[1] == 3
+
+
 def test_the_run_line_names_the_model_type_where_a_family_has_several():
     """Issue 42: --model qwen3_moe was announced as "Qwen3 small"."""
     from types import SimpleNamespace

@@ -22,8 +22,11 @@
    at its rows (until ``top`` have planned) and at one row per device (what any mesh that fits
    at all does at least; until ``top // 2`` have, at least one: :func:`plan_in_turn`): 671B on
    256 H200s, fsdp=128,tensor=2 ranks first at 87 rows and plans at 4 (198 tokens/s per device),
-   fsdp=32,expert=8 ranks 57th at its rows, first at one row, and plans at 474. The plan says how
-   many meshes it planned (``Plan.meshes_planned``).
+   fsdp=32,expert=8 ranks 57th at its rows, first at one row, and plans at 474. Then every mesh
+   the quick model cannot rule out is planned too (:func:`plan_while_any_could_win`): while its
+   figure, off by as much as the quick model was on any mesh planned, beats the fastest plan
+   (there fsdp=64,tensor=2,expert=2, 58th of 1160 planned, at 488). The plan says how many
+   meshes it planned (``Plan.meshes_planned``).
 
 The enumeration, the pruning's state bytes, the quick model and the table are
 :mod:`zoo.plan.meshes`'s (below the planner, which prices with them); :func:`search` is here.
@@ -59,7 +62,7 @@ from zoo.plan.offloads import verify_offloads
 # zoo.plan.meshes's names, importable from here as before they moved below the planner (which prices with them).
 __all__ = [
     "MeshRow", "factorizations", "mesh_state", "mesh_table", "meshes", "pipeline_sizes", "pipelined_layers",
-    "plan_in_turn", "quick_rows", "quick_time", "search", "worth_pipelining",
+    "plan_in_turn", "plan_while_any_could_win", "quick_rows", "quick_time", "search", "worth_pipelining",
 ]  # fmt: skip
 
 
@@ -146,6 +149,13 @@ def search(
 
     by_one_row = sorted(live, key=lambda r: one_row[r.mesh] / _shards(r.mesh))
     tried = plan_in_turn(live, by_one_row, top, attempt)
+
+    # The quick model's most optimistic seconds per token of a mesh: at its rows or at one row.
+    def optimistic(r: MeshRow) -> float:
+        return min(per_token(r), one_row[r.mesh] / _shards(r.mesh))
+
+    tried = plan_while_any_could_win(live, tried, optimistic,
+                                     lambda: {m: p.tokens_per_s for m, p in found_plans.items()}, attempt)  # fmt: skip
     best = max(found_plans.values(), key=lambda p: p.tokens_per_s, default=None)
     others = [r for r in rows if r not in tried]
     if best is None:
@@ -173,6 +183,33 @@ def search(
 def _shards(mesh: str) -> int:
     s = parallel.parse_mesh(mesh)
     return s["data"] * s["fsdp"] * s["expert"]
+
+
+def plan_while_any_could_win(live: list[MeshRow], tried: list[MeshRow], quick: Any, full: Any, attempt: Any
+                             ) -> list[MeshRow]:  # fmt: skip
+    """``tried`` and after them, fastest by the quick model first, every mesh of ``live`` the quick
+    model cannot rule out: ``quick(row)`` its seconds per token, ``full()`` the tokens/s of the
+    meshes planned so far that fit (by mesh), ``attempt(row)`` plans one. The quick model's error is
+    measured on the planned meshes, as full tokens/s x quick seconds per token (a constant where
+    it were exact), and a mesh is planned while that margin at its largest, over its quick
+    seconds, beats the fastest plan: no mesh left unplanned could, by the quick model off by as
+    much as it has been. (The margin and the fastest plan are retaken after each plan.)"""
+    tried = list(tried)
+    done = {r.mesh for r in tried}
+    rows = {r.mesh: r for r in live}
+    for r in sorted(live, key=quick):
+        if r.mesh in done:
+            continue
+        figures = full()
+        if not figures:  # nothing planned fits: no margin measured (the search says what did not fit)
+            break
+        margin = max(f * quick(rows[m]) for m, f in figures.items())
+        if margin / quick(r) <= max(figures.values()):
+            break  # the later ones, slower by the quick model, cannot either
+        tried.append(r)
+        done.add(r.mesh)
+        attempt(r)
+    return tried
 
 
 def plan_in_turn(by_rows: list[MeshRow], by_one_row: list[MeshRow], top: int, attempt: Any) -> list[MeshRow]:

@@ -13,17 +13,24 @@ from jax.experimental import multihost_utils
 from zoo import data as zdata
 
 
-def sources(data: str, checkpoint: str | None, text_field: str, data_format: str) -> dict[str, str | None]:
+def sources(data: str, checkpoint: str | None, text_field: str, data_format: str, *,
+            checkpoint_id: str | None = None) -> dict[str, str | None]:  # fmt: skip
     """What the run is made from, as ``run.json`` keeps it (paths resolved, so that the same
-    file named another way is the same source)."""
-
-    def resolved(name: str | None) -> str | None:
-        if name is None:
-            return None
-        return ",".join(str(Path(n).resolve()) if Path(n).exists() else n for n in name.split(","))
-
-    return {"data": resolved(data), "checkpoint": resolved(checkpoint), "text_field": text_field,
+    file named another way is the same source). A checkpoint given as a hub id
+    (``checkpoint_id``, ``checkpoint`` its snapshot in the hub cache) is kept as the id, with the
+    snapshot's revision (``checkpoint_revision``): the cache's path is this machine's, and the
+    id resolves again on a resume."""
+    if checkpoint_id is not None and checkpoint is not None:
+        return {"data": _resolved(data), "checkpoint": checkpoint_id, "checkpoint_revision": Path(checkpoint).name,
+                "text_field": text_field, "data_format": data_format}  # fmt: skip
+    return {"data": _resolved(data), "checkpoint": _resolved(checkpoint), "text_field": text_field,
             "data_format": data_format}  # fmt: skip
+
+
+def _resolved(name: str | None) -> str | None:
+    if name is None:
+        return None
+    return ",".join(str(Path(n).resolve()) if Path(n).exists() else n for n in name.split(","))
 
 
 def load_training_data(spec: str, vocab_size: int, *, checkpoint: str | None, seq_len: int, text_field: str = "text",

@@ -191,9 +191,10 @@ def resume_target(flags: Any) -> str:
     """What ``--resume`` continues, in a line said before anything runs: the run in ``--run-dir``,
     by default the one of ``--model``/``--preset`` (or ``--checkpoint``), not the latest run of any
     model; where the latest run beside it is another, it is named."""
-    if Path(flags.run_dir) != Path(default_run_dir(flags.checkpoint, flags.model, flags.preset)):
+    checkpoint = getattr(flags, "checkpoint_id", None) or flags.checkpoint  # a hub id as given, not its snapshot
+    if Path(flags.run_dir) != Path(default_run_dir(checkpoint, flags.model, flags.preset)):
         return f"--resume: continuing the run in {flags.run_dir} (--run-dir)"
-    made = f"--checkpoint {flags.checkpoint}" if flags.checkpoint else f"--model {flags.model} --preset {flags.preset}"
+    made = f"--checkpoint {checkpoint}" if checkpoint else f"--model {flags.model} --preset {flags.preset}"
     line = f"--resume: continuing the run in {flags.run_dir} (the run dir of {made}; another: --run-dir)"
     if (latest := latest_run(Path(flags.run_dir).parent)) and latest.resolve() != Path(flags.run_dir).resolve():
         line += f"; the latest run is {latest}: resume it with --run-dir {latest} and the flags it was made with"

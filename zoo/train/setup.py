@@ -68,11 +68,16 @@ def complete(flags: Any) -> None:
             setattr(flags, name, value)
     if flags.run_dir is None:  # one per model: a run of another model never lands in this one's directory
         flags.run_dir = default_run_dir(flags.checkpoint, flags.model, flags.preset)
-    if flags.checkpoint:  # a hub id ("org/name") that is no local folder: its snapshot, fetched into the hub cache
+    # A hub id ("org/name") that is no local folder: its snapshot, fetched into the hub cache; the id
+    # as given is kept (``checkpoint_id``) for run.json and the lines that name the run's source.
+    flags.checkpoint_id = None
+    if flags.checkpoint:
         try:
-            flags.checkpoint = str(hub.resolve(flags.checkpoint))
+            given, flags.checkpoint = flags.checkpoint, str(hub.resolve(flags.checkpoint))
         except CheckpointError as e:
             raise ConfigError(f"--checkpoint {e}") from None
+        if hub.is_hub_id(given) and not Path(given).exists():
+            flags.checkpoint_id = given
     try:
         flags.xla_options = dict(parse_xla_option(o) for o in flags.xla_option)
     except ValueError as e:
