@@ -201,3 +201,34 @@ def test_plan_names_the_model_type():
     for model_type in ("qwen3_moe", "qwen3"):
         e = plan.estimate(config(model_type, "tiny"), seq_len=16, batch_size=1)
         assert e.model.startswith(f"Qwen3Config({model_type}, ")  # what print(plan) heads with
+
+
+def test_meshes_left_unplanned_by_the_limit_are_counted_and_the_plan_says_how_to_plan_them():
+    """The extra plans stop at ``limit`` (``--top``): the meshes that could still win are
+    counted, not silently skipped, and the plan names the ``--top`` that plans them."""
+    from zoo.plan.search import MeshRow, plan_while_any_could_win
+
+    rows = [MeshRow(m, 0.0, 0.0) for m in ("a", "b", "c", "d")]
+    quick = {"a": 1.0, "b": 2.0, "c": 2.5, "d": 20.0}  # seconds per token by the quick model
+    full = {"a": 100.0}  # a planned at 100 tokens/s: a margin of 100 x 1
+    planned = []
+
+    def attempt(r):
+        planned.append(r.mesh)
+        full[r.mesh] = 30.0
+        return True
+
+    _, unruled = plan_while_any_could_win(rows, rows[:1], lambda r: quick[r.mesh], lambda: dict(full), attempt,
+                                              limit=0)  # fmt: skip
+    assert (planned, unruled) == ([], 0)  # b: 100 / 2 = 50 < 100, none could win
+    full["a"] = 25.0
+    full["a2"] = 60.0
+    quick["a2"] = 5.0  # margin: max(25 x 1, 60 x 5) = 300; b 150, c 120, d 15 against the best, 60
+    rows.append(MeshRow("a2", 0.0, 0.0))
+    _, unruled = plan_while_any_could_win(rows, [rows[0], rows[-1]], lambda r: quick[r.mesh], lambda: dict(full),
+                                              attempt, limit=1)  # fmt: skip
+    assert planned == ["b"] and unruled == 1  # c still could; d (15) could not
+    p = plan.plan(config("llama", "tiny"), devices=4, seq_len=32, hardware="cpu", verify=False, top=1)
+    assert p.meshes_unruled == 0 and "no other could be faster" in str(p)
+    assert "3 more could be faster" in str(dataclasses.replace(p, meshes_unruled=3, search_top=5))
+    assert "--top 8 plans them" in str(dataclasses.replace(p, meshes_unruled=3, search_top=5))

@@ -59,6 +59,10 @@ class Plan:
     comm_time: float = 0.0
     meshes: tuple[Any, ...] = ()
     meshes_planned: int = 0  # of the meshes, how many the search planned in full
+    # Of those not planned, how many the quick model, off by as much as it was on the meshes
+    # planned, could still price faster than the chosen one (0: none can be faster).
+    meshes_unruled: int = 0
+    search_top: int = 0  # the search's --top
     # With a pipeline axis: the micro-batches per device (TrainConfig.microbatches), the bubble's
     # share of the ticks, and per device per step the point-to-point bytes and those all-reduced
     # over the pipeline axis (CostModel.pipeline_bytes); None / 0 without one. virtual_stages:
@@ -86,7 +90,11 @@ class Plan:
         lines = [head]
         if self.meshes:
             lines += [f"meshes of {self.devices} devices, the chosen first:", mesh_table(self.meshes),
-                      f"planned {self.meshes_planned} of {len(self.meshes)} meshes in full (--top to plan more)", "",
+                      f"planned {self.meshes_planned} of {len(self.meshes)} meshes in full; " + (
+                          f"{self.meshes_unruled} more could be faster, by the quick model off by as much as it was "
+                          f"on those planned: --top {self.search_top + self.meshes_unruled} plans them"
+                          if self.meshes_unruled else "no other could be faster, by the quick model off by as much "
+                          "as it was on those planned"), "",
                       f"the chosen mesh {self.mesh or 'one device'}:"]  # fmt: skip
         lines += [
             self.table(),
