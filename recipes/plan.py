@@ -18,6 +18,7 @@ Exits 1 with the table and what dominates the smallest peak when nothing fits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -59,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="activations and matmuls (parameters stay float32)")  # fmt: skip
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="MoE models: the dispatch's all-to-all slot, x the mean routed rows (default: the config's, 1.25)")
     p.add_argument("--no-verify", action="store_true", help="skip the CUDA export check of the offloaded names")
     p.add_argument("--estimate", action="store_true", help="also print the plan's estimate, part by part")
     args = p.parse_args(argv)
     for flag, value, least in (("--device-budget-gib", args.device_budget_gib, "positive"),
                                ("--host-budget-gib", args.host_budget_gib, "non-negative"),
                                ("--batch-size", args.batch_size, "positive"), ("--devices", args.devices, "positive"),
-                               ("--top", args.top, "positive")):  # fmt: skip
+                               ("--top", args.top, "positive"), ("--capacity-factor", args.capacity_factor, "positive")):  # fmt: skip
         if value is not None and not (value > 0 or (value == 0 and least == "non-negative")):
             p.error(f"{flag} must be {least}, got {value}")
 
@@ -78,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         hw = planning.hardware(args.hardware)
         config = registry.by_model_type(args.model, "--model").config_cls.preset(args.preset, args.model)
+        if args.capacity_factor is not None:
+            if not hasattr(config, "capacity_factor"):
+                p.error(f"--capacity-factor: {args.model} has no routed experts to dispatch")
+            config = dataclasses.replace(config, capacity_factor=args.capacity_factor)
         gib = 2**30
         result = planning.plan(
             config,

@@ -63,6 +63,10 @@ class DeepseekV3Placement(PlacementMap, model="zoo.deepseek_v3.model.DeepseekV3"
         # gate and up together for SwiGLU, so moe_gate goes to host with moe_up.
         "nvidia_offload": "remat+q_a=pinned_host,q_latent=pinned_host,kv_a=pinned_host,kv_latent=pinned_host,"
         "query=pinned_host,key=pinned_host,value=pinned_host,moe_gate=pinned_host,moe_up=pinned_host",
+        # NVIDIA's MaxText DeepSeek-V3 671B run on 128 GB200 (908 TFLOP/s per GPU, 578 under
+        # remat): MaxText's custom remat policy offloading query_proj, value_proj and the routed
+        # experts' first GEMM (mlpwi_0, mlpwi_1: zoo's moe_gate, moe_up), the rest recomputed.
+        "maxtext_offload": "remat+query=pinned_host,value=pinned_host,moe_gate=pinned_host,moe_up=pinned_host",
     }
 
     layer_input: Placement = layer_input_slot()
