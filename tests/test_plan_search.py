@@ -119,7 +119,7 @@ def test_search_on_cpu_picks_a_mesh_that_fits():
     assert p.devices == 8 and p.estimate.device_bytes <= p.device_budget
     # The output says how many meshes were planned in full, and how to plan more (#42.4).
     assert 2 <= p.meshes_planned < len(p.meshes)
-    assert f"planned {p.meshes_planned} of {len(p.meshes)} meshes in full (--top to plan more)" in str(p)
+    assert f"planned {p.meshes_planned} of {len(p.meshes)} meshes in full; no other could be faster" in str(p)
 
 
 def test_meshes_are_planned_from_both_rankings():
