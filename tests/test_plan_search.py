@@ -232,3 +232,13 @@ def test_meshes_left_unplanned_by_the_limit_are_counted_and_the_plan_says_how_to
     assert p.meshes_unruled == 0 and "no other could be faster" in str(p)
     assert "3 more could be faster" in str(dataclasses.replace(p, meshes_unruled=3, search_top=5))
     assert "--top 8 plans them" in str(dataclasses.replace(p, meshes_unruled=3, search_top=5))
+
+
+def test_nothing_fits_names_the_nearest_mesh_when_the_state_fits_but_activations_do_not():
+    """#38: when the state fits on some meshes and their activations do not, the error names
+    the mesh nearest to fitting, its smallest peak and its largest part (72 GB200s for 671B
+    said only the smallest state, which was under the budget)."""
+    with pytest.raises(plan.NothingFits, match=r"the state fits on some meshes, their activations do not: the "
+                       r"nearest, \S+: the smallest peak found is [\d.]+ MiB device .*the largest part is "):  # fmt: skip
+        plan.plan(config("llama", "tiny"), devices=4, hardware="cpu", seq_len=2048, device_budget=4e6, host_budget=0,
+                  verify=False)  # fmt: skip

@@ -367,6 +367,7 @@ def _unverified(cm: CostModel, fixed_b: int | None, usable: tuple[float, float],
         f"give --batch-size, or a larger budget)"
     )
     error.candidates = _candidates(cm, fixed_b, *usable)
+    error.device_peak = d
     raise error
 
 
@@ -375,6 +376,7 @@ class NothingFits(ConfigError):
     ``candidates``: the table, each row at the smallest batch."""
 
     candidates: tuple[Candidate, ...] = ()
+    device_peak: float = 0.0  # the smallest device peak found (bytes per device)
 
 
 def _nothing_fits(
@@ -413,4 +415,5 @@ def _nothing_fits(
         f"is {top} ({_size(parts[top])}): " + advice
     )
     error.candidates = _candidates(cm, fixed_b, *usable)
+    error.device_peak = d
     raise error

@@ -58,6 +58,7 @@ from zoo.plan.meshes import (
     worth_pipelining,
 )
 from zoo.plan.offloads import verify_offloads
+from zoo.plan.plans import _size
 
 # zoo.plan.meshes's names, importable from here as before they moved below the planner (which prices with them).
 __all__ = [
@@ -128,6 +129,7 @@ def search(
     live = sorted((r for r in rows if not r.why), key=per_token)
     bodies = _flops.layer_bodies(model, seq_len)
     planned, found_plans = [], {}
+    closest: list[Any] = [None, ""]  # the planned mesh nearest to fitting: its smallest peak, and why
 
     def attempt(r: MeshRow) -> bool:
         try:
@@ -135,6 +137,8 @@ def search(
                           **{**plan_kw, "verify": False})  # fmt: skip
         except NothingFits as e:
             planned.append(dataclasses.replace(r, why=str(e).split(":")[0] + " (activations)"))
+            if e.device_peak and (closest[0] is None or e.device_peak < closest[0]):
+                closest[:] = [e.device_peak, f"{r.mesh}: {str(e).split(': ', 1)[1]}"]
             return False
         except MeshError as e:  # a pipeline the family cannot stage (Qwen3's blocks must line up)
             planned.append(dataclasses.replace(r, why=str(e)[:120]))
@@ -169,9 +173,11 @@ def search(
             if replicas > 1 else ""
         )  # fmt: skip
         raise NothingFits(
-            f"no mesh of {devices} {hw.name} fits: the smallest state is {smallest.state_bytes / 2**30:.1f} GiB per "
+            f"no mesh of {devices} {hw.name} fits: the smallest state is {_size(smallest.state_bytes)} per "
             f"device (parameters, gradients and AdamW moments on {smallest.mesh or 'one device'}) against "
-            f"{budget_d / 2**30:.1f} GiB device and {budget_h / 2**30:.1f} GiB host usable{why}\n{table}"
+            f"{_size(budget_d)} device and {_size(budget_h)} host usable{why}"
+            + (f"; the state fits on some meshes, their activations do not: the nearest, {closest[1]}" if closest[1]
+               else "") + f"\n{table}"
         )
     if plan_kw.get("verify", True):
         best = dataclasses.replace(best, offloaded_verified=verify_offloads(model, best.placement, seq_len)
