@@ -179,3 +179,19 @@ def test_the_recipe_flags_set_the_dispatch_and_refuse_a_dense_model(tmp_path, ca
     log = MetricsLog(None, 4)
     log.write({"step": 1, "loss": 2.0, "moe_dropped_pairs": 480})
     assert "dropped 480 pairs" in capsys.readouterr().out
+
+
+def test_token_dropping_with_room_for_every_pair_equals_one_device():
+    """Token dropping changes nothing when no slot overflows: at a capacity factor of ``expert``
+    (a slot holds every pair) the output and gradients are one device's and nothing is dropped."""
+    mesh = parallel.make_mesh("fsdp=2,expert=4")
+    x, experts, weights, w = inputs("adversarial", 8, seed=2)
+    cot = jr.normal(jr.key(3), x.shape)
+    out, dropped, value, grads = sharded_experts(mesh, Dispatch(4.0, "drop"))(x, experts, weights, *w, cot)
+    loss = lambda x, c, w: jnp.sum(reference(x, experts, c, w) * cot)
+    ref_value, ref_grads = jax.value_and_grad(loss, (0, 1, 2))(x, weights, w)
+    assert int(dropped) == 0
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(x, experts, weights, w)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
