@@ -40,7 +40,7 @@ class LoraConfig:
     path of their own to drop, see :func:`check_trainable`)."""
 
     r: int
-    alpha: float
+    alpha: int | float
     targets: tuple[str, ...]
     rslora: bool = False
     dropout: float = 0.0

@@ -1,0 +1,179 @@
+"""zoo.lora: adapters chosen by the parameter description, PEFT's format, parity with PEFT.
+
+The ``*-lora*`` fixtures were written by ``transformers`` + ``peft`` (tests/fixtures/make_lora_fixtures.py):
+a PEFT adapter directory on a base checkpoint of this folder and ``peft_reference.npz``, the
+float32 logits of the adapted model (PEFT's unmerged forward) and after ``merge_and_unload``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from conftest import FIXTURES
+
+import zoo
+from zoo import lora
+from zoo.core.registry import family_of
+from zoo.errors import CheckpointError, ConfigError
+from zoo.hf.safetensors import SafetensorsFile
+
+ADAPTERS = {
+    "llama3_1-tiny-lora": "llama3_1-tiny",
+    "llama3_1-tiny-lora-rslora": "llama3_1-tiny",
+    "qwen3_moe-tiny-lora": "qwen3_moe-tiny",
+    "deepseek_v3-tiny-lora": "deepseek_v3-tiny",
+}
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _specs(model):
+    return family_of(model).param_specs(model.config)
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_peft_adapter_reproduces_peft_logits(name):
+    """zoo loads the base + PEFT's adapter and gives PEFT's float32 logits; its merged model too."""
+    ref = np.load(FIXTURES / name / "peft_reference.npz")
+    base = zoo.from_pretrained(FIXTURES / ADAPTERS[name])
+    model = lora.load_adapter(base, FIXTURES / name)
+    ids = jnp.asarray(ref["input_ids"])
+    logits = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, ids))
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-5, rtol=0)
+    merged = lora.merge(model)
+    assert type(merged) is type(base)
+    merged_logits = np.asarray(eqx.filter_jit(lambda m, x: m(x))(merged, ids))
+    np.testing.assert_allclose(merged_logits, ref["merged_logits"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(merged_logits, logits, atol=1e-5, rtol=0)
+    # the adapter matters: the base model's logits are far from the adapted ones
+    assert np.abs(np.asarray(base(ids)) - ref["logits"]).max() > 1e-2
+
+
+def test_peft_round_trip_writes_peft_keys_and_config(tmp_path):
+    name = "llama3_1-tiny-lora"
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    model = lora.load_adapter(base, FIXTURES / name)
+    lora.save_adapter(model, tmp_path / "out", base_model_name_or_path="llama3_1-tiny")
+    theirs, ours = SafetensorsFile(FIXTURES / name / "adapter_model.safetensors"), SafetensorsFile(tmp_path / "out" / "adapter_model.safetensors")
+    assert sorted(ours.keys()) == sorted(theirs.keys())
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in ours.keys()  # noqa: SIM118
+    for k in theirs.keys():  # noqa: SIM118
+        np.testing.assert_array_equal(ours.get(k), theirs.get(k))
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["bias"] == "none"
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (4, 8, False)
+    assert sorted(config["target_modules"]) == sorted(ALL)
+    assert config["base_model_name_or_path"] == "llama3_1-tiny"
+    again = lora.load_adapter(base, tmp_path / "out")
+    ids = jnp.arange(16).reshape(2, 8) % 256
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
+
+
+def test_experts_round_trip_one_key_per_expert(tmp_path):
+    """Routed experts (a stacked E axis) and Qwen3-MoE's interleaved stacks: a key per layer and expert."""
+    base = zoo.from_pretrained(FIXTURES / "qwen3_moe-tiny")
+    model = lora.init(base, lora.LoraConfig(r=2, alpha=4, targets=("gate_proj", "down_proj", "q_proj")), key=jr.key(0))
+    model = eqx.tree_at(lambda m: m.adapters, model, jax.tree.map(lambda x: x + 0.05, model.adapters))
+    lora.save_adapter(model, tmp_path)
+    keys = SafetensorsFile(tmp_path / "adapter_model.safetensors").keys()
+    assert "base_model.model.model.layers.1.mlp.experts.7.down_proj.lora_B.weight" in keys
+    assert len(keys) == 2 * 2 * (1 + 2 * 8)  # (A, B) x 2 layers x (q_proj + 2 projections x 8 experts)
+    again = lora.load_adapter(base, tmp_path)
+    ids = jnp.arange(16).reshape(2, 8)
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
+    np.testing.assert_allclose(np.asarray(lora.merge(model)(ids)), np.asarray(model(ids)), atol=1e-5)
+
+
+def test_init_is_peft_init_and_changes_nothing():
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    model = lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=ALL), key=jr.key(1))
+    assert set(model.adapters) == {f"layers.attn.w{x}" for x in "qkvo"} | {f"layers.mlp.w_{x}" for x in ("gate", "up", "down")}
+    a = model.adapters["layers.mlp.w_down"].a
+    assert a.shape == (2, 4, 160)  # [L, r, in]
+    bound = 1 / math.sqrt(160)  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert float(jnp.abs(a).max()) <= bound and float(jnp.abs(a).max()) > 0.9 * bound
+    assert all(float(jnp.abs(ad.b).max()) == 0 for ad in model.adapters.values())
+    ids = jnp.arange(16).reshape(2, 8)
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(base(ids)))
+    assert lora.LoraConfig(r=16, alpha=32, targets=("q_proj",)).scale == 2.0
+    assert lora.LoraConfig(r=16, alpha=32, targets=("q_proj",), rslora=True).scale == 8.0
+
+
+def test_unknown_target_is_refused_with_valid_names():
+    base = zoo.from_pretrained(FIXTURES / "deepseek_v3-tiny")
+    specs = _specs(base)
+    names = lora.valid_targets(specs)
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj"} <= set(names)
+    assert "embed_tokens" not in names
+    with pytest.raises(ConfigError, match=r"'qproj'.*kv_b_proj"):
+        lora.init(base, lora.LoraConfig(r=2, alpha=2, targets=("qproj",)), key=jr.key(0))
+    # a dotted suffix names part of what the short name names: the shared experts only
+    chosen = lora.resolve_targets(specs, ["shared_experts.gate_proj"])
+    assert list(chosen) == ["moe_layers.moe.shared.w_gate"]
+
+
+def test_only_adapters_train_and_hold_optimizer_state():
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    model = lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "down_proj")), key=jr.key(2))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    tx = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, lambda _: lora.trainable_labels(params))
+    state = tx.init(params)
+    adapter_elems = sum(x.size for x in jax.tree.leaves(model.adapters))
+    moments = [x for x in jax.tree.leaves(state) if eqx.is_inexact_array(x) and x.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_elems  # Adam's two moments, adapters only
+    ids = jnp.arange(32).reshape(2, 16) % 256
+    loss = lambda m: zoo.lm_loss(m, ids)
+    grads = eqx.filter_grad(loss)(model)
+    assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads.base))  # stop_gradient: base frozen
+    assert float(jnp.abs(grads.adapters["layers.attn.wq"].a).max()) == 0  # B = 0: A's gradient is 0 at init
+    assert float(jnp.abs(grads.adapters["layers.attn.wq"].b).max()) > 0
+    with jax.numpy_dtype_promotion("standard"):  # optax's Python-float step sizes
+        updates, state = tx.update(grads, state, params)
+    new = eqx.apply_updates(model, updates)
+    for a, b in zip(jax.tree.leaves(new.base), jax.tree.leaves(model.base)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(loss(new)) != float(loss(model))
+
+
+def _copy(tmp_path, name="llama3_1-tiny-lora"):
+    shutil.copytree(FIXTURES / name, tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("field, value", [("use_dora", True), ("bias", "all"), ("fan_in_fan_out", True),
+                                          ("rank_pattern", {"q_proj": 8}), ("modules_to_save", ["lm_head"]),
+                                          ("target_modules", ".*proj"), ("peft_type", "IA3")])  # fmt: skip
+def test_config_zoo_cannot_honour_is_refused_naming_the_field(tmp_path, field, value):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ConfigError, match=field):
+        lora.load_adapter(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), d)
+
+
+def test_unknown_target_module_in_peft_config_is_refused(tmp_path):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "c_attn"]}))
+    with pytest.raises(ConfigError, match=r"target_modules: 'c_attn'.*valid targets: down_proj"):
+        lora.load_adapter(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), d)
+
+
+def test_adapter_file_not_matching_its_config_is_refused(tmp_path):
+    d = _copy(tmp_path, "llama3_1-tiny-lora-rslora")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "r": 4}))
+    with pytest.raises(CheckpointError, match="expected"):
+        lora.load_adapter(base, d)
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj"]}))
+    with pytest.raises(CheckpointError, match="does not load"):
+        lora.load_adapter(base, d)
