@@ -177,3 +177,12 @@ def test_adapter_file_not_matching_its_config_is_refused(tmp_path):
     (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj"]}))
     with pytest.raises(CheckpointError, match="does not load"):
         lora.load_adapter(base, d)
+
+
+def test_merged_model_saves_as_a_plain_checkpoint(tmp_path):
+    name = "llama3_1-tiny-lora"
+    ref = np.load(FIXTURES / name / "peft_reference.npz")
+    model = lora.load_adapter(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), FIXTURES / name)
+    zoo.save_pretrained(lora.merge(model), tmp_path / "merged")
+    again = zoo.from_pretrained(tmp_path / "merged")
+    np.testing.assert_allclose(np.asarray(again(jnp.asarray(ref["input_ids"]))), ref["merged_logits"], atol=1e-5, rtol=0)
