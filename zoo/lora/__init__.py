@@ -3,14 +3,17 @@ adapters, the adapted model, merge) and :mod:`zoo.lora.peft` (``adapter_config.j
 ``adapter_model.safetensors`` in and out)."""
 
 from zoo.lora.adapter import (
+    ALL_LINEAR,
     Adapter,
     LoraConfig,
     LoraModel,
+    base_model,
     check_trainable,
     delta,
     init,
     linear_weights,
     merge,
+    param_specs,
     resolve_targets,
     trainable_labels,
     valid_targets,
@@ -18,7 +21,7 @@ from zoo.lora.adapter import (
 from zoo.lora.peft import adapter_config, load_adapter, read_adapter_config, save_adapter
 
 __all__ = [
-    "Adapter", "LoraConfig", "LoraModel", "adapter_config", "check_trainable", "delta", "init", "linear_weights",
-    "load_adapter", "merge", "read_adapter_config", "resolve_targets", "save_adapter", "trainable_labels",
+    "ALL_LINEAR", "Adapter", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "init", "linear_weights",
+    "load_adapter", "merge", "param_specs", "read_adapter_config", "resolve_targets", "save_adapter", "trainable_labels",
     "valid_targets",
 ]  # fmt: skip

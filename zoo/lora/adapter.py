@@ -15,6 +15,7 @@ model (the layer scan sees merged stacks).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -209,6 +210,11 @@ class LoraModel(eqx.Module):
         return self.adapted().decode_step(cache, tokens)
 
 
+def base_model(model: Any) -> CausalLM:
+    """The family's model under an adapted one (``model`` itself when it has no adapters)."""
+    return model.base if isinstance(model, LoraModel) else model
+
+
 def merge(model: LoraModel) -> CausalLM:
     """The base model with ``W + scale · B A`` folded into its weights (in their dtype): a plain
     model of the family, which ``save_pretrained`` writes."""
@@ -237,6 +243,22 @@ def init(model: CausalLM, config: LoraConfig, *, key: PRNGKeyArray, dtype=jnp.fl
         a = _kaiming_uniform(k, (*stacked, config.r, n_in), n_in).astype(dtype)
         adapters[path] = Adapter(a=a, b=jnp.zeros((*stacked, n_out, config.r), dtype))
     return LoraModel(base=model, adapters=adapters, lora=config)
+
+
+def param_specs(model: LoraModel) -> dict[str, Param]:
+    """The parameter description of an adapted model, by its pytree paths (``base.<path>``,
+    ``adapters.['<path>'].a``): the base's parameters ``trainable=False`` (no gradient, no
+    optimizer state), the adapters' trainable weight matrices (``init="normal"``: decayed as
+    weight matrices are; :func:`init` makes them, not ``init_params``). Not in checkpoints
+    (``hf=None``: :mod:`zoo.lora.peft` writes them) and not laid out on a mesh yet: their
+    letters ``r``, ``i``, ``o`` (rank, in and out features) have no sizes or rules."""
+    base = family_of(model.base).param_specs(model.base.config)
+    out = {f"base.{k}": dataclasses.replace(p, trainable=False) for k, p in base.items()}
+    for name in model.adapters:
+        stacked = " ".join(base[name].stacked)
+        out[f"adapters.{jax.tree_util.DictKey(name)}.a"] = Param(axes=f"{stacked} r i".strip(), hf=None)
+        out[f"adapters.{jax.tree_util.DictKey(name)}.b"] = Param(axes=f"{stacked} o r".strip(), hf=None)
+    return out
 
 
 def trainable_labels(model: LoraModel) -> LoraModel:
