@@ -230,3 +230,24 @@ def test_recipe_lora_flag_is_checked(value, message):
 
     with pytest.raises(CE, match=message):
         _train_recipe().parse_lora(value)
+
+
+def test_the_training_loops_optimizer_keeps_moments_for_the_adapters_only():
+    """zoo.train.optimizer (AdamW, the frozen label from the parameter description): the base's
+    parameters get no optimizer state, as the router bias gets none."""
+    from zoo import train as ztrain
+
+    base = zoo.from_pretrained(FIXTURES / "deepseek_v3-tiny")
+    model = lora.init(base, lora.LoraConfig(r=2, alpha=4, targets=("kv_b_proj", "shared_experts.down_proj")), key=jr.key(3))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = ztrain.optimizer(ztrain.TrainConfig(steps=2, warmup=0), model).init(params)
+    adapter_elems = sum(x.size for x in jax.tree.leaves(model.adapters))
+    moments = [x for x in jax.tree.leaves(state) if eqx.is_inexact_array(x) and x.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_elems
+
+
+def test_all_linear_is_peft_all_linear():
+    specs = _specs(zoo.from_pretrained(FIXTURES / "qwen3_moe-tiny"))
+    chosen = lora.resolve_targets(specs, [lora.ALL_LINEAR])
+    assert not any("router" in p for p in chosen) and "head" not in chosen
+    assert {"moe_layers.attn.wq", "moe_layers.moe.w_gate", "moe_layers.moe.w_down"} <= set(chosen)

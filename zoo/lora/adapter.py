@@ -89,8 +89,11 @@ def linear_weights(specs: Mapping[str, Param]) -> dict[str, Param]:
     return out
 
 
-# PEFT's name for every linear module but the output head.
+# PEFT's name for every linear module but the output head; here also not the MoE routers
+# (``mlp.gate``), which ``transformers`` 5 makes router modules, not ``nn.Linear``, so PEFT's
+# ``all-linear`` passes them by (name one as a target to adapt it).
 ALL_LINEAR = "all-linear"
+NOT_ALL_LINEAR = ("lm_head", "gate")
 
 
 def _matches(module: str, target: str) -> bool:
@@ -106,11 +109,11 @@ def valid_targets(specs: Mapping[str, Param]) -> list[str]:
 def resolve_targets(specs: Mapping[str, Param], targets: Sequence[str], family: str = "this model",
                     field: str = "targets") -> dict[str, Param]:  # fmt: skip
     """The weights (zoo path -> parameter) that ``targets`` name (``("all-linear",)``: every
-    linear weight but the output head, as PEFT's ``"all-linear"``); a name that names none is
+    linear weight but the output head and the routers, as PEFT's ``"all-linear"``); a name that names none is
     refused, naming it and the valid ones."""
     weights = linear_weights(specs)
     if tuple(targets) == (ALL_LINEAR,):
-        targets = [t for t in valid_targets(specs) if t != "lm_head"]
+        targets = [t for t in valid_targets(specs) if t not in NOT_ALL_LINEAR]
     out: dict[str, Param] = {}
     for t in targets:
         if not isinstance(t, str) or not t or "{" in t:
