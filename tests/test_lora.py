@@ -251,3 +251,35 @@ def test_all_linear_is_peft_all_linear():
     chosen = lora.resolve_targets(specs, [lora.ALL_LINEAR])
     assert not any("router" in p for p in chosen) and "head" not in chosen
     assert {"moe_layers.attn.wq", "moe_layers.moe.w_gate", "moe_layers.moe.w_down"} <= set(chosen)
+
+
+def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
+    from zoo import train as ztrain
+    from zoo.data import stdlib_corpus
+    from zoo.llama import preset
+
+    corpus = stdlib_corpus(max_bytes=2**20)
+
+    def make():
+        base = zoo.Llama(preset("tiny"), key=jr.key(0))
+        return lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj")), key=jr.key(1))
+
+    cfg = ztrain.TrainConfig(steps=4, batch_size=4, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=100,
+                             eval_batches=1, checkpoint_every=2)  # fmt: skip
+    full, _ = ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "a")
+    ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "b", stop_after=2)
+    resumed, _ = ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "b", resume=True)
+    for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert run["lora"]["r"] == 4 and run["model"] == "Llama"
+    with pytest.raises(ConfigError, match="one device"):  # not laid out on a mesh yet: refused before it is used
+        ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "c", mesh=_TwoDevices())
+    with pytest.raises(ConfigError, match="without a placement map"):
+        ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "c", param_memory="pinned_host")
+
+
+class _TwoDevices:
+    """A stand-in for a mesh of two devices (the check reads its size only)."""
+
+    size = 2
