@@ -19,9 +19,11 @@ import os
 import signal
 import sys
 
+import jax
 import jax.numpy as jnp
+import jax.random as jr
 
-from zoo import parallel, runtime
+from zoo import lora, parallel, runtime
 from zoo import train as ztrain
 from zoo.cli import Help, positive
 from zoo.core import registry
@@ -137,6 +139,13 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--save-hf", default=None,
                    help="also write the trained model as a Hugging Face checkpoint here (an empty or new directory, "
                         "or this run's own earlier export when resumed)")  # fmt: skip
+    r.add_argument("--lora", default=None, metavar="r=R,alpha=A[,rslora][,targets=NAME,...]",
+                   help="train LoRA adapters only, the model frozen: rank, alpha (scale alpha/r; rsLoRA alpha/sqrt(r)), "
+                        "targets as PEFT names modules (default all-linear: every linear weight but the head); "
+                        "--save-hf then writes the merged model")  # fmt: skip
+    r.add_argument("--save-adapter", default=None, metavar="DIR",
+                   help="with --lora: also write the adapters here in PEFT's format (adapter_config.json, "
+                        "adapter_model.safetensors)")  # fmt: skip
     r.add_argument("--overwrite-hf", action="store_true",
                    help="--save-hf may replace what the directory holds (another run's export)")
     r.add_argument("--wandb", metavar="PROJECT", default=None,
@@ -145,10 +154,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_lora(text: str) -> lora.LoraConfig:
+    """``--lora``'s value: ``r=16,alpha=32[,rslora][,targets=q_proj,v_proj]`` (the names after
+    ``targets=`` run to the end)."""
+    fields: dict[str, object] = {"targets": (lora.ALL_LINEAR,)}
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    for i, part in enumerate(parts):
+        key, _, value = part.partition("=")
+        if key == "targets":
+            fields["targets"] = (value, *parts[i + 1 :])
+            break
+        if key == "rslora" and not value:
+            fields["rslora"] = True
+        elif key in ("r", "alpha") and value:
+            try:
+                fields[key] = int(value) if key == "r" else float(value)
+            except ValueError:
+                raise ConfigError(f"--lora {key}={value!r}: not a number") from None
+        else:
+            raise ConfigError(f"--lora: {part!r} is not one of r=, alpha=, rslora, targets=")
+    if "r" not in fields or "alpha" not in fields:
+        raise ConfigError(f"--lora {text!r}: r= and alpha= are needed")
+    return lora.LoraConfig(**fields)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
     try:
+        args.lora = None if args.lora is None else parse_lora(args.lora)
+        if args.save_adapter and args.lora is None:
+            raise ConfigError("--save-adapter needs --lora")
         setup.complete(args)
     except ConfigError as e:
         p.error(str(e))
@@ -219,6 +255,14 @@ def main(argv: list[str] | None = None) -> None:
     if cycled := setup.epochs(data, cfg):  # a small set is repeated: said, with how often
         print(cycled, flush=True)
     setup.copy_tokenizer(args.checkpoint, args.run_dir)  # eval.py and generate.py on the run dir tokenize as training did
+    if args.lora is not None:  # the adapters on the built model; the same seed on a resume: the same tree
+        try:
+            model = lora.init(model, args.lora, key=jr.fold_in(jr.key(args.seed), 41))
+        except ConfigError as e:
+            parser().error(f"--lora: {e}")
+        n = sum(x.size for x in jax.tree.leaves(model.adapters))
+        print(f"LoRA: r={args.lora.r} alpha={args.lora.alpha:g} scale={args.lora.scale:g} on {len(model.adapters)} "
+              f"weights ({', '.join(model.adapters)}): {n:,} trainable parameters", flush=True)  # fmt: skip
     try:
         model, history = ztrain.train(
             model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,
@@ -246,6 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     summary = setup.validation_summary(args.run_dir, history, args.resume)
     if summary:
         print(summary)
+    if args.save_adapter:
+        lora.save_adapter(model, args.save_adapter, base_model_name_or_path=args.checkpoint_id or args.checkpoint)
+        print(f"LoRA adapters written to {args.save_adapter} (PEFT format)", flush=True)
+    if args.save_hf and args.lora is not None:
+        model = lora.merge(model)  # the adapters folded into the weights: a plain checkpoint
     if args.save_hf:  # every process takes part (a sharded model is gathered tensor by tensor); process 0 writes
         setup.save_hf(model, args.save_hf, checkpoint=args.checkpoint, generation=generation, run_dir=args.run_dir)
 

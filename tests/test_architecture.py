@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("building blocks", ("zoo.layers", "zoo.loss", "zoo.placement", "zoo.hf", "zoo.data", "zoo.runtime",
                          "zoo.hardware", "zoo.cli")),
     ("the families", registry.FAMILY_PACKAGES),
-    ("around the step", ("zoo.parallel", "zoo.generate")),
+    ("around the step", ("zoo.parallel", "zoo.generate", "zoo.lora")),
     ("training", ("zoo.train",)),
     ("planning", ("zoo.plan",)),
     ("the package face and old module paths", ("zoo", "zoo.causal_lm", "zoo.params", "zoo.registry",

@@ -12,6 +12,7 @@ from typing import Any
 import equinox as eqx
 import optax
 
+from zoo import lora
 from zoo.core.params import Param, is_param, map_params
 from zoo.core.registry import family_of
 
@@ -73,7 +74,10 @@ class TrainConfig:
 
 
 def param_specs(model: eqx.Module) -> dict[str, Param]:
-    """The model's parameter description (see :mod:`zoo.params`)."""
+    """The model's parameter description (see :mod:`zoo.params`); an adapted model's
+    (:class:`zoo.lora.LoraModel`): the base frozen, the adapters trainable."""
+    if isinstance(model, lora.LoraModel):
+        return lora.param_specs(model)
     return family_of(model).param_specs(model.config)
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zoo import lora
 from zoo.errors import ConfigError
 from zoo.hardware import HARDWARE, for_device
 from zoo.placement import resolve
@@ -113,12 +114,16 @@ def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memor
                  sources: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The run's settings as plain data: the model's class, config and dtypes, the
     ``TrainConfig``, what the run was made from (``sources``: the recipe's data and checkpoint),
-    the mesh, where parameters and optimizer state live, and the placement map as a spec."""
+    the mesh, where parameters and optimizer state live, and the placement map as a spec; with
+    LoRA adapters (:class:`zoo.lora.LoraModel`), the base model's and the adapters' settings."""
+    adapted, model = model, lora.base_model(model)
     if placement is None:
         where = "none (no jax.checkpoint: XLA keeps what the backward pass uses)"
     else:
         where = resolve(placement, model).spec()
+    extra = {"lora": dataclasses.asdict(adapted.lora)} if isinstance(adapted, lora.LoraModel) else {}
     return {
+        **extra,
         "model": type(model).__name__,
         "model_config": dataclasses.asdict(model.config),
         "param_dtype": str(jnp.dtype(model.embed.dtype)),

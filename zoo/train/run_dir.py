@@ -16,6 +16,7 @@ from typing import IO, Any
 
 import jax
 
+from zoo import lora
 from zoo.errors import RunDirError
 from zoo.hf.load import hf_config
 from zoo.train.metrics import jsonable
@@ -203,8 +204,9 @@ def resume_target(flags: Any) -> str:
 
 def write_run_files(run_dir: Path, model: Any, settings: Mapping[str, Any]) -> None:
     """``run_dir/config.json`` (the model's Hugging Face config, as a save writes it) and
-    ``run_dir/run.json`` (the run's settings), each written atomically."""
-    for name, value in (("config.json", hf_config(model)), ("run.json", jsonable(dict(settings)))):
+    ``run_dir/run.json`` (the run's settings), each written atomically. With LoRA adapters,
+    ``config.json`` is the base model's."""
+    for name, value in (("config.json", hf_config(lora.base_model(model))), ("run.json", jsonable(dict(settings)))):
         tmp = run_dir / f".{name}.tmp"
         tmp.write_text(json.dumps(value, indent=2) + "\n")
         os.replace(tmp, run_dir / name)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
-from zoo import parallel
+from zoo import lora, parallel
 from zoo.core.protocol import options_or_default
 from zoo.hooks.pipeline import stacks_in_stage_order
 from zoo.loss import lm_loss
@@ -60,7 +60,7 @@ def make_train_step(
     ``xla_options``: XLA compile options of the step (:func:`zoo.runtime.step_xla_options`
     gives a backend's set; ``None``: XLA's defaults).
     """
-    options_or_default(model, cfg.model_options)  # a clear error now if they are another family's
+    options_or_default(lora.base_model(model), cfg.model_options)  # a clear error now if they are another family's
 
     memory_space(param_memory, "parameters")  # a clear error now, not at the first step's trace
     memory_space(opt_memory, "optimizer state")

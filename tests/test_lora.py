@@ -1,0 +1,285 @@
+"""zoo.lora: adapters chosen by the parameter description, PEFT's format, parity with PEFT.
+
+The ``*-lora*`` fixtures were written by ``transformers`` + ``peft`` (tests/fixtures/make_lora_fixtures.py):
+a PEFT adapter directory on a base checkpoint of this folder and ``peft_reference.npz``, the
+float32 logits of the adapted model (PEFT's unmerged forward) and after ``merge_and_unload``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from conftest import FIXTURES
+
+import zoo
+from zoo import lora
+from zoo.core.registry import family_of
+from zoo.errors import CheckpointError, ConfigError
+from zoo.hf.safetensors import SafetensorsFile
+
+ADAPTERS = {
+    "llama3_1-tiny-lora": "llama3_1-tiny",
+    "llama3_1-tiny-lora-rslora": "llama3_1-tiny",
+    "qwen3_moe-tiny-lora": "qwen3_moe-tiny",
+    "deepseek_v3-tiny-lora": "deepseek_v3-tiny",
+}
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _specs(model):
+    return family_of(model).param_specs(model.config)
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_peft_adapter_reproduces_peft_logits(name):
+    """zoo loads the base + PEFT's adapter and gives PEFT's float32 logits; its merged model too."""
+    ref = np.load(FIXTURES / name / "peft_reference.npz")
+    base = zoo.from_pretrained(FIXTURES / ADAPTERS[name])
+    model = lora.load_adapter(base, FIXTURES / name)
+    ids = jnp.asarray(ref["input_ids"])
+    logits = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, ids))
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-5, rtol=0)
+    merged = lora.merge(model)
+    assert type(merged) is type(base)
+    merged_logits = np.asarray(eqx.filter_jit(lambda m, x: m(x))(merged, ids))
+    np.testing.assert_allclose(merged_logits, ref["merged_logits"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(merged_logits, logits, atol=1e-5, rtol=0)
+    # the adapter matters: the base model's logits are far from the adapted ones
+    assert np.abs(np.asarray(base(ids)) - ref["logits"]).max() > 1e-2
+
+
+def test_peft_round_trip_writes_peft_keys_and_config(tmp_path):
+    name = "llama3_1-tiny-lora"
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    model = lora.load_adapter(base, FIXTURES / name)
+    lora.save_adapter(model, tmp_path / "out", base_model_name_or_path="llama3_1-tiny")
+    theirs, ours = SafetensorsFile(FIXTURES / name / "adapter_model.safetensors"), SafetensorsFile(tmp_path / "out" / "adapter_model.safetensors")
+    assert sorted(ours.keys()) == sorted(theirs.keys())
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in ours.keys()  # noqa: SIM118
+    for k in theirs.keys():  # noqa: SIM118
+        np.testing.assert_array_equal(ours.get(k), theirs.get(k))
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["bias"] == "none"
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (4, 8, False)
+    assert sorted(config["target_modules"]) == sorted(ALL)
+    assert config["base_model_name_or_path"] == "llama3_1-tiny"
+    again = lora.load_adapter(base, tmp_path / "out")
+    ids = jnp.arange(16).reshape(2, 8) % 256
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
+
+
+def test_experts_round_trip_one_key_per_expert(tmp_path):
+    """Routed experts (a stacked E axis) and Qwen3-MoE's interleaved stacks: a key per layer and expert."""
+    base = zoo.from_pretrained(FIXTURES / "qwen3_moe-tiny")
+    model = lora.init(base, lora.LoraConfig(r=2, alpha=4, targets=("gate_proj", "down_proj", "q_proj")), key=jr.key(0))
+    model = eqx.tree_at(lambda m: m.adapters, model, jax.tree.map(lambda x: x + 0.05, model.adapters))
+    lora.save_adapter(model, tmp_path)
+    keys = SafetensorsFile(tmp_path / "adapter_model.safetensors").keys()
+    assert "base_model.model.model.layers.1.mlp.experts.7.down_proj.lora_B.weight" in keys
+    assert len(keys) == 2 * 2 * (1 + 2 * 8)  # (A, B) x 2 layers x (q_proj + 2 projections x 8 experts)
+    again = lora.load_adapter(base, tmp_path)
+    ids = jnp.arange(16).reshape(2, 8)
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
+    np.testing.assert_allclose(np.asarray(lora.merge(model)(ids)), np.asarray(model(ids)), atol=1e-5)
+
+
+def test_init_is_peft_init_and_changes_nothing():
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    model = lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=ALL), key=jr.key(1))
+    assert set(model.adapters) == {f"layers.attn.w{x}" for x in "qkvo"} | {f"layers.mlp.w_{x}" for x in ("gate", "up", "down")}
+    a = model.adapters["layers.mlp.w_down"].a
+    assert a.shape == (2, 4, 160)  # [L, r, in]
+    bound = 1 / math.sqrt(160)  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert float(jnp.abs(a).max()) <= bound and float(jnp.abs(a).max()) > 0.9 * bound
+    assert all(float(jnp.abs(ad.b).max()) == 0 for ad in model.adapters.values())
+    ids = jnp.arange(16).reshape(2, 8)
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(base(ids)))
+    assert lora.LoraConfig(r=16, alpha=32, targets=("q_proj",)).scale == 2.0
+    assert lora.LoraConfig(r=16, alpha=32, targets=("q_proj",), rslora=True).scale == 8.0
+
+
+def test_unknown_target_is_refused_with_valid_names():
+    base = zoo.from_pretrained(FIXTURES / "deepseek_v3-tiny")
+    specs = _specs(base)
+    names = lora.valid_targets(specs)
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj"} <= set(names)
+    assert "embed_tokens" not in names
+    with pytest.raises(ConfigError, match=r"'qproj'.*kv_b_proj"):
+        lora.init(base, lora.LoraConfig(r=2, alpha=2, targets=("qproj",)), key=jr.key(0))
+    # a dotted suffix names part of what the short name names: the shared experts only
+    chosen = lora.resolve_targets(specs, ["shared_experts.gate_proj"])
+    assert list(chosen) == ["moe_layers.moe.shared.w_gate"]
+
+
+def test_only_adapters_train_and_hold_optimizer_state():
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    model = lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "down_proj")), key=jr.key(2))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    tx = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, lambda _: lora.trainable_labels(params))
+    state = tx.init(params)
+    adapter_elems = sum(x.size for x in jax.tree.leaves(model.adapters))
+    moments = [x for x in jax.tree.leaves(state) if eqx.is_inexact_array(x) and x.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_elems  # Adam's two moments, adapters only
+    ids = jnp.arange(32).reshape(2, 16) % 256
+    loss = lambda m: zoo.lm_loss(m, ids)
+    grads = eqx.filter_grad(loss)(model)
+    assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads.base))  # stop_gradient: base frozen
+    assert float(jnp.abs(grads.adapters["layers.attn.wq"].a).max()) == 0  # B = 0: A's gradient is 0 at init
+    assert float(jnp.abs(grads.adapters["layers.attn.wq"].b).max()) > 0
+    with jax.numpy_dtype_promotion("standard"):  # optax's Python-float step sizes
+        updates, state = tx.update(grads, state, params)
+    new = eqx.apply_updates(model, updates)
+    for a, b in zip(jax.tree.leaves(new.base), jax.tree.leaves(model.base)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(loss(new)) != float(loss(model))
+
+
+def _copy(tmp_path, name="llama3_1-tiny-lora"):
+    shutil.copytree(FIXTURES / name, tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("field, value", [("use_dora", True), ("bias", "all"), ("fan_in_fan_out", True),
+                                          ("rank_pattern", {"q_proj": 8}), ("modules_to_save", ["lm_head"]),
+                                          ("target_modules", ".*proj"), ("peft_type", "IA3")])  # fmt: skip
+def test_config_zoo_cannot_honour_is_refused_naming_the_field(tmp_path, field, value):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ConfigError, match=field):
+        lora.load_adapter(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), d)
+
+
+def test_unknown_target_module_in_peft_config_is_refused(tmp_path):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "c_attn"]}))
+    with pytest.raises(ConfigError, match=r"target_modules: 'c_attn'.*valid targets: down_proj"):
+        lora.load_adapter(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), d)
+
+
+def test_adapter_file_not_matching_its_config_is_refused(tmp_path):
+    d = _copy(tmp_path, "llama3_1-tiny-lora-rslora")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "r": 4}))
+    with pytest.raises(CheckpointError, match="expected"):
+        lora.load_adapter(base, d)
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj"]}))
+    with pytest.raises(CheckpointError, match="does not load"):
+        lora.load_adapter(base, d)
+
+
+def test_merged_model_saves_as_a_plain_checkpoint(tmp_path):
+    name = "llama3_1-tiny-lora"
+    ref = np.load(FIXTURES / name / "peft_reference.npz")
+    model = lora.load_adapter(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), FIXTURES / name)
+    zoo.save_pretrained(lora.merge(model), tmp_path / "merged")
+    again = zoo.from_pretrained(tmp_path / "merged")
+    np.testing.assert_allclose(np.asarray(again(jnp.asarray(ref["input_ids"]))), ref["merged_logits"], atol=1e-5, rtol=0)
+
+
+def _train_recipe():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_recipe_lora", FIXTURES.parents[1] / "recipes" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_trains_only_the_adapters_and_saves_them_as_peft(tmp_path):
+    """`recipes/train.py --checkpoint DIR --lora r=8,alpha=16 --save-adapter A --save-hf M`: the held-out
+    loss falls, the adapters load back onto the untouched base, the merged checkpoint equals them."""
+    records = [{"text": (lora.LoraModel.__doc__ or "") + f" {i}"} for i in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tiny = FIXTURES / "tokenizer-tiny"
+    recipe = _train_recipe()
+    recipe.main(["--checkpoint", str(tiny), "--data", str(data), "--data-cache", str(tmp_path / "c"), "--steps", "20",
+                 "--batch-size", "4", "--seq-len", "64", "--eval-every", "20", "--lr", "3e-3", "--run-dir",
+                 str(tmp_path / "run"), "--lora", "r=8,alpha=16,targets=q_proj,v_proj,down_proj", "--save-adapter",
+                 str(tmp_path / "adapter"), "--save-hf", str(tmp_path / "merged"), "--peak-tflops", "1"])  # fmt: skip
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r["val_loss"] for r in lines if "val_loss" in r]
+    assert vals[-1] < vals[0], vals
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (8, 16, ["down_proj", "q_proj", "v_proj"])
+    base = zoo.from_pretrained(tiny)
+    adapted = lora.load_adapter(base, tmp_path / "adapter")
+    assert float(jnp.abs(adapted.adapters["layers.attn.wq"].b).max()) > 0  # trained
+    ids = jnp.arange(32).reshape(2, 16) % base.config.vocab_size
+    merged = zoo.from_pretrained(tmp_path / "merged")
+    np.testing.assert_allclose(np.asarray(merged(ids)), np.asarray(adapted(ids)), atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(base(ids)) - np.asarray(adapted(ids))).max() > 1e-3
+
+
+@pytest.mark.parametrize("value, message", [("r=8", "r= and alpha= are needed"), ("r=x,alpha=2", "not a number"),
+                                            ("r=4,alpha=8,dropout=0.1", "'dropout=0.1' is not one of")])  # fmt: skip
+def test_recipe_lora_flag_is_checked(value, message):
+    from zoo.errors import ConfigError as CE
+
+    with pytest.raises(CE, match=message):
+        _train_recipe().parse_lora(value)
+
+
+def test_the_training_loops_optimizer_keeps_moments_for_the_adapters_only():
+    """zoo.train.optimizer (AdamW, the frozen label from the parameter description): the base's
+    parameters get no optimizer state, as the router bias gets none."""
+    from zoo import train as ztrain
+
+    base = zoo.from_pretrained(FIXTURES / "deepseek_v3-tiny")
+    model = lora.init(base, lora.LoraConfig(r=2, alpha=4, targets=("kv_b_proj", "shared_experts.down_proj")), key=jr.key(3))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = ztrain.optimizer(ztrain.TrainConfig(steps=2, warmup=0), model).init(params)
+    adapter_elems = sum(x.size for x in jax.tree.leaves(model.adapters))
+    moments = [x for x in jax.tree.leaves(state) if eqx.is_inexact_array(x) and x.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_elems
+
+
+def test_all_linear_is_peft_all_linear():
+    specs = _specs(zoo.from_pretrained(FIXTURES / "qwen3_moe-tiny"))
+    chosen = lora.resolve_targets(specs, [lora.ALL_LINEAR])
+    assert not any("router" in p for p in chosen) and "head" not in chosen
+    assert {"moe_layers.attn.wq", "moe_layers.moe.w_gate", "moe_layers.moe.w_down"} <= set(chosen)
+
+
+def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
+    from zoo import train as ztrain
+    from zoo.data import stdlib_corpus
+    from zoo.llama import preset
+
+    corpus = stdlib_corpus(max_bytes=2**20)
+
+    def make():
+        base = zoo.Llama(preset("tiny"), key=jr.key(0))
+        return lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj")), key=jr.key(1))
+
+    cfg = ztrain.TrainConfig(steps=4, batch_size=4, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=100,
+                             eval_batches=1, checkpoint_every=2)  # fmt: skip
+    full, _ = ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "a")
+    ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "b", stop_after=2)
+    resumed, _ = ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "b", resume=True)
+    for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert run["lora"]["r"] == 4 and run["model"] == "Llama"
+    with pytest.raises(ConfigError, match="one device"):  # not laid out on a mesh yet: refused before it is used
+        ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "c", mesh=_TwoDevices())
+    with pytest.raises(ConfigError, match="without a placement map"):
+        ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "c", param_memory="pinned_host")
+
+
+class _TwoDevices:
+    """A stand-in for a mesh of two devices (the check reads its size only)."""
+
+    size = 2

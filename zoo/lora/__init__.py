@@ -1,0 +1,27 @@
+"""LoRA fine-tuning adapters (PEFT's format) for every family: :mod:`zoo.lora.adapter` (the
+adapters, the adapted model, merge) and :mod:`zoo.lora.peft` (``adapter_config.json`` and
+``adapter_model.safetensors`` in and out)."""
+
+from zoo.lora.adapter import (
+    ALL_LINEAR,
+    Adapter,
+    LoraConfig,
+    LoraModel,
+    base_model,
+    check_trainable,
+    delta,
+    init,
+    linear_weights,
+    merge,
+    param_specs,
+    resolve_targets,
+    trainable_labels,
+    valid_targets,
+)
+from zoo.lora.peft import adapter_config, load_adapter, read_adapter_config, save_adapter
+
+__all__ = [
+    "ALL_LINEAR", "Adapter", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "init", "linear_weights",
+    "load_adapter", "merge", "param_specs", "read_adapter_config", "resolve_targets", "save_adapter", "trainable_labels",
+    "valid_targets",
+]  # fmt: skip

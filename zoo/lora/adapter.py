@@ -1,0 +1,279 @@
+"""LoRA adapters on any family's linear weights, chosen by the parameter description.
+
+A target is a weight whose Hugging Face key names a linear module (``...self_attn.q_proj.weight``,
+stored ``[out, in]``); targets are named as PEFT names them, by the module's name or a dotted
+suffix of its path (``"q_proj"``, ``"self_attn.q_proj"``, ``"shared_experts.gate_proj"``), so one
+name adapts every weight it names (``"gate_proj"``: the dense MLP's, every routed expert's and the
+shared experts'). The adapter of a weight ``W`` stored ``[out, in]`` is ``A [r, in]`` and
+``B [out, r]`` per stored tensor (so ``[*stacked, r, in]`` and ``[*stacked, out, r]`` for a stack
+of layers or experts), in PEFT's layout; the adapted weight is ``W + scale · B A`` (``scale =
+alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA), folded into the family's own layout by the
+same description (:meth:`zoo.core.params.Param.from_hf`'s transposition), so no family code
+knows about LoRA: :class:`LoraModel` merges its adapters into the weights and calls the base
+model (the layer scan sees merged stacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from zoo.core.params import Param, map_params
+from zoo.core.protocol import VOCAB, CausalLM
+from zoo.core.registry import family_of
+from zoo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """rank ``r``, ``alpha``, the target names (PEFT's ``target_modules``), rsLoRA scaling
+    (``alpha / sqrt(r)`` in place of ``alpha / r``), and ``dropout`` (PEFT's ``lora_dropout``;
+    kept in the saved config, but not applied: adapters merged into the weights leave no input
+    path of their own to drop, see :func:`check_trainable`)."""
+
+    r: int
+    alpha: int | float
+    targets: tuple[str, ...]
+    rslora: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ConfigError(f"LoRA r must be a positive integer, got {self.r!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
+            raise ConfigError(f"LoRA alpha must be a finite number, got {self.alpha!r}")
+        if isinstance(self.targets, str):
+            raise ConfigError(f"LoRA targets must be a sequence of names, got the string {self.targets!r}")
+        if not self.targets:
+            raise ConfigError("LoRA targets: at least one target name is needed")
+        if not (0.0 <= self.dropout < 1.0):
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+def module_of(p: Param) -> str:
+    """The Hugging Face module path template of a linear weight (its key without ``.weight``)."""
+    assert p.hf is not None
+    return p.hf[: -len(".weight")]
+
+
+# Modules stored as ``[V, D]`` matrices that are lookups, not linear maps: ``transformers``'
+# ``nn.Embedding``, whose PEFT adapter is another layout (``lora_embedding_A``); not targets yet.
+EMBEDDINGS = ("embed_tokens",)
+
+
+def linear_weights(specs: Mapping[str, Param]) -> dict[str, Param]:
+    """The parameters a LoRA adapter can target: trainable weights stored as one ``[out, in]``
+    matrix per stacked index under a ``.weight`` key; not the embedding."""
+    out = {}
+    for path, p in specs.items():
+        if p.hf is None or not p.hf.endswith(".weight") or not p.trainable:
+            continue
+        groups = p.hf_groups()
+        if len(groups) != 2 or VOCAB in groups[1] or module_of(p).rsplit(".", 1)[-1] in EMBEDDINGS:
+            continue
+        out[path] = p
+    return out
+
+
+# PEFT's name for every linear module but the output head; here also not the MoE routers
+# (``mlp.gate``), which ``transformers`` 5 makes router modules, not ``nn.Linear``, so PEFT's
+# ``all-linear`` passes them by (name one as a target to adapt it).
+ALL_LINEAR = "all-linear"
+NOT_ALL_LINEAR = ("lm_head", "gate")
+
+
+def _matches(module: str, target: str) -> bool:
+    """PEFT's rule: the module's path is the target or ends with ``"." + target``."""
+    return module == target or module.endswith("." + target)
+
+
+def valid_targets(specs: Mapping[str, Param]) -> list[str]:
+    """The module names a family's LoRA targets may use (each also accepted with more of its path)."""
+    return sorted({module_of(p).rsplit(".", 1)[-1] for p in linear_weights(specs).values()})
+
+
+def resolve_targets(specs: Mapping[str, Param], targets: Sequence[str], family: str = "this model",
+                    field: str = "targets") -> dict[str, Param]:  # fmt: skip
+    """The weights (zoo path -> parameter) that ``targets`` name (``("all-linear",)``: every
+    linear weight but the output head and the routers, as PEFT's ``"all-linear"``); a name that names none is
+    refused, naming it and the valid ones."""
+    weights = linear_weights(specs)
+    if tuple(targets) == (ALL_LINEAR,):
+        targets = [t for t in valid_targets(specs) if t not in NOT_ALL_LINEAR]
+    out: dict[str, Param] = {}
+    for t in targets:
+        if not isinstance(t, str) or not t or "{" in t:
+            raise ConfigError(f"LoRA {field}: {t!r} is not a module name; valid for {family}: {valid_targets(specs)}")
+        hit = {path: p for path, p in weights.items() if _matches(module_of(p), t)}
+        if not hit:
+            raise ConfigError(f"LoRA {field}: {t!r} names no linear weight of {family}; "
+                              f"valid targets: {', '.join(valid_targets(specs))}")  # fmt: skip
+        out.update(hit)
+    return dict(sorted(out.items()))
+
+
+def dims(p: Param, sizes: Mapping[str, int]) -> tuple[tuple[int, ...], int, int]:
+    """(stacked sizes, out features, in features) of a linear weight's stored matrices."""
+    out_group, in_group = p.hf_groups()
+    return (tuple(sizes[a] for a in p.stacked), math.prod(sizes[a] for a in out_group),
+            math.prod(sizes[a] for a in in_group))  # fmt: skip
+
+
+class Adapter(eqx.Module):
+    """One weight's low-rank update in PEFT's layout: ``delta = scale · b @ a`` per stored matrix."""
+
+    a: Float[Array, "*S r i"]
+    b: Float[Array, "*S o r"]
+
+
+def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float) -> Float[Array, "*dims"]:
+    """``scale · B A`` in the family's layout of ``p`` (its axes, stacked ones included), float32."""
+    d = scale * jnp.einsum("...or,...ri->...oi", adapter.b.astype(jnp.float32), adapter.a.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+    order = list(p.stacked) + [a for g in p.hf_groups() for a in g]
+    d = d.reshape([sizes[a] for a in order])
+    return d.transpose([order.index(a) for a in p.names])
+
+
+class LoraModel(eqx.Module):
+    """A base model and adapters on some of its weights, called as the base model is
+    (``model(ids)``, ``loss``, ``forward``, ``prefill``, ``decode_step``): each call merges
+    ``W + scale · B A`` into the weights and runs the base model, the base weights behind
+    ``stop_gradient`` (gradients reach the adapters only). :func:`merge` gives the plain model."""
+
+    base: CausalLM
+    adapters: dict[str, Adapter]
+    lora: LoraConfig = eqx.field(static=True)
+
+    @property
+    def config(self) -> Any:
+        return self.base.config
+
+    @property
+    def compute_dtype(self) -> Any:
+        return self.base.compute_dtype
+
+    def _with_deltas(self, frozen: bool) -> CausalLM:
+        specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
+
+        def leaf(path: str, w):
+            if not eqx.is_inexact_array(w):
+                return w
+            w0 = jax.lax.stop_gradient(w) if frozen else w
+            if path not in self.adapters:
+                return w0
+            d = delta(specs[path], sizes, self.adapters[path], scale)
+            if d.shape != w.shape:
+                raise ConfigError(f"LoRA on {path}: the weight has shape {w.shape}, its adapter's update "
+                                  f"{d.shape} (a padded or pipelined layout is not supported yet)")  # fmt: skip
+            return (w0.astype(jnp.float32) + d).astype(w.dtype)
+
+        return map_params(leaf, self.base)
+
+    def adapted(self) -> CausalLM:
+        """The base model with the adapters merged, its own weights frozen (``stop_gradient``)."""
+        return self._with_deltas(frozen=True)
+
+    def __call__(self, input_ids: Int[Array, "B S"], **kw: Any) -> Float[Array, "B S V"]:
+        return self.adapted()(input_ids, **kw)
+
+    def forward(self, input_ids: Int[Array, "B S"], **kw: Any) -> tuple[Any, ...]:
+        return self.adapted().forward(input_ids, **kw)
+
+    def loss(self, input_ids: Int[Array, "B S"], **kw: Any) -> tuple[Float[Array, ""], dict[str, Array]]:
+        return self.adapted().loss(input_ids, **kw)
+
+    def unembedding(self) -> Float[Array, "V D"]:
+        return self.adapted().unembedding()
+
+    def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> LoraModel:
+        return eqx.tree_at(lambda m: m.base, self, self.base.after_step(metrics, options))
+
+    def init_cache(self, batch: int, max_len: int, **options: Any) -> eqx.Module:
+        return self.base.init_cache(batch, max_len, **options)
+
+    def prefill(self, input_ids: Int[Array, "B S"], lengths: Int[Array, " B"], **kw: Any) -> tuple[Any, eqx.Module]:
+        return self.adapted().prefill(input_ids, lengths, **kw)
+
+    def decode_step(self, cache: eqx.Module, tokens: Int[Array, " B"]) -> tuple[Float[Array, "B V"], eqx.Module]:
+        return self.adapted().decode_step(cache, tokens)
+
+
+def base_model(model: Any) -> CausalLM:
+    """The family's model under an adapted one (``model`` itself when it has no adapters)."""
+    return model.base if isinstance(model, LoraModel) else model
+
+
+def merge(model: LoraModel) -> CausalLM:
+    """The base model with ``W + scale · B A`` folded into its weights (in their dtype): a plain
+    model of the family, which ``save_pretrained`` writes."""
+    return model._with_deltas(frozen=False)
+
+
+def _kaiming_uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Float[Array, "*dims"]:
+    """``torch.nn.init.kaiming_uniform_(w, a=sqrt(5))`` (PEFT's ``lora_A``): U(-b, b) with
+    ``b = gain · sqrt(3 / fan_in)``, ``gain = sqrt(2 / (1 + a²)) = sqrt(1/3)``, so ``b = 1 / sqrt(fan_in)``."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jr.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def init(model: CausalLM, config: LoraConfig, *, key: PRNGKeyArray, dtype=jnp.float32) -> LoraModel:
+    """Fresh adapters on the weights ``config.targets`` name, as PEFT starts them: ``A``
+    Kaiming-uniform (``a = sqrt(5)``), ``B`` zeros (so the adapted model is the base model)."""
+    if isinstance(model, LoraModel):
+        raise ConfigError("LoRA: the model already has adapters (merge them first: zoo.lora.merge)")
+    family = family_of(model)
+    specs, sizes = family.param_specs(model.config), model.config.sizes
+    chosen = resolve_targets(specs, config.targets, family.__name__)
+    keys = jr.split(key, len(chosen))
+    adapters = {}
+    for k, (path, p) in zip(keys, chosen.items()):
+        stacked, n_out, n_in = dims(p, sizes)
+        a = _kaiming_uniform(k, (*stacked, config.r, n_in), n_in).astype(dtype)
+        adapters[path] = Adapter(a=a, b=jnp.zeros((*stacked, n_out, config.r), dtype))
+    return LoraModel(base=model, adapters=adapters, lora=config)
+
+
+def param_specs(model: LoraModel) -> dict[str, Param]:
+    """The parameter description of an adapted model, by its pytree paths (``base.<path>``,
+    ``adapters.['<path>'].a``): the base's parameters ``trainable=False`` (no gradient, no
+    optimizer state), the adapters' trainable weight matrices (``init="normal"``: decayed as
+    weight matrices are; :func:`init` makes them, not ``init_params``). Not in checkpoints
+    (``hf=None``: :mod:`zoo.lora.peft` writes them) and not laid out on a mesh yet: their
+    letters ``r``, ``i``, ``o`` (rank, in and out features) have no sizes or rules."""
+    base = family_of(model.base).param_specs(model.base.config)
+    out = {f"base.{k}": dataclasses.replace(p, trainable=False) for k, p in base.items()}
+    for name in model.adapters:
+        stacked = " ".join(base[name].stacked)
+        out[f"adapters.{jax.tree_util.DictKey(name)}.a"] = Param(axes=f"{stacked} r i".strip(), hf=None)
+        out[f"adapters.{jax.tree_util.DictKey(name)}.b"] = Param(axes=f"{stacked} o r".strip(), hf=None)
+    return out
+
+
+def trainable_labels(model: LoraModel) -> LoraModel:
+    """``"train"`` on every adapter array, ``"frozen"`` on every base parameter: the labels of
+    :func:`optimizer`'s ``optax.multi_transform``."""
+    return LoraModel(base=jax.tree.map(lambda _: "frozen", model.base),
+                     adapters=jax.tree.map(lambda _: "train", model.adapters), lora=model.lora)  # fmt: skip
+
+
+def check_trainable(config: LoraConfig) -> None:
+    """Refuse what training cannot honour yet: dropout (the adapters are merged into the
+    weights, so there is no adapter input of its own to drop)."""
+    if config.dropout:
+        raise ConfigError(f"LoRA dropout {config.dropout} is not implemented for training (the adapters are merged "
+                          "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
