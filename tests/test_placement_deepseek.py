@@ -324,7 +324,7 @@ def test_device_memory_falls_as_names_move_to_remat():
 
 
 def test_presets():
-    assert PRESETS == ("device", "remat", "save_matmuls", "nvidia_offload")
+    assert PRESETS == ("device", "remat", "save_matmuls", "nvidia_offload", "maxtext_offload")
     remat = P.preset("remat")
     assert remat.placed("device") == ("layer_input",) and len(remat.placed("remat")) == len(NAMES) - 1
     save = P.preset("save_matmuls")

@@ -237,7 +237,9 @@ def _would_work(size: int, axis: str, mesh: AnyMesh, config: Any = None, split: 
 
         def accepted(d: int) -> bool:
             return all(sizes[letter] % math.prod(d if a == names[0] else axis_size(mesh, a) for a in axis_names(ax)) == 0
-                       for letter, ax in split if names[0] in axis_names(ax) and not rules[letter].pad)  # fmt: skip
+                       for letter, ax in split
+                       if names[0] in axis_names(ax) and not rules[letter].pad
+                       and names[0] not in rules[letter].optional)  # an optional join just drops out: no constraint  # fmt: skip
 
         divisors = [d for d in divisors if accepted(d)]
     return f"{axis}={' or '.join(map(str, divisors))} would work"
