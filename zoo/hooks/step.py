@@ -35,10 +35,15 @@ from zoo.errors import MeshError
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
 
-try:  # public from jax 0.11 on
+# An all-gather whose result is invariant over the axis (each device keeps its block of the
+# gradient its group shares, no reduce-scatter). Not public in jax 0.10 to 0.12: its name there.
+try:
     from jax.lax import all_gather_invariant as _all_gather_invariant  # type: ignore[attr-defined]
-except ImportError:  # jax 0.10
-    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:
+    try:  # jax 0.10
+        from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+    except ImportError:  # jax 0.12
+        from jax._src.lax.parallel import _all_gather_invariant
 
 
 class Gather(NamedTuple):
