@@ -240,5 +240,5 @@ def test_nothing_fits_names_the_nearest_mesh_when_the_state_fits_but_activations
     said only the smallest state, which was under the budget)."""
     with pytest.raises(plan.NothingFits, match=r"the state fits on some meshes, their activations do not: the "
                        r"nearest, \S+: the smallest peak found is [\d.]+ MiB device .*the largest part is "):  # fmt: skip
-        plan.plan(config("llama", "tiny"), devices=4, hardware="cpu", seq_len=2048, device_budget=4e6, host_budget=0,
+        plan.plan(config("llama", "tiny"), devices=4, hardware="cpu", seq_len=512, device_budget=2e6, host_budget=0,
                   verify=False)  # fmt: skip

@@ -271,9 +271,16 @@ def trainable_labels(model: LoraModel) -> LoraModel:
                      adapters=jax.tree.map(lambda _: "train", model.adapters), lora=model.lora)  # fmt: skip
 
 
-def check_trainable(config: LoraConfig) -> None:
+def check_trainable(config: LoraConfig, *, mesh: Any = None, placement: Any = None, param_memory: str = "device",
+                    opt_memory: str = "device") -> None:  # fmt: skip
     """Refuse what training cannot honour yet: dropout (the adapters are merged into the
-    weights, so there is no adapter input of its own to drop)."""
+    weights, so there is no adapter input of its own to drop), and a mesh, a placement map or
+    host memory (what the adapters are not yet laid out or placed for)."""
     if config.dropout:
         raise ConfigError(f"LoRA dropout {config.dropout} is not implemented for training (the adapters are merged "
                           "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
+    if mesh is not None and mesh.size > 1:
+        raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {mesh.size}")
+    if placement is not None or param_memory != "device" or opt_memory != "device":
+        raise ConfigError("LoRA adapters train without a placement map and with parameters and optimizer "
+                          "state on the device for now")  # fmt: skip

@@ -75,13 +75,9 @@ def train(
     compiled program before step 1 (:mod:`zoo.train.verify`). ``profile``: ``"START:STOP"``, steps
     START..STOP-1 traced into ``run_dir/profile`` (:class:`zoo.train.profile.CheckedStep`).
     """
-    if isinstance(model, lora.LoraModel):  # what the adapters are not yet laid out or placed for
-        lora.check_trainable(model.lora)
-        if mesh is not None and mesh.size > 1:
-            raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {mesh.size}")
-        if placement is not None or param_memory != "device" or opt_memory != "device":
-            raise ConfigError("LoRA adapters train without a placement map and with parameters and optimizer "
-                              "state on the device for now")  # fmt: skip
+    if isinstance(model, lora.LoraModel):
+        lora.check_trainable(model.lora, mesh=mesh, placement=placement, param_memory=param_memory,
+                             opt_memory=opt_memory)  # fmt: skip
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
