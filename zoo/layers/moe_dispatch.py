@@ -19,7 +19,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ from zoo.core.mesh import axis_size
 from zoo.errors import ConfigError
 from zoo.hooks.step import current_step, varying_like
 
-Overflow = Literal["dropless", "drop"]
 OVERFLOWS = ("dropless", "drop")
 # The name scope of the later rounds' loops (forward and backward). The planner prices them as
 # not run, the aux-loss-free bias keeping each destination's load within its slot
