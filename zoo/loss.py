@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zoo.core.protocol import CausalLM
+from zoo.hooks import vocab as vocab_parallel
+from zoo.hooks.pipeline import batch_total
 from zoo.hooks.step import (
     context_gather,
     context_positions,
@@ -27,7 +29,6 @@ from zoo.hooks.step import (
     varying_like,
     vocab_split,
 )
-from zoo.hooks import vocab as vocab_parallel
 
 
 def cross_entropy(
@@ -192,12 +193,12 @@ def chunked_cross_entropy(
     weights = varying_like(jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32), labels)
     if (split := vocab_split()) is not None:
         total = vocab_parallel.weighted_nll_sum(x.reshape(b * s, d), w, labels.reshape(-1), weights.reshape(-1), split)
-        return global_sum(total) / jnp.maximum(global_sum(jnp.sum(weights)), 1.0)
+        return global_sum(total) / jnp.maximum(batch_total(jnp.sum(weights)), 1.0)
     if vocab_size is not None and vocab_size < w.shape[0]:
         w = w[:vocab_size]
     chunk = _chunk_tokens(b * s, w.shape[0], chunk_tokens)
     total = _weighted_nll_sum(x.reshape(b * s, d), w, labels.reshape(-1), weights.reshape(-1), chunk)
-    return global_sum(total) / jnp.maximum(global_sum(jnp.sum(weights)), 1.0)
+    return global_sum(total) / jnp.maximum(batch_total(jnp.sum(weights)), 1.0)
 
 
 def lm_loss(

@@ -17,12 +17,18 @@ losses) are combined over the micro-batches per stage and placed over the stages
 Each stage's layers run under ``jax.lax.scan`` with the placement map's policy, as without
 pipelining, so every in-flight micro-batch's named tensors are kept, recomputed or offloaded
 as the map says; the backward pass finds all ``M`` micro-batches' saved tensors (GPipe).
+
+The 1F1B schedule (:mod:`zoo.parallel.one_f_one_b`) runs the backward pass inside the tick loop
+instead, so it needs the loss cut at its stack: :func:`split_at_stack` traces the loss with the
+stack's call recorded (:class:`AtStack`) or replaced by a given output, and :func:`batch_total`
+gives each micro-batch's loss the whole batch's denominators.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,7 +39,7 @@ from jaxtyping import Array, Int, PyTree, Shaped
 
 from zoo.core.mesh import PIPELINE
 from zoo.errors import MeshError
-from zoo.hooks.step import PipelineSplit, varying_axes
+from zoo.hooks.step import PipelineSplit, global_sum, varying_axes
 
 
 def bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
@@ -130,6 +136,8 @@ def pipelined_scan(
     index), rows)`` is ``layer_fn`` on layer ``index`` of ``block``, picked where its
     checkpoint redoes the pick in the backward pass (:func:`zoo.layers.stack.scan_layers`):
     a chunk sliced out at each tick would be saved once per tick."""
+    if (cut := _CUT.get()) is not None:  # the 1F1B schedule runs the stack itself
+        return cut.stack(AtStack(layer_fn, carry, stacked, rows, split, n_layers))
     stages, m, virtual = split.stages, split.microbatches, split.virtual
     leaves = jax.tree.leaves(carry)
     if not leaves:
@@ -233,6 +241,83 @@ def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit
         return full[:n_layers]
 
     return jax.tree.map(one, per_tick, kinds)
+
+
+@dataclasses.dataclass(frozen=True)
+class AtStack:
+    """What a loss passes to its pipelined stack (:func:`pipelined_scan`'s arguments): the
+    checkpointed layer body ``layer_fn(carry, layer, rows)``, the residual stream ``carry``,
+    this stage's block ``stacked``, the per-row inputs ``rows``, the split and the real layer
+    count."""
+
+    layer_fn: Callable[[Any, Any, Any], tuple[Any, Any]]
+    carry: PyTree
+    stacked: PyTree
+    rows: PyTree
+    split: PipelineSplit
+    n_layers: int
+
+
+class StackCut:
+    """A loss traced cut at its pipelined stack (:func:`split_at_stack`). ``record``: the stack's
+    call is kept in :attr:`at` and the stack returns its input unchanged, and every
+    :func:`batch_total` is recorded in :attr:`totals` (the whole batch's denominators); otherwise
+    the stack returns ``output`` and each :func:`batch_total` the recorded value of the same call."""
+
+    def __init__(self, *, record: bool, output: PyTree = None, totals: tuple[Array, ...] = ()):
+        self.record, self.output = record, output
+        self.at: AtStack | None = None
+        self.totals: list[Array] = list(totals)
+        self.calls = self.used = 0
+
+    def stack(self, at: AtStack) -> tuple[PyTree, None]:
+        if self.calls:
+            raise MeshError(
+                "schedule='1f1b': the loss runs more than one pipelined layer stack (a model with several "
+                "stacks pipelined, such as DeepSeek-V3's dense and MoE layers, runs on schedule='gpipe')"
+            )
+        self.calls += 1
+        if self.record:
+            self.at = at
+            return at.carry, None
+        return self.output, None
+
+    def total(self, value: Array) -> Array:
+        if self.record:
+            self.totals.append(value)
+            return value
+        if self.used >= len(self.totals):
+            raise MeshError(
+                "schedule='1f1b': the loss took more batch totals (zoo.hooks.pipeline.batch_total) on a micro-batch "
+                f"than the {len(self.totals)} it took on the whole batch"
+            )
+        self.used += 1
+        return self.totals[self.used - 1]
+
+
+_CUT: contextvars.ContextVar[StackCut | None] = contextvars.ContextVar("zoo_stack_cut", default=None)
+
+
+@contextlib.contextmanager
+def split_at_stack(cut: StackCut) -> Iterator[StackCut]:
+    """Trace a loss with its pipelined stack cut as ``cut`` says (the 1F1B schedule's way of
+    running what precedes and what follows the stack on their own)."""
+    token = _CUT.set(cut)
+    try:
+        yield cut
+    finally:
+        _CUT.reset(token)
+
+
+def batch_total(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
+    """A total over the whole batch that a loss divides by (the count of its predictions): its
+    sum over the devices (:func:`zoo.hooks.global_sum`). Under the 1F1B schedule a micro-batch's
+    loss divides by the whole batch's total, recorded on the whole batch before the schedule
+    runs, so the micro-batches' losses add up to the batch's and each backward pass gets its
+    exact share of the gradient."""
+    total = global_sum(x)
+    cut = _CUT.get()
+    return total if cut is None else cut.total(total)
 
 
 _LAYOUT: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("zoo_stage_order", default=(1, 1))

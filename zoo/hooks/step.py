@@ -88,12 +88,14 @@ class PipelineSplit:
     ``microbatches`` micro-batches of each device's rows passed stage to stage
     (:mod:`zoo.pipeline`). ``layers``: per pipelined stack (by its tree structure), its real
     layer count (layers past it are padding, skipped). ``virtual``: each stage's layers are
-    that many chunks, the stacks stored in :func:`zoo.pipeline.stage_order`."""
+    that many chunks, the stacks stored in :func:`zoo.pipeline.stage_order`. ``schedule``:
+    ``"gpipe"`` (autodiff makes the backward pass) or ``"1f1b"``."""
 
     stages: int
     microbatches: int
     layers: dict[Any, int]
     virtual: int = 1  # chunks per stage (the interleaved schedule): the stacks are in stage order
+    schedule: str = "gpipe"  # or "1f1b" (zoo.parallel.one_f_one_b): the training step's backward inside the ticks
 
 
 @dataclasses.dataclass

@@ -47,6 +47,7 @@ from zoo.hooks.step import (
     varying_axes,
     varying_over,
 )
+from zoo.parallel import one_f_one_b
 
 
 def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], list]:
@@ -81,11 +82,18 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
 
 
-def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_stages: int = 1) -> PipelineSplit | None:
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_stages: int = 1,
+                      schedule: str = "gpipe") -> PipelineSplit | None:  # fmt: skip
     """How the step pipelines ``model``'s layer stacks on ``mesh`` (``None`` without a
     ``pipeline`` axis): every stack whose layer letter the family maps to ``pipeline``, with its
     real layer count, and ``microbatches`` (default: one per stage, the fewest that fill it;
-    with ``virtual_stages``, the stacks in :func:`zoo.pipeline.stage_order`)."""
+    with ``virtual_stages``, the stacks in :func:`zoo.pipeline.stage_order`) on ``schedule``
+    (:data:`SCHEDULES`)."""
+    if schedule not in SCHEDULES:
+        raise MeshError(f"value_and_grad: schedule must be one of {SCHEDULES}, got {schedule!r}")
     stages = axis_size(mesh, PIPELINE)
     if stages == 1:
         return None
@@ -103,7 +111,7 @@ def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_st
     v = virtual_stages
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise MeshError(f"value_and_grad: virtual_stages must be a positive integer, got {virtual_stages!r}")
-    return PipelineSplit(stages, m, layers, v)
+    return PipelineSplit(stages, m, layers, v, schedule)
 
 
 def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
@@ -158,6 +166,7 @@ def value_and_grad(
     batch_axes: Sequence[str] = BATCH_AXES,
     microbatches: int | None = None,
     virtual_stages: int = 1,
+    schedule: str = "gpipe",
 ) -> Callable[..., Any]:
     """``f(model, *batch, **static) -> (loss[, aux]), grads`` computed under ``jax.shard_map``.
 
@@ -183,8 +192,15 @@ def value_and_grad(
     stage order, as :func:`zoo.parallel.to_stage_order`'s ``StageOrdered`` (its gradients come
     back so), or as a plain model under ``zoo.pipeline.stacks_in_stage_order`` (``zoo.train``'s
     way); a model in layer order is refused, as it would compute another function.
+    ``schedule="1f1b"``: each micro-batch's backward pass runs as soon as its forward pass leaves
+    the last stage (:mod:`zoo.parallel.one_f_one_b`), so a stage keeps at most ``2P - 1``
+    micro-batches' saved tensors, not ``M``; same numerics. The loss must divide by
+    :func:`zoo.hooks.pipeline.batch_total` (``zoo.lm_loss`` does).
     """
-    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=True)
+    if schedule not in SCHEDULES:
+        raise MeshError(f"value_and_grad: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=True,
+                    schedule=schedule)  # fmt: skip
 
 
 def value(
@@ -205,7 +221,8 @@ def value(
 
 
 def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_axes: Sequence[str],
-             microbatches: int | None, virtual_stages: int, *, differentiate: bool) -> Callable[..., Any]:  # fmt: skip
+             microbatches: int | None, virtual_stages: int, *, differentiate: bool,
+             schedule: str = "gpipe") -> Callable[..., Any]:  # fmt: skip
     batch_axes = tuple(batch_axes)
     for a in batch_axes:
         check_axis(a, "value_and_grad batch_axes")
@@ -235,19 +252,21 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
 
         vary = tuple(dict.fromkeys(a for a in (*axes, CONTEXT) if axis_size(mesh, a) > 1))
         split = vocab_split_of(model, mesh)
-        pipelined = pipeline_split_of(model, mesh, microbatches, virtual_stages)
+        pipelined = pipeline_split_of(model, mesh, microbatches, virtual_stages, schedule)
 
         def body(params, local_arrays, *local_batch):
             with step_context(mesh, plans, split, pipelined) as ctx:
 
-                def objective(p):
+                def prepare(p):
                     leaves, treedef = jax.tree.flatten(p)
                     # Each parameter is cast to varying over the batch axes once, here: its
                     # gradient is then all-reduced once, as the sum of its uses' (a tied
                     # embedding's lookup and head were two all-reduces of a [V, D] buffer).
                     leaves = [varying_over(gather_fsdp(x, d), vary) for x, d in zip(leaves, rest)]
-                    p = jax.tree.unflatten(treedef, leaves)
-                    out = loss_fn(p, *local_batch, **static, **local_arrays)
+                    return jax.tree.unflatten(treedef, leaves)
+
+                def loss_of(p, rows):
+                    out = loss_fn(p, *rows[0], **static, **rows[1])
                     loss, aux = out if has_aux else (out, None)
                     stray = varying_axes(loss) - set(axes)
                     if stray:
@@ -258,10 +277,21 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
                     over = tuple(a for a in axes if a in varying_axes(loss))
                     return (jax.lax.pmean(loss, over) if over else loss), aux
 
-                if differentiate:
-                    (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
+                if differentiate and pipelined is not None and pipelined.schedule == "1f1b":
+                    diff, nondiff = eqx.partition(params, eqx.is_inexact_array)
+                    prepared, prepare_vjp = jax.vjp(lambda d: prepare(eqx.combine(d, nondiff)), diff)
+                    prepared_diff, prepared_rest = eqx.partition(prepared, eqx.is_inexact_array)
+                    (loss, aux), d_prepared = one_f_one_b.value_and_grad(
+                        lambda d, rows: loss_of(eqx.combine(d, prepared_rest), rows),
+                        prepared_diff, (local_batch, local_arrays), pipelined,
+                    )  # fmt: skip
+                    (grads,) = prepare_vjp(d_prepared)
+                elif differentiate:
+                    (loss, aux), grads = eqx.filter_value_and_grad(
+                        lambda p: loss_of(prepare(p), (local_batch, local_arrays)), has_aux=True
+                    )(params)
                 else:
-                    (loss, aux), grads = objective(params), None
+                    (loss, aux), grads = loss_of(prepare(params), (local_batch, local_arrays)), None
                 missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
                 if missing:
                     raise MeshError("the model's forward never called zoo.hooks.gather_layer on a layer stack")

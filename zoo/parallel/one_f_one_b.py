@@ -1,0 +1,260 @@
+"""The 1F1B pipeline schedule: each micro-batch's backward pass starts as soon as its forward
+pass leaves the last stage, so a stage keeps the saved tensors of a bounded number of
+micro-batches, however many there are.
+
+GPipe (:func:`zoo.hooks.pipeline.pipelined_scan`) runs the stack's forward pass as one loop and
+lets autodiff make the backward pass: every stage keeps all ``M`` micro-batches' saved tensors
+until the backward pass starts. Here the step runs the backward pass itself, in the same tick
+loop as the forward pass:
+
+1. the loss is traced up to its pipelined stack over the device's rows (``jax.vjp``): the
+   residual stream entering the stack, the stage's block, the per-row inputs, and the whole
+   batch's loss denominators (:func:`zoo.hooks.pipeline.batch_total`);
+2. ``M + 2P - 2`` ticks in three loops (``P - 1`` warm-up ticks of forward passes, ``M`` ticks of
+   both, ``P - 1`` cool-down ticks of backward passes). At tick ``t`` stage ``s`` runs the
+   forward pass of micro-batch ``t - s`` with ``jax.vjp``, keeping what its backward pass needs
+   (the placement map's saved tensors) in a ring of ``2P - 1`` slots, and the backward pass of
+   micro-batch ``t - 2(P - 1) + s`` from its slot. The last stage's output goes to every stage
+   (a ``psum`` of one non-zero term), which runs the loss's tail on that micro-batch (the
+   final norm, head and loss, divided by the whole batch's counts) and its ``jax.vjp``: the
+   tail's gradients are accumulated and the cotangent starts the micro-batch's backward pass
+   on the last stage in the same tick. Forward activations go one stage on and cotangents one
+   stage back by ``ppermute`` at every tick;
+3. the cotangents of the stack's input, gathered on the first stage, go back through step 1's
+   ``jax.vjp``.
+
+A hand-over takes a tick each way, so micro-batch ``i`` waits on stage ``s`` from tick ``i + s`` to
+tick ``i + 2(P - 1) - s``: stage ``s`` keeps at most ``2(P - s) - 1`` micro-batches' saved tensors
+(``2P - 1`` on the first: the ring's size, whatever ``M``). Megatron-LM's 1F1B, whose stages run
+unsynchronised, keeps ``P - s``; a tick here runs a forward and a backward pass on every stage in
+lockstep, which gives GPipe's bubble, ``(P - 1) / (M + P - 1)``, without its memory. Numerics
+are GPipe's: the loss and every gradient equal one device's.
+
+Limits, each refused with a clear error: one pipelined stack per loss, whose layers return no
+per-layer outputs (router statistics), ``virtual_stages=1``, no offloaded (``pinned_host``)
+names in the placement map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PyTree
+
+from zoo.core.mesh import PIPELINE
+from zoo.errors import MeshError
+from zoo.hooks.pipeline import AtStack, StackCut, split_at_stack
+from zoo.hooks.step import PipelineSplit, sum_to_varying_of, varying_axes
+
+LossOf = Callable[[PyTree, PyTree], tuple[Float[Array, ""], Any]]
+
+
+def ring_slots(stages: int, microbatches: int) -> int:
+    """How many micro-batches' saved tensors a stage keeps at most: ``2P - 1`` (the first
+    stage's), or ``M`` where fewer."""
+    return min(microbatches, 2 * stages - 1)
+
+
+def _vary(x: Array, axes: frozenset[str]) -> Array:
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _zeros_like(x: Array) -> Array:
+    """Zeros of ``x``'s shape and dtype, varying over the mesh axes ``x`` varies over."""
+    return _vary(jnp.zeros(x.shape, x.dtype), varying_axes(x))
+
+
+def _zeros_of(s: jax.ShapeDtypeStruct, lead: tuple[int, ...] = (), extra: frozenset[str] | set[str] = frozenset()) -> Array:
+    """Zeros of an abstract value's shape (after ``lead``) and dtype, varying over the mesh axes it
+    varies over and ``extra``."""
+    axes = getattr(getattr(s, "manual_axis_type", None), "varying", None) or frozenset()
+    return _vary(jnp.zeros((*lead, *s.shape), s.dtype), frozenset(axes) | frozenset(extra))
+
+
+def _cut_rows(tree: PyTree, m: int) -> PyTree:
+    def cut(x):
+        if x.ndim == 0 or x.shape[0] % m:
+            raise MeshError(
+                f"schedule='1f1b': microbatches={m} must divide each device's rows; got an array of shape {tuple(x.shape)}"
+            )
+        return x.reshape(m, x.shape[0] // m, *x.shape[1:])
+
+    return jax.tree.map(cut, tree)
+
+
+def _put(buffer: Array, i: Array, value: Array, on: Array) -> Array:
+    """``buffer`` with ``value`` written at ``i`` (on its leading axis) where ``on``, in place."""
+    old = jax.lax.dynamic_index_in_dim(buffer, i, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(on, value, old), i, 0)
+
+
+def _at(tree: PyTree, i: Array) -> PyTree:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: PipelineSplit) -> tuple[Any, PyTree]:
+    """``((loss, aux), grads)`` of ``loss_of(params, batch)`` on the 1F1B schedule, inside the
+    parallel step's ``shard_map``: ``params`` the arrays to differentiate (a pytree), ``batch``
+    this device's rows (every leaf leads with them). ``aux`` is summed over the micro-batches
+    (a metric must be a sum over the batch, or a mean over its :func:`batch_total`)."""
+    stages, m = split.stages, split.microbatches
+    if split.virtual != 1:
+        raise MeshError(
+            f"schedule='1f1b' runs one chunk per stage; virtual_stages={split.virtual} (interleaved 1F1B) is not built: "
+            "use schedule='gpipe' for the interleaved schedule"
+        )
+    stage = jax.lax.axis_index(PIPELINE)
+    last = stages - 1
+    leaves, treedef = jax.tree.flatten(params)
+    found: dict[str, Any] = {}
+
+    # 1. The loss up to its stack (and its denominators, on the whole batch).
+    def head_of(flat):
+        with split_at_stack(StackCut(record=True)) as cut:
+            loss_of(jax.tree.unflatten(treedef, flat), batch)
+        if cut.at is None:
+            raise MeshError("schedule='1f1b': the loss ran no pipelined layer stack (a mesh with a pipeline axis)")
+        at: AtStack = cut.at
+        ids = {id(x) for x in jax.tree.leaves(at.stacked)}
+        found["at"], found["in_stack"] = at, [id(x) in ids for x in flat]
+        return (at.carry, at.stacked), (at.rows, tuple(cut.totals))
+
+    (carry, stacked), head_vjp, (rows, totals) = jax.vjp(head_of, leaves, has_aux=True)
+    at, in_stack = found["at"], found["in_stack"]
+    rest_leaves = [x for x, s in zip(leaves, in_stack) if not s]
+    n_rows = jax.tree.leaves(carry)[0].shape[0]
+    if n_rows % m:
+        raise MeshError(f"schedule='1f1b': microbatches={m} must divide each device's {n_rows} rows")
+    # The micro-batches' inputs, read by the first stage, typed as varying over the stages.
+    xs = jax.tree.map(lambda x: _vary(x, varying_axes(x) | {PIPELINE}), _cut_rows(carry, m))
+    row_mb, batch_mb = _cut_rows(rows, m), _cut_rows(batch, m)
+    per_stage = jax.tree.leaves(stacked)[0].shape[0]
+
+    def forward(block, h, r):
+        """This stage's layers on one micro-batch; padding layers (past the real count) skipped."""
+
+        def one(c, layer_j):
+            layer, j = layer_j
+            new, out = at.layer_fn(c, layer, r)
+            if jax.tree.leaves(out):
+                raise MeshError(
+                    "schedule='1f1b': this model's layers return per-layer outputs (router statistics), which the "
+                    "1F1B schedule does not carry yet: use schedule='gpipe'"
+                )
+            real = stage * per_stage + j < at.n_layers
+            return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), None
+
+        return jax.lax.scan(one, h, (block, jnp.arange(per_stage)))[0]
+
+    def forward_vjp(h, r):
+        """The forward pass with what its backward pass needs: the residuals that are not the
+        block or the rows (which the backward pass is given again) are ``kept``."""
+        y, back = jax.vjp(lambda b, x: forward(b, x, r), stacked, h)
+        res, res_def = jax.tree.flatten(back)
+        given = {id(x): ("block", k) for k, x in enumerate(jax.tree.leaves(stacked))}
+        given |= {id(x): ("rows", k) for k, x in enumerate(jax.tree.leaves(r))}
+        where = tuple(given.get(id(x), ("kept", 0)) for x in res)
+        kept = [x for x, w in zip(res, where) if w[0] == "kept"]
+        return y, kept, (res_def, where)
+
+    def backward(kept, layout, r):
+        res_def, where = layout
+        kept, block, row = iter(kept), jax.tree.leaves(stacked), jax.tree.leaves(r)
+        res = [next(kept) if w[0] == "kept" else (block if w[0] == "block" else row)[w[1]] for w in where]
+        return jax.tree.unflatten(res_def, res)
+
+    def tail(rest, y_local, i):
+        """The loss after the stack on micro-batch ``i``, the last stage's ``y_local`` sent to
+        every stage; ``(loss, aux)`` with the whole batch's denominators."""
+        y = jax.tree.map(lambda a: jax.lax.psum(jnp.where(stage == last, a, jnp.zeros_like(a)), PIPELINE), y_local)
+        rest = iter(rest)
+        flat = [x if s else next(rest) for x, s in zip(leaves, in_stack)]
+        with split_at_stack(StackCut(record=False, output=y, totals=totals)) as cut:
+            out = loss_of(jax.tree.unflatten(treedef, flat), _at(batch_mb, i))
+        if cut.used != len(totals):
+            raise MeshError(
+                f"schedule='1f1b': the loss took {cut.used} batch totals on a micro-batch and {len(totals)} on the batch"
+            )
+        return out
+
+    # The ring's layout, from a trace of one forward pass (shapes and types only).
+    shapes: dict[str, Any] = {}
+
+    def probe():
+        y, kept, layout = forward_vjp(_at(xs, 0), _at(row_mb, 0))
+        shapes["layout"] = layout
+        return y, kept
+
+    y_shape, kept_shapes = jax.eval_shape(probe)
+    layout = shapes["layout"]
+    slots = ring_slots(stages, m)
+
+    def like(s, lead: tuple[int, ...] = ()) -> Array:
+        return _zeros_of(s, lead, {PIPELINE})
+
+    ring = [like(s, (slots,)) for s in kept_shapes]
+    up = [(i, i + 1) for i in range(last)]
+    down = [(i + 1, i) for i in range(last)]
+    _, aux_shape = jax.eval_shape(lambda: tail(rest_leaves, jax.tree.map(like, y_shape), 0))
+
+    state = {
+        "fwd": jax.tree.map(like, y_shape),  # what the previous stage handed over
+        "bwd": jax.tree.map(like, y_shape),  # the cotangent the next stage handed back
+        "ring": ring,
+        "g_block": jax.tree.map(_zeros_like, stacked),
+        "g_rest": [_zeros_like(x) for x in rest_leaves],
+        "dx": jax.tree.map(lambda x: _zeros_like(x), xs),
+        "loss": jnp.zeros((), jnp.float32),
+        "aux": jax.tree.map(_zeros_of, aux_shape),
+    }
+
+    def tick(state, t, *, fwd: bool, bwd: bool):
+        state = dict(state)
+        dy = None
+        if fwd:
+            i = t - stage
+            on = (i >= 0) & (i < m)
+            i = jnp.clip(i, 0, m - 1)
+            h = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), _at(xs, i), state["fwd"])
+            y, kept, _ = forward_vjp(h, _at(row_mb, i))
+            state["ring"] = [_put(r, i % slots, k, on) for r, k in zip(state["ring"], kept)]
+            state["fwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, up), y)
+            if bwd:  # the steady ticks: micro-batch t - (P - 1) leaves the last stage now
+                j = t - last
+                loss, tail_vjp, aux = jax.vjp(lambda rest, yl: tail(rest, yl, j), rest_leaves, y, has_aux=True)
+                g_rest, dy = tail_vjp(_vary(jnp.ones((), loss.dtype), varying_axes(loss)))
+                state["g_rest"] = [a + g for a, g in zip(state["g_rest"], g_rest)]
+                state["loss"] = state["loss"] + loss
+                state["aux"] = jax.tree.map(jnp.add, state["aux"], aux)
+        if bwd:
+            k = t - 2 * last + stage
+            on = (k >= 0) & (k < m)
+            k = jnp.clip(k, 0, m - 1)
+            g = state["bwd"] if dy is None else jax.tree.map(lambda a, b: jnp.where(stage == last, a, b), dy, state["bwd"])
+            kept = [jax.lax.dynamic_index_in_dim(r, k % slots, keepdims=False) for r in state["ring"]]
+            g_block, dh = backward(kept, layout, _at(row_mb, k))(g)
+            state["g_block"] = jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)), state["g_block"], g_block)
+            state["dx"] = jax.tree.map(lambda a, b: _put(a, k, b, on & (stage == 0)), state["dx"], dh)
+            state["bwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, down), dh)
+        return state, None
+
+    def loop(state, start, n, **kind):
+        if n == 0:
+            return state
+        return jax.lax.scan(lambda s, t: tick(s, t, **kind), state, start + jnp.arange(n))[0]
+
+    # 2. The ticks: warm-up (forward passes), steady (both), cool-down (backward passes).
+    state = loop(state, 0, last, fwd=True, bwd=False)
+    state = loop(state, last, m, fwd=True, bwd=True)
+    state = loop(state, last + m, last, fwd=False, bwd=True)
+
+    # 3. The stack input's cotangent (the first stage's) back through what precedes the stack.
+    dx = jax.tree.map(lambda d, c: sum_to_varying_of(d.reshape(c.shape), c), state["dx"], carry)
+    (d_head,) = head_vjp((dx, state["g_block"]))
+    g_rest = iter(state["g_rest"])
+    grads = [d if s else d + next(g_rest) for d, s in zip(d_head, in_stack)]
+    return (state["loss"], state["aux"]), jax.tree.unflatten(treedef, grads)
