@@ -270,17 +270,25 @@ class StackCut:
         self.totals: list[Array] = list(totals)
         self.calls = self.used = 0
 
-    def stack(self, at: AtStack) -> tuple[PyTree, None]:
+    def stack(self, at: AtStack) -> tuple[PyTree, PyTree]:
         if self.calls:
             raise MeshError(
                 "schedule='1f1b': the loss runs more than one pipelined layer stack (a model with several "
                 "stacks pipelined, such as DeepSeek-V3's dense and MoE layers, runs on schedule='gpipe')"
             )
         self.calls += 1
+        # The layers' per-layer outputs, as the loss unpacks them: the 1F1B schedule carries none yet.
+        one = jax.tree.map(lambda w: w[0], at.stacked)
+        outs = jax.eval_shape(lambda: at.layer_fn(at.carry, one, at.rows)[1])
+        if jax.tree.leaves(outs):
+            raise MeshError(
+                "schedule='1f1b': this model's layers return per-layer outputs (router statistics), which the "
+                "1F1B schedule does not carry yet: use schedule='gpipe'"
+            )
         if self.record:
             self.at = at
-            return at.carry, None
-        return self.output, None
+            return at.carry, outs
+        return self.output, outs
 
     def total(self, value: Array) -> Array:
         if self.record:

@@ -86,13 +86,13 @@ def _cut_rows(tree: PyTree, m: int) -> PyTree:
     return jax.tree.map(cut, tree)
 
 
-def _put(buffer: Array, i: Array, value: Array, on: Array) -> Array:
+def _put(buffer: Array, i: Array | int, value: Array, on: Array | bool) -> Array:
     """``buffer`` with ``value`` written at ``i`` (on its leading axis) where ``on``, in place."""
     old = jax.lax.dynamic_index_in_dim(buffer, i, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(on, value, old), i, 0)
 
 
-def _at(tree: PyTree, i: Array) -> PyTree:
+def _at(tree: PyTree, i: Array | int) -> PyTree:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
@@ -131,41 +131,48 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         raise MeshError(f"schedule='1f1b': microbatches={m} must divide each device's {n_rows} rows")
     # The micro-batches' inputs, read by the first stage, typed as varying over the stages.
     xs = jax.tree.map(lambda x: _vary(x, varying_axes(x) | {PIPELINE}), _cut_rows(carry, m))
-    row_mb, batch_mb = _cut_rows(rows, m), _cut_rows(batch, m)
+    # The per-row inputs too: a stage reads another micro-batch's than its neighbours at a tick.
+    row_mb = jax.tree.map(lambda x: _vary(x, varying_axes(x) | {PIPELINE}), _cut_rows(rows, m))
+    batch_mb = _cut_rows(batch, m)
     per_stage = jax.tree.leaves(stacked)[0].shape[0]
 
-    def forward(block, h, r):
+    def forward(block, h, r, stage):
         """This stage's layers on one micro-batch; padding layers (past the real count) skipped."""
 
         def one(c, layer_j):
             layer, j = layer_j
-            new, out = at.layer_fn(c, layer, r)
-            if jax.tree.leaves(out):
-                raise MeshError(
-                    "schedule='1f1b': this model's layers return per-layer outputs (router statistics), which the "
-                    "1F1B schedule does not carry yet: use schedule='gpipe'"
-                )
+            new, _ = at.layer_fn(c, layer, r)  # no per-layer outputs (StackCut.stack refuses them)
             real = stage * per_stage + j < at.n_layers
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), None
 
         return jax.lax.scan(one, h, (block, jnp.arange(per_stage)))[0]
 
-    def forward_vjp(h, r):
-        """The forward pass with what its backward pass needs: the residuals that are not the
-        block or the rows (which the backward pass is given again) are ``kept``."""
-        y, back = jax.vjp(lambda b, x: forward(b, x, r), stacked, h)
+    # The forward pass and the backward pass are each traced once (jitted: the residuals a trace
+    # keeps depend on what it can see outside; here, on the arguments alone), so every tick keeps
+    # the same residuals in the ring. ``layout``: how to rebuild the backward pass from them.
+    layout: dict[str, Any] = {}
+
+    @jax.jit
+    def forward_vjp(block, h, r, stage):
+        """The forward pass and the residuals its backward pass needs, less the block and the
+        rows (given to the backward pass again)."""
+        y, back = jax.vjp(lambda b, x: forward(b, x, r, stage), block, h)
         res, res_def = jax.tree.flatten(back)
-        given = {id(x): ("block", k) for k, x in enumerate(jax.tree.leaves(stacked))}
+        given = {id(x): ("block", k) for k, x in enumerate(jax.tree.leaves(block))}
         given |= {id(x): ("rows", k) for k, x in enumerate(jax.tree.leaves(r))}
         where = tuple(given.get(id(x), ("kept", 0)) for x in res)
         kept = [x for x, w in zip(res, where) if w[0] == "kept"]
-        return y, kept, (res_def, where)
+        if layout.setdefault("back", (res_def, where)) != (res_def, where):
+            raise MeshError("schedule='1f1b': the stage's forward pass kept other residuals at another trace")
+        layout["spaces"] = [getattr(jax.typeof(k), "memory_space", None) for k in kept]
+        return y, kept
 
-    def backward(kept, layout, r):
-        res_def, where = layout
-        kept, block, row = iter(kept), jax.tree.leaves(stacked), jax.tree.leaves(r)
-        res = [next(kept) if w[0] == "kept" else (block if w[0] == "block" else row)[w[1]] for w in where]
-        return jax.tree.unflatten(res_def, res)
+    @jax.jit
+    def backward(kept, block, r, g):
+        res_def, where = layout["back"]
+        kept, given = iter(kept), {"block": jax.tree.leaves(block), "rows": jax.tree.leaves(r)}
+        res = [next(kept) if w[0] == "kept" else given[w[0]][w[1]] for w in where]
+        return jax.tree.unflatten(res_def, res)(g)
 
     def tail(rest, y_local, i):
         """The loss after the stack on micro-batch ``i``, the last stage's ``y_local`` sent to
@@ -181,22 +188,18 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             )
         return out
 
-    # The ring's layout, from a trace of one forward pass (shapes and types only).
-    shapes: dict[str, Any] = {}
-
-    def probe():
-        y, kept, layout = forward_vjp(_at(xs, 0), _at(row_mb, 0))
-        shapes["layout"] = layout
-        return y, kept
-
-    y_shape, kept_shapes = jax.eval_shape(probe)
-    layout = shapes["layout"]
+    # The ring's shapes, from the forward pass's trace (shapes and types only).
+    y_shape, kept_shapes = jax.eval_shape(forward_vjp, stacked, _at(xs, 0), _at(row_mb, 0), stage)
     slots = ring_slots(stages, m)
 
     def like(s, lead: tuple[int, ...] = ()) -> Array:
         return _zeros_of(s, lead, {PIPELINE})
 
-    ring = [like(s, (slots,)) for s in kept_shapes]
+    # A slot more than the ring's: a stage with no forward pass at a tick writes there. (Written
+    # unconditionally, an offloaded tensor's slot stays in host memory: no select between the
+    # host and the device.)
+    ring = [like(s, (slots + 1,)) for s in kept_shapes]
+    ring = [jax.device_put(r, space) if space == jax.memory.Space.Host else r for r, space in zip(ring, layout["spaces"])]
     up = [(i, i + 1) for i in range(last)]
     down = [(i + 1, i) for i in range(last)]
     _, aux_shape = jax.eval_shape(lambda: tail(rest_leaves, jax.tree.map(like, y_shape), 0))
@@ -220,8 +223,9 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             on = (i >= 0) & (i < m)
             i = jnp.clip(i, 0, m - 1)
             h = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), _at(xs, i), state["fwd"])
-            y, kept, _ = forward_vjp(h, _at(row_mb, i))
-            state["ring"] = [_put(r, i % slots, k, on) for r, k in zip(state["ring"], kept)]
+            y, kept = forward_vjp(stacked, h, _at(row_mb, i), stage)
+            slot = jnp.where(on, i % slots, slots)
+            state["ring"] = [jax.lax.dynamic_update_index_in_dim(r, k, slot, 0) for r, k in zip(state["ring"], kept)]
             state["fwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, up), y)
             if bwd:  # the steady ticks: micro-batch t - (P - 1) leaves the last stage now
                 j = t - last
@@ -236,7 +240,7 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             k = jnp.clip(k, 0, m - 1)
             g = state["bwd"] if dy is None else jax.tree.map(lambda a, b: jnp.where(stage == last, a, b), dy, state["bwd"])
             kept = [jax.lax.dynamic_index_in_dim(r, k % slots, keepdims=False) for r in state["ring"]]
-            g_block, dh = backward(kept, layout, _at(row_mb, k))(g)
+            g_block, dh = backward(kept, stacked, _at(row_mb, k), g)
             state["g_block"] = jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)), state["g_block"], g_block)
             state["dx"] = jax.tree.map(lambda a, b: _put(a, k, b, on & (stage == 0)), state["dx"], dh)
             state["bwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, down), dh)

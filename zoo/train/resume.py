@@ -30,7 +30,7 @@ def _comparable(settings: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in settings.items():
         if name == "train":
             for field, v in value.items():
-                if field in ("microbatches", "virtual_stages") and not pipelined:
+                if field in ("microbatches", "virtual_stages", "schedule") and not pipelined:
                     continue  # they do nothing without a pipeline axis (runs of before 2026-12-03 recorded them)
                 if field == "model_options" and isinstance(v, Mapping):
                     out.update(v)

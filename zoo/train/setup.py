@@ -203,12 +203,13 @@ def make_mesh(spec: str, batch: Any) -> Mesh | None:
 
 
 def check_pipeline_flags(flags: Any, spec: str, mesh: Mesh | None) -> None:
-    """``--microbatches`` and ``--virtual-stages`` only with a pipeline axis in ``--mesh`` (``spec``):
+    """``--microbatches``, ``--virtual-stages`` and ``--schedule`` only with a pipeline axis in ``--mesh`` (``spec``):
     without one they would mean nothing, yet be kept in the run's settings (``run.json``), where
     a resume without them is refused as a change."""
     if mesh is not None and mesh.shape.get(parallel.PIPELINE, 1) > 1:
         return
-    for flag, value, unset in (("microbatches", flags.microbatches, None), ("virtual-stages", flags.virtual_stages, 1)):
+    for flag, value, unset in (("microbatches", flags.microbatches, None), ("virtual-stages", flags.virtual_stages, 1),
+                               ("schedule", getattr(flags, "schedule", "gpipe"), "gpipe")):  # fmt: skip
         if value != unset:
             raise ConfigError(f"--{flag} needs a pipeline axis in --mesh (e.g. --mesh pipeline=2,...); "
                               f"{f'--mesh {spec}' if spec else 'no --mesh'} has none")  # fmt: skip

@@ -73,7 +73,7 @@ def make_train_step(
 
     if mesh is not None and mesh.size > 1:
         grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True, microbatches=cfg.microbatches,
-                                          virtual_stages=cfg.virtual_stages)  # fmt: skip
+                                          virtual_stages=cfg.virtual_stages, schedule=cfg.schedule)  # fmt: skip
     else:
         grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
 
