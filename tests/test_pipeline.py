@@ -228,14 +228,15 @@ def _family_loss(model, ids, **kw):
     return model.loss(ids, **kw)
 
 
-def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, reference=None, **kw):
+def _check_with_aux(model, mesh, ids, microbatches, stacks, virtual=1, reference=None, schedule="gpipe", **kw):
     """Loss, every metric (integers exactly) and every gradient equal one device's (``reference``:
     them, computed already); the padding layers of the pipelined ``stacks`` (``{root: real layer
     count}``) get zero gradient."""
     if reference is None:
         reference = _reference(_family_loss, model, ids, has_aux=True, **kw)
     (ref_loss, ref_aux), ref_grads = reference
-    step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches, virtual_stages=virtual)
+    step = parallel.value_and_grad(_family_loss, mesh, has_aux=True, microbatches=microbatches, virtual_stages=virtual,
+                                   schedule=schedule)  # fmt: skip
     sharded = parallel.shard(model, mesh)
     (loss, aux), grads = step(to_stage_order(sharded, mesh, virtual), ids, **kw)
     grads = to_stage_order(grads, mesh, virtual, inverse=True)

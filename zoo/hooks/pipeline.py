@@ -137,7 +137,7 @@ def pipelined_scan(
     checkpoint redoes the pick in the backward pass (:func:`zoo.layers.stack.scan_layers`):
     a chunk sliced out at each tick would be saved once per tick."""
     if (cut := _CUT.get()) is not None:  # the 1F1B schedule runs the stack itself
-        return cut.stack(AtStack(layer_fn, carry, stacked, rows, split, n_layers))
+        return cut.stack(AtStack(layer_fn, carry, stacked, rows, split, n_layers, combine))
     stages, m, virtual = split.stages, split.microbatches, split.virtual
     leaves = jax.tree.leaves(carry)
     if not leaves:
@@ -247,8 +247,8 @@ def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit
 class AtStack:
     """What a loss passes to its pipelined stack (:func:`pipelined_scan`'s arguments): the
     checkpointed layer body ``layer_fn(carry, layer, rows)``, the residual stream ``carry``,
-    this stage's block ``stacked``, the per-row inputs ``rows``, the split and the real layer
-    count."""
+    this stage's block ``stacked``, the per-row inputs ``rows``, the split, the real layer
+    count and how each per-layer output combines over the micro-batches."""
 
     layer_fn: Callable[[Any, Any, Any], tuple[Any, Any]]
     carry: PyTree
@@ -256,17 +256,30 @@ class AtStack:
     rows: PyTree
     split: PipelineSplit
     n_layers: int
+    combine: PyTree = None
+
+    def out_shapes(self) -> PyTree:
+        """One layer's per-layer outputs on the whole carry (shapes and types)."""
+        one = jax.tree.map(lambda w: w[0], self.stacked)
+        return jax.eval_shape(lambda: self.layer_fn(self.carry, one, self.rows)[1])
+
+    def out_kinds(self) -> PyTree:
+        """Per leaf of the per-layer outputs, ``"sum"``, ``"mean"`` or ``"rows"`` (:func:`pipelined_scan`)."""
+        return _combine_kinds(self.combine, self.out_shapes())
 
 
 class StackCut:
     """A loss traced cut at its pipelined stack (:func:`split_at_stack`). ``record``: the stack's
-    call is kept in :attr:`at` and the stack returns its input unchanged, and every
-    :func:`batch_total` is recorded in :attr:`totals` (the whole batch's denominators); otherwise
-    the stack returns ``output`` and each :func:`batch_total` the recorded value of the same call."""
+    call is kept in :attr:`at` and the stack returns its input unchanged (and zero per-layer
+    outputs), and every :func:`batch_total` is recorded in :attr:`totals` (the whole batch's
+    denominators); otherwise the stack returns ``output`` (its output carry and per-layer
+    outputs) and each :func:`batch_total` the recorded value of the same call."""
 
     def __init__(self, *, record: bool, output: PyTree = None, totals: tuple[Array, ...] = ()):
         self.record, self.output = record, output
         self.at: AtStack | None = None
+        self.out_shapes: PyTree = None  # recorded: one layer's per-layer outputs, and how each combines
+        self.out_kinds: PyTree = None
         self.totals: list[Array] = list(totals)
         self.calls = self.used = 0
 
@@ -277,18 +290,11 @@ class StackCut:
                 "stacks pipelined, such as DeepSeek-V3's dense and MoE layers, runs on schedule='gpipe')"
             )
         self.calls += 1
-        # The layers' per-layer outputs, as the loss unpacks them: the 1F1B schedule carries none yet.
-        one = jax.tree.map(lambda w: w[0], at.stacked)
-        outs = jax.eval_shape(lambda: at.layer_fn(at.carry, one, at.rows)[1])
-        if jax.tree.leaves(outs):
-            raise MeshError(
-                "schedule='1f1b': this model's layers return per-layer outputs (router statistics), which the "
-                "1F1B schedule does not carry yet: use schedule='gpipe'"
-            )
         if self.record:
-            self.at = at
-            return at.carry, outs
-        return self.output, outs
+            self.at, self.out_shapes, self.out_kinds = at, at.out_shapes(), at.out_kinds()
+            zeros = jax.tree.map(lambda s: jnp.zeros((at.n_layers, *s.shape), s.dtype), self.out_shapes)
+            return at.carry, zeros
+        return self.output
 
     def total(self, value: Array) -> Array:
         if self.record:
@@ -315,6 +321,13 @@ def split_at_stack(cut: StackCut) -> Iterator[StackCut]:
         yield cut
     finally:
         _CUT.reset(token)
+
+
+def per_microbatch() -> bool:
+    """Whether the loss being traced runs on one micro-batch of the batch, its backward pass
+    before the later micro-batches' forward passes (the 1F1B schedule): a loss that is not a sum
+    over the batch's rows (a product of whole-batch sums) cannot be computed exactly there."""
+    return _CUT.get() is not None
 
 
 def batch_total(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:

@@ -30,9 +30,16 @@ unsynchronised, keeps ``P - s``; a tick here runs a forward and a backward pass 
 lockstep, which gives GPipe's bubble, ``(P - 1) / (M + P - 1)``, without its memory. Numerics
 are GPipe's: the loss and every gradient equal one device's.
 
-Limits, each refused with a clear error: one pipelined stack per loss, whose layers return no
-per-layer outputs (router statistics), ``virtual_stages=1``, no offloaded (``pinned_host``)
-names in the placement map.
+Per-layer outputs (router statistics) wait on each stage from a micro-batch's forward pass to
+its tail, where the stages' are put together as over one micro-batch (a mean's share is 1/M of
+it), and the gradient of the floating ones waits from the tail to the stage's backward pass; the
+loss must be a sum over micro-batches of their tails (a loss that divides by a count over the
+batch takes it from :func:`zoo.hooks.pipeline.batch_total`, recorded on the whole batch first).
+DeepSeek-V3's (next-token, MTP and sequence-wise balance losses) is; Qwen3-MoE's Switch balance
+loss, a product of two whole-batch sums, is not, and refuses (:func:`zoo.hooks.pipeline.per_microbatch`).
+
+Limits, each refused with a clear error: one pipelined stack per loss (Qwen3-MoE's dense-first
+block and MoE block are two), ``virtual_stages=1``.
 """
 
 from __future__ import annotations
@@ -121,6 +128,7 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         at: AtStack = cut.at
         ids = {id(x) for x in jax.tree.leaves(at.stacked)}
         found["at"], found["in_stack"] = at, [id(x) in ids for x in flat]
+        found["out_shapes"], found["out_kinds"] = cut.out_shapes, cut.out_kinds
         return (at.carry, at.stacked), (at.rows, tuple(cut.totals))
 
     (carry, stacked), head_vjp, (rows, totals) = jax.vjp(head_of, leaves, has_aux=True)
@@ -135,17 +143,28 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     row_mb = jax.tree.map(lambda x: _vary(x, varying_axes(x) | {PIPELINE}), _cut_rows(rows, m))
     batch_mb = _cut_rows(batch, m)
     per_stage = jax.tree.leaves(stacked)[0].shape[0]
+    # Per-layer outputs (router statistics): each stage's, for the layers it runs, wait from the
+    # micro-batch's forward pass to its tail, where the stages' are put together; the gradient of
+    # the floating ones waits from the tail to the stage's backward pass. Integers are counts.
+    kinds = jax.tree.leaves(found["out_kinds"])
+    out_def = jax.tree.structure(found["out_shapes"])
+
+    def floating(leaf) -> bool:
+        return jnp.issubdtype(leaf.dtype, jnp.inexact)
 
     def forward(block, h, r, stage):
-        """This stage's layers on one micro-batch; padding layers (past the real count) skipped."""
+        """This stage's layers on one micro-batch, and their per-layer outputs ``[per_stage, ...]``
+        as (floating, other) leaves; padding layers (past the real count) skipped, their outputs zero."""
 
         def one(c, layer_j):
             layer, j = layer_j
-            new, _ = at.layer_fn(c, layer, r)  # no per-layer outputs (StackCut.stack refuses them)
+            new, out = at.layer_fn(c, layer, r)
             real = stage * per_stage + j < at.n_layers
-            return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), None
+            out = [jnp.where(real, o, jnp.zeros_like(o)) for o in jax.tree.leaves(out)]
+            return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
-        return jax.lax.scan(one, h, (block, jnp.arange(per_stage)))[0]
+        y, outs = jax.lax.scan(one, h, (block, jnp.arange(per_stage)))
+        return (y, [o for o in outs if floating(o)]), [o for o in outs if not floating(o)]
 
     # The forward pass and the backward pass are each traced once (jitted: the residuals a trace
     # keeps depend on what it can see outside; here, on the arguments alone), so every tick keeps
@@ -154,9 +173,9 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
 
     @jax.jit
     def forward_vjp(block, h, r, stage):
-        """The forward pass and the residuals its backward pass needs, less the block and the
-        rows (given to the backward pass again)."""
-        y, back = jax.vjp(lambda b, x: forward(b, x, r, stage), block, h)
+        """The forward pass, its per-layer outputs and the residuals its backward pass needs,
+        less the block and the rows (given to the backward pass again)."""
+        (y, outs), back, counts = jax.vjp(lambda b, x: forward(b, x, r, stage), block, h, has_aux=True)
         res, res_def = jax.tree.flatten(back)
         given = {id(x): ("block", k) for k, x in enumerate(jax.tree.leaves(block))}
         given |= {id(x): ("rows", k) for k, x in enumerate(jax.tree.leaves(r))}
@@ -165,7 +184,7 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         if layout.setdefault("back", (res_def, where)) != (res_def, where):
             raise MeshError("schedule='1f1b': the stage's forward pass kept other residuals at another trace")
         layout["spaces"] = [getattr(jax.typeof(k), "memory_space", None) for k in kept]
-        return y, kept
+        return y, outs, counts, kept
 
     @jax.jit
     def backward(kept, block, r, g):
@@ -174,13 +193,27 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         res = [next(kept) if w[0] == "kept" else given[w[0]][w[1]] for w in where]
         return jax.tree.unflatten(res_def, res)(g)
 
-    def tail(rest, y_local, i):
-        """The loss after the stack on micro-batch ``i``, the last stage's ``y_local`` sent to
-        every stage; ``(loss, aux)`` with the whole batch's denominators."""
+    def per_layer(outs, counts):
+        """The whole stack's per-layer outputs ``[n_layers, ...]`` from every stage's (each on its
+        own), combined as over one micro-batch of the ``M``: a mean's share is ``1/M`` of it."""
+        outs, counts, leaves_ = iter(outs), iter(counts), []
+        for kind, shape in zip(kinds, jax.tree.leaves(found["out_shapes"])):
+            mine = next(outs) if jnp.issubdtype(shape.dtype, jnp.inexact) else next(counts)
+            full = jnp.zeros((stages * per_stage, *mine.shape[1:]), mine.dtype)
+            full = jax.lax.dynamic_update_slice_in_dim(_vary(full, varying_axes(mine)), mine, stage * per_stage, 0)
+            full = jax.lax.psum(full, PIPELINE)[: at.n_layers]
+            leaves_.append(full / m if kind == "mean" else full)
+        return jax.tree.unflatten(out_def, leaves_)
+
+    def tail(rest, y_local, outs_local, counts_local, i):
+        """The loss after the stack on micro-batch ``i``, from the last stage's ``y_local`` (sent
+        to every stage) and every stage's per-layer outputs; ``(loss, aux)`` with the whole
+        batch's denominators."""
         y = jax.tree.map(lambda a: jax.lax.psum(jnp.where(stage == last, a, jnp.zeros_like(a)), PIPELINE), y_local)
         rest = iter(rest)
         flat = [x if s else next(rest) for x, s in zip(leaves, in_stack)]
-        with split_at_stack(StackCut(record=False, output=y, totals=totals)) as cut:
+        output = (y, per_layer(outs_local, counts_local))
+        with split_at_stack(StackCut(record=False, output=output, totals=totals)) as cut:
             out = loss_of(jax.tree.unflatten(treedef, flat), _at(batch_mb, i))
         if cut.used != len(totals):
             raise MeshError(
@@ -188,9 +221,10 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             )
         return out
 
-    # The ring's shapes, from the forward pass's trace (shapes and types only).
-    y_shape, kept_shapes = jax.eval_shape(forward_vjp, stacked, _at(xs, 0), _at(row_mb, 0), stage)
+    # The rings' shapes, from the forward pass's trace (shapes and types only).
+    y_shape, out_shapes, count_shapes, kept_shapes = jax.eval_shape(forward_vjp, stacked, _at(xs, 0), _at(row_mb, 0), stage)
     slots = ring_slots(stages, m)
+    waits = min(m, stages)  # micro-batches whose per-layer outputs or their gradient a stage holds
 
     def like(s, lead: tuple[int, ...] = ()) -> Array:
         return _zeros_of(s, lead, {PIPELINE})
@@ -202,18 +236,28 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     ring = [jax.device_put(r, space) if space == jax.memory.Space.Host else r for r, space in zip(ring, layout["spaces"])]
     up = [(i, i + 1) for i in range(last)]
     down = [(i + 1, i) for i in range(last)]
-    _, aux_shape = jax.eval_shape(lambda: tail(rest_leaves, jax.tree.map(like, y_shape), 0))
+    _, aux_shape = jax.eval_shape(lambda: tail(rest_leaves, jax.tree.map(like, y_shape), [like(s) for s in out_shapes],
+                                               [like(s) for s in count_shapes], 0))  # fmt: skip
 
     state = {
         "fwd": jax.tree.map(like, y_shape),  # what the previous stage handed over
         "bwd": jax.tree.map(like, y_shape),  # the cotangent the next stage handed back
         "ring": ring,
+        "outs": [like(s, (waits + 1,)) for s in out_shapes],  # per-layer outputs awaiting the tail
+        "counts": [like(s, (waits + 1,)) for s in count_shapes],
+        "d_outs": [like(s, (waits,)) for s in out_shapes],  # their gradients awaiting the backward pass
         "g_block": jax.tree.map(_zeros_like, stacked),
         "g_rest": [_zeros_like(x) for x in rest_leaves],
         "dx": jax.tree.map(lambda x: _zeros_like(x), xs),
         "loss": jnp.zeros((), jnp.float32),
         "aux": jax.tree.map(_zeros_of, aux_shape),
     }
+
+    def put_all(buffers, values, at_):
+        return [jax.lax.dynamic_update_index_in_dim(b, v, at_, 0) for b, v in zip(buffers, values)]
+
+    def get_all(buffers, at_):
+        return [jax.lax.dynamic_index_in_dim(b, at_, keepdims=False) for b in buffers]
 
     def tick(state, t, *, fwd: bool, bwd: bool):
         state = dict(state)
@@ -223,14 +267,18 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             on = (i >= 0) & (i < m)
             i = jnp.clip(i, 0, m - 1)
             h = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), _at(xs, i), state["fwd"])
-            y, kept = forward_vjp(stacked, h, _at(row_mb, i), stage)
-            slot = jnp.where(on, i % slots, slots)
-            state["ring"] = [jax.lax.dynamic_update_index_in_dim(r, k, slot, 0) for r, k in zip(state["ring"], kept)]
+            y, outs, counts, kept = forward_vjp(stacked, h, _at(row_mb, i), stage)
+            state["ring"] = put_all(state["ring"], kept, jnp.where(on, i % slots, slots))
+            state["outs"] = put_all(state["outs"], outs, jnp.where(on, i % waits, waits))
+            state["counts"] = put_all(state["counts"], counts, jnp.where(on, i % waits, waits))
             state["fwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, up), y)
             if bwd:  # the steady ticks: micro-batch t - (P - 1) leaves the last stage now
                 j = t - last
-                loss, tail_vjp, aux = jax.vjp(lambda rest, yl: tail(rest, yl, j), rest_leaves, y, has_aux=True)
-                g_rest, dy = tail_vjp(_vary(jnp.ones((), loss.dtype), varying_axes(loss)))
+                mine, counts_j = get_all(state["outs"], j % waits), get_all(state["counts"], j % waits)
+                loss, tail_vjp, aux = jax.vjp(lambda rest, yl, o: tail(rest, yl, o, counts_j, j), rest_leaves, y, mine,
+                                              has_aux=True)  # fmt: skip
+                g_rest, dy, d_outs = tail_vjp(_vary(jnp.ones((), loss.dtype), varying_axes(loss)))
+                state["d_outs"] = put_all(state["d_outs"], d_outs, j % waits)
                 state["g_rest"] = [a + g for a, g in zip(state["g_rest"], g_rest)]
                 state["loss"] = state["loss"] + loss
                 state["aux"] = jax.tree.map(jnp.add, state["aux"], aux)
@@ -239,8 +287,8 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             on = (k >= 0) & (k < m)
             k = jnp.clip(k, 0, m - 1)
             g = state["bwd"] if dy is None else jax.tree.map(lambda a, b: jnp.where(stage == last, a, b), dy, state["bwd"])
-            kept = [jax.lax.dynamic_index_in_dim(r, k % slots, keepdims=False) for r in state["ring"]]
-            g_block, dh = backward(kept, stacked, _at(row_mb, k), g)
+            kept = get_all(state["ring"], k % slots)
+            g_block, dh = backward(kept, stacked, _at(row_mb, k), (g, get_all(state["d_outs"], k % waits)))
             state["g_block"] = jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)), state["g_block"], g_block)
             state["dx"] = jax.tree.map(lambda a, b: _put(a, k, b, on & (stage == 0)), state["dx"], dh)
             state["bwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, down), dh)

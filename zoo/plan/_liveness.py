@@ -230,11 +230,12 @@ def _program(
 
 
 def _in_place(e: _Eqn, dead: Callable[[Any], bool], backing: dict[int, list[Buffer]]) -> dict[int, Buffer]:
-    """Outputs of a ``while`` or ``cond`` that XLA writes over an operand's buffer: a while
-    loop's carry over its initial value, a conditional's output over an operand of its type,
+    """Outputs of a loop, ``cond`` or ``dynamic_update_slice`` that XLA writes over an operand's
+    buffer: a loop's carry over its initial value, a conditional's output over an operand of its
+    type, an updated slice into the array it updates,
     where this op is the last reader of that operand's buffer under any name (``dead``; the
     gradient accumulators a loop adds into)."""
-    if e.name not in ("while", "cond"):
+    if e.name not in ("while", "scan", "cond", "dynamic_update_slice"):
         return {}
 
     def reusable(v) -> Buffer | None:  # v's own buffer, if this op is its last reader
@@ -244,10 +245,16 @@ def _in_place(e: _Eqn, dead: Callable[[Any], bool], backing: dict[int, list[Buff
         return bufs[0] if len(bufs) == 1 and not bufs[0].pinned else None
 
     reuse: dict[int, Buffer] = {}
-    if e.name == "while":
+    if e.name == "dynamic_update_slice":  # XLA updates the operand's buffer in place
+        b = reusable(e.ins[0])
+        if b is not None and b.size == nbytes(e.outs[0].aval) // e.outs[0].div:
+            reuse[0] = b
+        return reuse
+    if e.name in ("while", "scan"):
         p = e.eqn.params
-        n = p["cond_nconsts"] + p["body_nconsts"]
-        for i, out in enumerate(e.outs):
+        n = p["num_consts"] if e.name == "scan" else p["cond_nconsts"] + p["body_nconsts"]
+        carries = p["num_carry"] if e.name == "scan" else len(e.outs)
+        for i, out in enumerate(e.outs[:carries]):
             b = reusable(e.ins[n + i])
             if b is not None and b.size == nbytes(out.aval) // out.div:
                 reuse[i] = b

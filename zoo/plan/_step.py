@@ -99,6 +99,7 @@ class Step:
     # (the interleaved schedule; 1: GPipe). Ignored without one.
     microbatches: int | None = None
     virtual_stages: int = 1
+    schedule: str = "gpipe"  # or "1f1b" (zoo.parallel.one_f_one_b)
 
     def __post_init__(self) -> None:
         memory_space(self.param_memory, "parameters")
@@ -137,11 +138,14 @@ class Step:
                 )
             if v > 1:  # each stage's layers must split into v chunks too, as the training step checks
                 parallel.validate_mesh(self.mesh, self.config, virtual_stages=v)
+            if self.schedule == "1f1b" and v > 1:
+                raise MeshError(f"schedule '1f1b' runs one chunk per stage: virtual_stages must be 1, got {v}")
         else:
-            self.microbatches, self.virtual_stages = None, 1
+            self.microbatches, self.virtual_stages, self.schedule = None, 1, "gpipe"
         self.skeleton = jax.tree.map(lambda s: np.zeros((), s.dtype) if _is_sds(s) else s, self.model, is_leaf=_is_sds)
         self.tc = train.TrainConfig(steps=2, batch_size=self.batch_size, seq_len=self.seq_len, warmup=0,
-                                    microbatches=self.microbatches, virtual_stages=self.virtual_stages)  # fmt: skip
+                                    microbatches=self.microbatches, virtual_stages=self.virtual_stages,
+                                    schedule=self.schedule)  # fmt: skip
         self.tx = train.optimizer(self.tc, self.skeleton)
         self.params = eqx.filter(self.model, _is_sds, is_leaf=_is_sds)
         self.opt = jax.eval_shape(self.tx.init, self.params)
@@ -277,6 +281,7 @@ class StepOptions(TypedDict, total=False):
     compute_dtype: Any  # a config is built abstractly in this dtype (default float32)
     microbatches: int  # with a pipeline axis: micro-batches per device's rows (default: one per stage)
     virtual_stages: int  # with a pipeline axis: chunks per stage, the interleaved schedule (default 1: GPipe)
+    schedule: str  # with a pipeline axis: "gpipe" (default) or "1f1b"
 
 
 def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options: Unpack[StepOptions]) -> Step:
@@ -292,7 +297,7 @@ def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options:
         placement = resolve(placement, model)
     return Step(model, mesh_sizes(options.get("mesh")), int(batch_size), int(seq_len), placement,
                 options.get("param_memory", "device"), options.get("opt_memory", "device"),
-                options.get("microbatches"), options.get("virtual_stages", 1))  # fmt: skip
+                options.get("microbatches"), options.get("virtual_stages", 1), options.get("schedule", "gpipe"))  # fmt: skip
 
 
 # -- reading the traced program -------------------------------------------------------------------
