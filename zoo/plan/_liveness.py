@@ -203,6 +203,11 @@ def _program(
                         b.what = e.eqn.params["name"]
             continue
         writes: list[Buffer] = []
+        if e.name == "dynamic_update_slice" and e.ins[0] is None and local:
+            # An update of a loop body's input (the loop's state, counted by the loop): in place.
+            backing[id(e.outs[0])] = []
+            ops.append(Op(reads, []))
+            continue
         reuse = _in_place(e, lambda v, index=index: dead_after(v, index), backing)
         for i, v in enumerate(e.outs):
             k = id(v)
