@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe",
                    help="with a pipeline mesh axis: gpipe (every stage keeps all M micro-batches' saved tensors until "
                         "the backward pass) or 1f1b (each micro-batch's backward pass as soon as it leaves the last "
-                        "stage: at most 2P-1 kept, whatever M; same bubble and numerics; --virtual-stages 1)")  # fmt: skip
+                        "stage: at most 2P-1 kept, whatever M; same bubble and numerics; with --virtual-stages, interleaved 1F1B)")  # fmt: skip
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=250, help="optimizer steps")
     o.add_argument("--lr", type=positive, default=None,

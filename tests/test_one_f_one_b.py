@@ -74,15 +74,30 @@ def test_1f1b_qwen3_dense_equals_one_device():
     _check(model, "pipeline=2,fsdp=4", 16, 4)
 
 
-@pytest.mark.parametrize("spec, packed, microbatches", [("pipeline=2,expert=4", False, 4), ("pipeline=4,fsdp=2", True, 8)])
-def test_1f1b_deepseek_v3_equals_one_device(spec, packed, microbatches):
+@pytest.mark.parametrize("spec, layers, microbatches, virtual, packed", [
+    ("pipeline=4,fsdp=2", 6, 8, 2, True),  # 6 layers padded to 8: 2 chunks of one a stage; tied, packed
+    ("pipeline=2,fsdp=4", 8, 4, 4, False),  # 4 chunks of one a stage
+])  # fmt: skip
+def test_interleaved_1f1b_equals_one_device(spec, layers, microbatches, virtual, packed):
+    """Interleaved 1F1B: each stage's layers in V chunks, the model in stage order, micro-batches
+    round the ring of stages V times forward and back."""
+    model = _llama(layers, tied=packed)
+    ids = jr.randint(jr.key(1), (16, 16), 0, model.config.vocab_size)
+    _check_with_aux(model, parallel.make_mesh(spec), ids, microbatches, {"layers": layers}, virtual, schedule="1f1b",
+                    **(_pipeline_packed() if packed else {}))  # fmt: skip
+
+
+@pytest.mark.parametrize("spec, packed, microbatches, virtual", [("pipeline=2,expert=4", False, 4, 2),
+                                                                 ("pipeline=4,fsdp=2", True, 8, 1)])  # fmt: skip
+def test_1f1b_deepseek_v3_equals_one_device(spec, packed, microbatches, virtual):
     """The MoE stack pipelined (3 layers, padded), the dense first layer and MTP on every stage:
     loss, MTP loss, the sequence-wise balance loss (per-layer outputs, each micro-batch's share
-    reaching its own tail), the expert load (exactly) and every gradient equal one device's."""
+    reaching its own tail), the expert load (exactly) and every gradient equal one device's;
+    interleaved on ``pipeline=2,expert=4`` (2 chunks of one MoE layer a stage)."""
     model, ids, reference = _deepseek_v3_reference(packed)
     mesh = parallel.make_mesh(spec)
-    aux = _check_with_aux(model, mesh, ids, microbatches, {"moe_layers": 3}, reference=reference, schedule="1f1b",
-                          **(_pipeline_packed() if packed else {}))  # fmt: skip
+    aux = _check_with_aux(model, mesh, ids, microbatches, {"moe_layers": 3}, virtual, reference=reference,
+                          schedule="1f1b", **(_pipeline_packed() if packed else {}))  # fmt: skip
     assert np.asarray(aux["expert_load"]).shape == (3, model.config.n_routed_experts)
 
 
@@ -123,13 +138,13 @@ def test_what_1f1b_does_not_run_is_named():
     ids = jr.randint(jr.key(1), (16, 16), 0, 64)
     with pytest.raises(MeshError, match="schedule must be one of"):
         parallel.value_and_grad(_loss, mesh, schedule="zero_bubble")
-    with pytest.raises(MeshError, match=r"virtual_stages=2 \(interleaved 1F1B\) is not built"):
-        step = parallel.value_and_grad(_loss, mesh, microbatches=4, virtual_stages=2, schedule="1f1b")
-        step(parallel.to_stage_order(parallel.shard(_llama(4), mesh), mesh, 2), ids)
+    with pytest.raises(MeshError, match=r"virtual_stages=2 \(interleaved 1F1B\) needs microbatches \(3\) a multiple"):
+        step = parallel.value_and_grad(_loss, mesh, microbatches=3, virtual_stages=2, schedule="1f1b")
+        step(parallel.to_stage_order(parallel.shard(_llama(4), mesh), mesh, 2), jr.randint(jr.key(1), (12, 16), 0, 64))
     moe_loss = parallel.value_and_grad(lambda m, i: m.loss(i)[0], mesh, microbatches=4, schedule="1f1b")
     for only_dense, says in (((0,), "more than one pipelined layer stack"), ((), "balance loss is a product of two sums")):
         moe = zoo.Qwen3(qwen3_preset("moe-tiny", num_layers=4, mlp_only_layers=only_dense), key=jr.key(0))
         with pytest.raises(MeshError, match=says):
             moe_loss(parallel.shard(moe, mesh), ids)
-    with pytest.raises(ValueError, match="virtual_stages must be 1"):
-        ztrain.TrainConfig(schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="schedule must be 'gpipe' or '1f1b'"):
+        ztrain.TrainConfig(schedule="zb-v")

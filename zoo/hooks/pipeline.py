@@ -137,7 +137,7 @@ def pipelined_scan(
     checkpoint redoes the pick in the backward pass (:func:`zoo.layers.stack.scan_layers`):
     a chunk sliced out at each tick would be saved once per tick."""
     if (cut := _CUT.get()) is not None:  # the 1F1B schedule runs the stack itself
-        return cut.stack(AtStack(layer_fn, carry, stacked, rows, split, n_layers, combine))
+        return cut.stack(AtStack(layer_fn, carry, stacked, rows, split, n_layers, combine, pick))
     stages, m, virtual = split.stages, split.microbatches, split.virtual
     leaves = jax.tree.leaves(carry)
     if not leaves:
@@ -257,6 +257,9 @@ class AtStack:
     split: PipelineSplit
     n_layers: int
     combine: PyTree = None
+    # ``pick(carry, (block, index), rows)``: ``layer_fn`` on layer ``index`` of the block, picked
+    # inside the layer's checkpoint (the interleaved schedules run a chunk a tick picks).
+    pick: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None
 
     def out_shapes(self) -> PyTree:
         """One layer's per-layer outputs on the whole carry (shapes and types)."""

@@ -138,8 +138,6 @@ class Step:
                 )
             if v > 1:  # each stage's layers must split into v chunks too, as the training step checks
                 parallel.validate_mesh(self.mesh, self.config, virtual_stages=v)
-            if self.schedule == "1f1b" and v > 1:
-                raise MeshError(f"schedule '1f1b' runs one chunk per stage: virtual_stages must be 1, got {v}")
         else:
             self.microbatches, self.virtual_stages, self.schedule = None, 1, "gpipe"
         self.skeleton = jax.tree.map(lambda s: np.zeros((), s.dtype) if _is_sds(s) else s, self.model, is_leaf=_is_sds)

@@ -32,7 +32,8 @@ class TrainConfig:
     # (zoo.pipeline; 1: GPipe). The run keeps the layer stacks in stage order.
     virtual_stages: int = 1
     # With a pipeline mesh axis: "gpipe", or "1f1b" (zoo.parallel.one_f_one_b: each micro-batch's
-    # backward pass as soon as it leaves the last stage; a stage keeps at most 2P-1 micro-batches).
+    # backward pass as soon as it leaves the last stage; a stage keeps at most 2P-1 micro-batches;
+    # with virtual_stages, interleaved 1F1B).
     schedule: str = "gpipe"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -65,9 +66,6 @@ class TrainConfig:
             raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {self.schedule!r}")
-        if self.schedule == "1f1b" and self.virtual_stages > 1:
-            raise ValueError(f"schedule '1f1b' runs one chunk per stage: virtual_stages must be 1, got {self.virtual_stages} "
-                             "(the interleaved schedule is 'gpipe')")
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.seq_len < 2:
