@@ -41,15 +41,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for m in (int(x) for x in args.micro.split(",")):
             row = {"map": placement or "none", "M": m}
             for schedule in ("gpipe", "1f1b"):
-                kw = dict(batch_size=2 * m, seq_len=args.seq, mesh="pipeline=4,data=2", placement=placement,
-                          microbatches=m, schedule=schedule)  # fmt: skip
+                kw = {"batch_size": 2 * m, "seq_len": args.seq, "mesh": "pipeline=4,data=2", "placement": placement,
+                      "microbatches": m, "schedule": schedule}  # fmt: skip
                 row[schedule] = measure(config, **kw).temporaries
                 row[f"{schedule} planned"] = estimate(config, unified_memory=True, **kw).temporaries
             rows.append(row)
             print(row, flush=True)
     lines = [
-        f"Llama d_model 128, {args.layers} layers, seq {args.seq}, pipeline=4,data=2 (8 CPU devices), one row per "
-        "micro-batch and device; XLA's compiled temporaries per device, KiB",
+        (f"Llama d_model 128, {args.layers} layers, seq {args.seq}, pipeline=4,data=2 (8 CPU devices), one row per "
+         "micro-batch and device; XLA's compiled temporaries per device, KiB"),
         "",
         "| map | M | GPipe (peer) | 1F1B | 1F1B / GPipe | planner: GPipe / XLA | planner: 1F1B / XLA |",
         "|---|---:|---:|---:|---:|---:|---:|",
