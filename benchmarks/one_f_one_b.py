@@ -5,7 +5,9 @@
 A Llama (``zoo.llama.preset("tiny")`` widened to d_model 128, MLP 384, ``--layers`` layers)
 on 8 simulated CPU devices, ``pipeline=4,data=2``, one row per micro-batch and device (the
 global batch grows with M), under full remat (``placement="remat"``: each layer's input kept)
-and with no map (every named tensor kept). For each M it prints, per device, XLA's temporary
+and with no map (every named tensor kept), on GPipe's schedule and the interleaved one with
+V = 2 chunks a stage (``virtual_stages=2``; the peer then GPipe's interleaved schedule). For each
+M it prints, per device, XLA's temporary
 buffers of the compiled training step (``zoo.plan.measure``: loss, gradients and AdamW's
 update) under GPipe (the peer, measured in the same run) and 1F1B, their ratio, and the
 planner's estimate of each (``zoo.plan.estimate``) against XLA's. Under GPipe a stage keeps all M
@@ -37,25 +39,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     config = dataclasses.replace(preset("tiny"), hidden_size=128, intermediate_size=384, num_layers=args.layers)
     rows = []
-    for placement in ("remat", None):
-        for m in (int(x) for x in args.micro.split(",")):
-            row = {"map": placement or "none", "M": m}
-            for schedule in ("gpipe", "1f1b"):
-                kw = {"batch_size": 2 * m, "seq_len": args.seq, "mesh": "pipeline=4,data=2", "placement": placement,
-                      "microbatches": m, "schedule": schedule}  # fmt: skip
-                row[schedule] = measure(config, **kw).temporaries
-                row[f"{schedule} planned"] = estimate(config, unified_memory=True, **kw).temporaries
-            rows.append(row)
-            print(row, flush=True)
+    for virtual in (1, 2):
+        for placement in ("remat", None):
+            for m in (int(x) for x in args.micro.split(",")):
+                row = {"V": virtual, "map": placement or "none", "M": m}
+                for schedule in ("gpipe", "1f1b"):
+                    kw = {"batch_size": 2 * m, "seq_len": args.seq, "mesh": "pipeline=4,data=2", "placement": placement,
+                          "microbatches": m, "schedule": schedule, "virtual_stages": virtual}  # fmt: skip
+                    row[schedule] = measure(config, **kw).temporaries
+                    row[f"{schedule} planned"] = estimate(config, unified_memory=True, **kw).temporaries
+                rows.append(row)
+                print(row, flush=True)
     lines = [
         (f"Llama d_model 128, {args.layers} layers, seq {args.seq}, pipeline=4,data=2 (8 CPU devices), one row per "
          "micro-batch and device; XLA's compiled temporaries per device, KiB"),
         "",
-        "| map | M | GPipe (peer) | 1F1B | 1F1B / GPipe | planner: GPipe / XLA | planner: 1F1B / XLA |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| V | map | M | GPipe (peer) | 1F1B | 1F1B / GPipe | planner: GPipe / XLA | planner: 1F1B / XLA |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['map']} | {r['M']} | {r['gpipe'] / 1024:,.0f} | {r['1f1b'] / 1024:,.0f} | "
+        lines.append(f"| {r['V']} | {r['map']} | {r['M']} | {r['gpipe'] / 1024:,.0f} | {r['1f1b'] / 1024:,.0f} | "
                      f"{r['1f1b'] / r['gpipe']:.2f} | {r['gpipe planned'] / r['gpipe']:.2f} | "
                      f"{r['1f1b planned'] / r['1f1b']:.2f} |")  # fmt: skip
     print("\n".join(lines))

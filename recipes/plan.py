@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="with a pipeline axis: the interleaved schedule's chunks per stage (default: searched; "
                         "1: GPipe only)")  # fmt: skip
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
+                   help="with a pipeline axis: the pipeline schedule (default: both priced, the faster that fits)")
     p.add_argument("--hardware", default="cpu", help=f"one of {', '.join(HARDWARE)}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the largest that fits)")
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             top=args.top,
             pipeline=not args.no_pipeline,
             virtual_stages=args.virtual_stages,
+            schedule=args.schedule,
         )
     except planning.NothingFits as e:
         if e.candidates:

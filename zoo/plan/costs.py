@@ -103,7 +103,15 @@ class CostModel:
     ``V·b + P - 1`` ticks each run a chunk of ``L/(P·V)`` layers on one row (compute, recompute,
     offload and saved tensors of ``b + (P - 1)/V`` rows of the stage's layers), the collectives
     grow as :func:`zoo.plan.collectives.interleaved` says, and GPipe's hoisted copy of the
-    stage's weights is not made (:meth:`interleaved_bytes`)."""
+    stage's weights is not made (:meth:`interleaved_bytes`).
+
+    The 1F1B schedule (:attr:`schedule`, :meth:`with_schedule`; interleaved or not) is derived from
+    the same traces: the same ticks' compute and hand-overs, every tick's forward pass gathering
+    its layers (no hoisted copy, as interleaved), a tick's gradient of the stage's weights before it
+    joins the sum (:meth:`interleaved_bytes`), and the pipelined layers' saved tensors kept for
+    at most ``2·V·P - 1`` chunks of one row (:func:`zoo.parallel.one_f_one_b.ring_slots`, a slot
+    more for the stages with no forward pass at a tick, and the backward pass's copy of its slot)
+    instead of ``b + (P - 1)/V`` rows."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
                  jaxpr2: Any = None, bodies: list[_flops.Body] | None = None,
@@ -166,6 +174,16 @@ class CostModel:
         vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
         self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
+        self.schedule = "gpipe"  # or "1f1b": with_schedule
+
+    def with_schedule(self, schedule: str) -> CostModel:
+        """This model on the same traces priced on another pipeline ``schedule`` ("gpipe" or "1f1b")."""
+        if schedule not in ("gpipe", "1f1b"):
+            raise ConfigError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+        other = copy.copy(self)
+        other.schedule = schedule if self.stages > 1 else "gpipe"
+        other._times, other.comm = {}, {}
+        return other
 
     # -- the pipeline ------------------------------------------------------------------------
     def _pipelined(self, body: _flops.Body) -> bool:
@@ -214,7 +232,10 @@ class CostModel:
 
     def _scale(self, b: int, virtual: int) -> dict[str, float] | None:
         """The interleaved schedule's factors on the traced collectives (None for GPipe's)."""
-        return None if virtual == 1 else collectives.interleaved(self.microbatches(b), self.stages, virtual)
+        if virtual == 1 and self.schedule == "gpipe":
+            return None
+        # 1F1B's forward passes gather their layers at every tick, as the interleaved schedule's do.
+        return collectives.interleaved(self.microbatches(b), self.stages, virtual)
 
     def pipeline_bytes(self, b: int, virtual: int = 1) -> tuple[float, float]:
         """Per device per step at local batch ``b``: (point-to-point bytes the stages hand on,
@@ -231,6 +252,11 @@ class CostModel:
         loop, is not made (each tick picks its chunk's layers inside the layer's checkpoint, and
         the backward pass picks them again: :func:`zoo.layers.stack.scan_layers`), so a negative
         figure (measured on XLA:CPU: ``tests/test_plan_pipeline.py``)."""
+        if self.schedule == "1f1b" and virtual == 1:
+            # No hoisted copy; but each backward pass's gradient of the stage's weights is a buffer
+            # of its own before it is added to the sum (XLA:CPU; tests/test_plan_pipeline.py).
+            # Interleaved, the chunk's gradient is added into the sum where it is picked.
+            return self.stage_weights - self.hoisted
         return 0.0 if virtual == 1 else -self.hoisted
 
     def compute_flops(self, b: int, virtual: int = 1) -> float:
@@ -248,15 +274,24 @@ class CostModel:
         return (self.head_flops / self.head_stages * b + self.whole_flops * b + stages) / split
 
     # -- memory ------------------------------------------------------------------------
+    def _rows_kept(self, n: str, b: int, virtual: int) -> float:
+        """Bytes of name ``n`` the pipelined and other layers keep at local batch ``b``."""
+        if self.schedule == "gpipe":  # interleaved, the bubble's ticks and the copied slice are of a chunk: per_0 / V
+            return self.per_b[n] * b + self.per_0[n] / virtual
+        # 1F1B: a ring of chunk items of one row, a slot more, and the backward pass's copy of one.
+        pipelined = self.per_0[n] / self.stages
+        items = min(virtual * self.microbatches(b), 2 * virtual * self.stages - 1) + 2
+        return (self.per_b[n] - pipelined) * b + pipelined * items / virtual
+
     def _named(self, placement: Any, where: str, b: int, virtual: int = 1) -> float:
-        # Interleaved, the bubble's ticks and the copied slice are of a chunk: per_0 / V.
-        return float(sum(self.per_b[n] * b + self.per_0[n] / virtual for n in self.names
+        return float(sum(self._rows_kept(n, b, virtual) for n in self.names
                          if placement is None or placement.get(n) == where))  # fmt: skip
 
     def memory(self, placement: Any, b: int, pm: str, om: str, virtual: int = 1) -> tuple[float, float]:
         """(device, host) bytes per device at local batch ``b`` (``virtual``: the interleaved schedule's)."""
         placement = _Where.of(placement)
-        base = sum(self.per_b[n] * b + self.per_0[n] for n in self.base_device)  # in the traced (GPipe) passes
+        # In the traced (GPipe) passes: replaced by what the map keeps on the schedule priced.
+        base = sum(self.per_b[n] * b + self.per_0[n] for n in self.base_device)
         # No map: XLA keeps at least every named tensor.
         extra = self._named(placement, "device", b, virtual) - base
         host_res = 0.0 if placement is None else self._named(placement, "pinned_host", b, virtual)

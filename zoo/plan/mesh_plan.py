@@ -31,6 +31,7 @@ TREE_PLACES = ("device", "pinned_host")
 # fastest's: each more adds hand-overs (2 (V·M + P - 1) of them) for less bubble, and the cost
 # model's figures are not finer than that.
 VIRTUAL_TOLERANCE = 0.01
+SCHEDULES = ("gpipe", "1f1b")  # a pipelined step's schedules (TrainConfig.schedule)
 
 
 def plan_mesh(
@@ -47,9 +48,12 @@ def plan_mesh(
     margin: float = 0.1,
     bodies: list[_flops.Body] | None = None,
     virtual_stages: int | None = None,
+    schedule: str | None = None,
 ) -> Plan:
     """:func:`zoo.plan.plan` on one given mesh; ``bodies``: the layer bodies' FLOP counts, where a
     search already has them (they depend on the model and the sequence, not the mesh)."""
+    if schedule not in (None, *SCHEDULES):
+        raise ConfigError(f"plan: schedule must be one of {SCHEDULES} or None (searched), got {schedule!r}")
     check_inputs(device_budget=device_budget, host_budget=host_budget, batch_size=batch_size)
     hw = lookup(hardware if hardware is not None else "cpu")
     devices = math.prod(mesh_sizes(mesh).values())
@@ -81,42 +85,50 @@ def plan_mesh(
     budgets = usable
     best, fixed_b = None, None if batch_size is None else batch_size // shards
     _check_virtual(cm, fixed_b, virtual_stages)
-    # Budgets for GPipe's candidates and for the searched ones (interleaved included): an
-    # interleaved step is derived from GPipe's traces, not traced (with FSDP inside the stages it
-    # keeps up to ~8% more than the cost model says, on XLA:CPU), so its miss lowers only its own.
-    gpipe_budgets = budgets
+    # Each schedule priced from the same traces (1F1B's derived: CostModel.with_schedule), with
+    # budgets of its own for GPipe's candidates and for the searched ones (interleaved included):
+    # a step derived from GPipe's traces, not traced (with FSDP inside the stages it keeps up to
+    # ~8% more than the cost model says, on XLA:CPU), lowers only its own budgets where it misses.
+    schedules = (schedule,) if schedule is not None else ("gpipe", "1f1b") if cm.stages > 1 else ("gpipe",)
+    models = {s: cm.with_schedule(s) for s in schedules}
+    budgets = {(s, kind): usable for s in schedules for kind in ("searched", "gpipe")}
     missed: tuple = ()  # the last choice whose traced estimate exceeded the budgets
     for attempt in range(4):
-        gpipe = virtual_stages is None and gpipe_budgets != budgets
-        choices = [c for c in (_choose(cm, fixed_b, *budgets, virtual_stages),
-                               _choose(cm, fixed_b, *gpipe_budgets, 1) if gpipe else None) if c is not None]  # fmt: skip
+        choices = []
+        for s in schedules:
+            own = budgets[s, "gpipe"] != budgets[s, "searched"] and virtual_stages is None
+            for c in (_choose(models[s], fixed_b, *budgets[s, "searched"], virtual_stages),
+                      _choose(models[s], fixed_b, *budgets[s, "gpipe"], 1) if own else None):  # fmt: skip
+                if c is not None:
+                    choices.append((*c, s))
         if not choices:
             if missed:  # not the budgets: the cost model's earlier choices failed their own trace
-                _unverified(cm, fixed_b, usable, *missed)
+                _unverified(models[missed[-1]], fixed_b, usable, *missed[:-1])
             _nothing_fits(cm, e1, fixed_b, device_budget, host_budget, usable)
-        best = max(choices, key=lambda c: c[1] / cm.time(c[0], c[1], c[2], c[3], c[4])[0])  # tokens per second
-        placement, b, pm, om, v = best
+        # Tokens per second; GPipe first where they tie (its forward passes gather their layers once).
+        best = max(choices, key=lambda c: (c[1] / models[c[5]].time(*c[:5])[0], c[5] == "gpipe"))
+        placement, b, pm, om, v, s = best
         step = make_step(probe.model, batch_size=b * shards, seq_len=seq_len, placement=placement, mesh=mesh,
                          param_memory=pm, opt_memory=om, microbatches=cm.microbatches(b),
-                         virtual_stages=v)  # fmt: skip
+                         virtual_stages=v, schedule=s)  # fmt: skip
         est = _from_step(step, unified=hw.unified)
         if est.device_bytes <= usable[0] and est.host_bytes <= usable[1]:
             break
         # The model was optimistic for this candidate: search again with the budgets less its miss.
-        d, h = cm.memory(placement, b, pm, om, v)
-        missed = (b, d, h, est)
+        d, h = models[s].memory(placement, b, pm, om, v)
+        missed = (b, d, h, est, s)
         miss = (max(est.device_bytes - d, 0.0) + 1.0, max(est.host_bytes - h, 0.0) + 1.0)
-        budgets = (budgets[0] - miss[0], budgets[1] - miss[1])
-        if v == 1:
-            gpipe_budgets = (gpipe_budgets[0] - miss[0], gpipe_budgets[1] - miss[1])
+        for kind in ("searched", "gpipe") if v == 1 else ("searched",):
+            budgets[s, kind] = (budgets[s, kind][0] - miss[0], budgets[s, kind][1] - miss[1])
     else:
-        _unverified(cm, fixed_b, usable, *missed)
-    placement, b, pm, om, v = best
+        _unverified(models[missed[-1]], fixed_b, usable, *missed[:-1])
+    placement, b, pm, om, v, s = best
+    cm = models[s]
     t, flops = cm.time(placement, b, pm, om, v)
     verified = verify_offloads(probe.model, placement, seq_len) if verify and cm.can_offload else ()
     # The table's rows fit the budgets the plan was chosen within (less the margin): at the full
     # budgets a preset's larger batch showed faster than the plan and was never in reach.
-    candidates = _candidates(cm, fixed_b, *usable, best)
+    candidates = _candidates(cm, fixed_b, *usable, best[:5])
     key = (_Where.of(placement), b, pm, om) + ((v,) if v != 1 else ())
     return Plan(
         placement=placement, batch_size=b * shards, param_memory=pm, opt_memory=om, step_time=t,
@@ -125,7 +137,7 @@ def plan_mesh(
         seq_len=seq_len, mesh=mesh_spec(probe.sizes), offloaded_verified=verified,
         notes=tuple(n for n in (hw.note,) if n), comm_time=cm.comm[key],
         microbatches=cm.microbatches(b), bubble=cm.bubble(b, v), p2p_bytes=cm.pipeline_bytes(b, v)[0],
-        pipeline_reduce_bytes=cm.pipeline_bytes(b, v)[1], virtual_stages=v,
+        pipeline_reduce_bytes=cm.pipeline_bytes(b, v)[1], virtual_stages=v, schedule=s,
     )  # fmt: skip
 
 

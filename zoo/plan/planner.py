@@ -59,6 +59,7 @@ def plan(
     top: int = 5,
     pipeline: bool = True,
     virtual_stages: int | None = None,
+    schedule: str | None = None,
 ) -> Plan:
     """The placement map, parameter and optimizer-state memory, and (``batch_size=None``) the
     largest global batch that maximise estimated tokens per second within ``device_budget``
@@ -72,6 +73,9 @@ def plan(
     stage; ``None`` (default) searches them (1, GPipe, and every divisor of the layers per stage
     where the micro-batches are a multiple of the stages), taking the fewest within
     :data:`~zoo.plan.mesh_plan.VIRTUAL_TOLERANCE` of the fastest; ``1`` plans GPipe only. The plan says its choice.
+    ``schedule``: on a mesh with a pipeline axis, ``"gpipe"`` or ``"1f1b"`` (each micro-batch's
+    backward pass as soon as it leaves the last stage: fewer micro-batches' saved tensors kept);
+    ``None`` (default) prices both and takes the faster that fits, GPipe where they tie.
     ``hardware``: a name of :data:`zoo.hardware.HARDWARE` (default ``"cpu"``, one memory:
     nothing is offloaded). ``margin``: the fraction of each budget kept free for the
     estimate's own error (10% is the worst measured against XLA:CPU on the test grid). Raises :class:`~zoo.errors.MeshError` for a mesh that does not divide
@@ -86,10 +90,10 @@ def plan(
             return search.search(model_or_config, devices=devices, seq_len=seq_len, device_budget=device_budget,
                                  batch_size=batch_size, host_budget=host_budget, hardware=hardware,
                                  compute_dtype=compute_dtype, verify=verify, margin=margin, top=top,
-                                 pipeline=pipeline, virtual_stages=virtual_stages)  # fmt: skip
+                                 pipeline=pipeline, virtual_stages=virtual_stages, schedule=schedule)  # fmt: skip
         n = math.prod(_mesh_sizes(mesh).values())
         if n != devices:
             raise ConfigError(f"plan: mesh {mesh_spec(_mesh_sizes(mesh))} has {n} devices, not devices={devices}")
     return plan_mesh(model_or_config, seq_len=seq_len, device_budget=device_budget, batch_size=batch_size,
                      host_budget=host_budget, mesh=mesh, hardware=hardware, compute_dtype=compute_dtype,
-                     verify=verify, margin=margin, virtual_stages=virtual_stages)  # fmt: skip
+                     verify=verify, margin=margin, virtual_stages=virtual_stages, schedule=schedule)  # fmt: skip

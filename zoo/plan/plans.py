@@ -72,6 +72,7 @@ class Plan:
     p2p_bytes: float = 0.0
     pipeline_reduce_bytes: float = 0.0
     virtual_stages: int = 1
+    schedule: str = "gpipe"  # TrainConfig.schedule: "gpipe" or "1f1b"
 
     @property
     def devices(self) -> int:
@@ -110,7 +111,8 @@ class Plan:
         if self.microbatches:
             lines.append(
                 f"  pipeline: microbatches={self.microbatches} (TrainConfig.microbatches), virtual_stages="
-                f"{self.virtual_stages} (TrainConfig.virtual_stages), bubble {self.bubble:.1%} of "
+                f"{self.virtual_stages} (TrainConfig.virtual_stages), schedule={self.schedule} (TrainConfig.schedule), "
+                f"bubble {self.bubble:.1%} of "
                 f"the ticks; per device per step {_size(self.p2p_bytes)} handed stage to stage, "
                 f"{_size(self.pipeline_reduce_bytes)} all-reduced over pipeline"
             )
