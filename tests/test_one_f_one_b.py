@@ -87,13 +87,14 @@ def test_interleaved_1f1b_equals_one_device(spec, layers, microbatches, virtual,
                     **(_pipeline_packed() if packed else {}))  # fmt: skip
 
 
-@pytest.mark.parametrize("spec, packed, microbatches, virtual", [("pipeline=2,expert=4", False, 4, 2),
-                                                                 ("pipeline=4,fsdp=2", True, 8, 1)])  # fmt: skip
+@pytest.mark.parametrize("spec, packed, microbatches, virtual", [("pipeline=2,expert=4", False, 4, 2)])
 def test_1f1b_deepseek_v3_equals_one_device(spec, packed, microbatches, virtual):
     """The MoE stack pipelined (3 layers, padded), the dense first layer and MTP on every stage:
     loss, MTP loss, the sequence-wise balance loss (per-layer outputs, each micro-batch's share
     reaching its own tail), the expert load (exactly) and every gradient equal one device's;
-    interleaved on ``pipeline=2,expert=4`` (2 chunks of one MoE layer a stage)."""
+    interleaved on ``pipeline=2,expert=4`` (2 chunks of one MoE layer a stage). (Also measured,
+    not in the suite for its time: packed rows on ``pipeline=4,fsdp=2`` at M = 8 and V = 1, and
+    ``pipeline=2,tensor=2,fsdp=2`` packed at M = 8.)"""
     model, ids, reference = _deepseek_v3_reference(packed)
     mesh = parallel.make_mesh(spec)
     aux = _check_with_aux(model, mesh, ids, microbatches, {"moe_layers": 3}, virtual, reference=reference,
