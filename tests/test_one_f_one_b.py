@@ -104,9 +104,9 @@ def test_1f1b_deepseek_v3_equals_one_device(spec, packed, microbatches, virtual)
 
 def test_1f1b_keeps_a_bounded_number_of_microbatches():
     """XLA's compiled temporaries of a pipelined Llama step (``pipeline=4,data=2``, full remat):
-    from M = 8 to M = 16 GPipe's grow by the 8 more micro-batches' saved layer inputs, 1F1B's by
-    those micro-batches' own inputs alone (the stack's input and its cotangent, the RoPE tables,
-    the ids), as its ring holds 2P - 1 = 7 micro-batches whatever M."""
+    from M = 8 to M = 16 GPipe's grow by the 8 more micro-batches' saved layer inputs; 1F1B's do
+    not grow at all, as its ring holds 2P - 1 = 7 micro-batches whatever M, and what precedes the
+    stack runs per micro-batch too (its residuals in a ring of 2P)."""
     model = _llama(8)
     c = model.config
     mesh = parallel.make_mesh("pipeline=4,data=2")
@@ -119,11 +119,9 @@ def test_1f1b_keeps_a_bounded_number_of_microbatches():
             step = parallel.value_and_grad(_loss, mesh, microbatches=m, schedule=schedule)
             compiled = jax.jit(lambda s, i, step=step: step(s, i, placement="remat")).lower(sharded, ids).compile()
             temps[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
-    own = 8 * seq * (2 * c.hidden_size * 4 + 2 * (c.head_dim // 2) * 4 + 4)  # x, dx, cos, sin, ids: 8 micro-batches
     saved = 8 * (8 // 4) * seq * c.hidden_size * 4  # 8 micro-batches x 2 layers' inputs a stage
     grew = {s: temps[s, 16] - temps[s, 8] for s in ("gpipe", "1f1b")}
-    assert grew["1f1b"] <= 1.05 * own, (grew, own)
-    assert grew["gpipe"] >= grew["1f1b"] + saved, (grew, saved)
+    assert grew["1f1b"] == 0 and grew["gpipe"] >= saved, (grew, saved)
     assert parallel.one_f_one_b.ring_slots(4, 16) == 7 and parallel.one_f_one_b.ring_slots(4, 4) == 4
 
 

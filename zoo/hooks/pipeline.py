@@ -60,7 +60,7 @@ def stage_order(layers: int, stages: int, virtual: int) -> Int[np.ndarray, " L"]
     return (v * stages + s) * c + j
 
 
-def _schedule(stages: int, microbatches: int, virtual: int) -> tuple[np.ndarray, np.ndarray]:
+def interleaved_items(stages: int, microbatches: int, virtual: int) -> tuple[np.ndarray, np.ndarray]:
     """Each stage's work, in the order it does it (item ``i`` at tick ``stage + i``): the
     micro-batch and the chunk of item ``i``. Micro-batches go round the ring in groups of
     ``P``: group ``g``'s chunk ``v`` of micro-batch ``g·P + r`` is item ``g·V·P + v·P + r``, so
@@ -157,7 +157,7 @@ def pipelined_scan(
     stage = jax.lax.axis_index(PIPELINE)
     micro = _split_rows(carry, m, n_rows, "carry")
     micro_rows = _split_rows(rows, m, n_rows, "row input")
-    item_batch, item_chunk = (jnp.asarray(a, jnp.int32) for a in _schedule(stages, m, virtual))
+    item_batch, item_chunk = (jnp.asarray(a, jnp.int32) for a in interleaved_items(stages, m, virtual))
 
     def chunk_layers(c, r, v):
         """This stage's chunk ``v`` on one micro-batch; padding layers (past ``n_layers``) skipped."""
@@ -214,9 +214,9 @@ def pipelined_scan(
 def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit, chunk: int, n_layers: int):
     """The per-layer outputs of every stage's layers, ``[n_layers, ...]`` on every stage (in
     layer order), from this stage's per-tick outputs ``[ticks, chunk, ...]``: stage ``s`` did
-    item ``i`` (:func:`_schedule`) at tick ``s + i``; padding layers' outputs zeroed and cut off."""
+    item ``i`` (:func:`interleaved_items`) at tick ``s + i``; padding layers' outputs zeroed and cut off."""
     stages, m, virtual = split.stages, split.microbatches, split.virtual
-    item_batch, item_chunk = _schedule(stages, m, virtual)
+    item_batch, item_chunk = interleaved_items(stages, m, virtual)
     by_chunk = np.zeros((virtual, m), np.int64)  # [v, micro-batch] -> item
     by_chunk[item_chunk, item_batch] = np.arange(m * virtual)
     layer = (np.arange(virtual)[:, None] * stages + stage) * chunk + np.arange(chunk)[None, :]  # [V, chunk]
@@ -271,15 +271,19 @@ class AtStack:
         return _combine_kinds(self.combine, self.out_shapes())
 
 
+class StackReached(Exception):  # noqa: N818  (control flow, not an error)
+    """Raised by a :class:`StackCut` with ``stop``: the loss was traced up to its stack."""
+
+
 class StackCut:
     """A loss traced cut at its pipelined stack (:func:`split_at_stack`). ``record``: the stack's
     call is kept in :attr:`at` and the stack returns its input unchanged (and zero per-layer
-    outputs), and every :func:`batch_total` is recorded in :attr:`totals` (the whole batch's
+    outputs; with ``stop``, :class:`StackReached` is raised instead), and every :func:`batch_total` is recorded in :attr:`totals` (the whole batch's
     denominators); otherwise the stack returns ``output`` (its output carry and per-layer
     outputs) and each :func:`batch_total` the recorded value of the same call."""
 
-    def __init__(self, *, record: bool, output: PyTree = None, totals: tuple[Array, ...] = ()):
-        self.record, self.output = record, output
+    def __init__(self, *, record: bool, output: PyTree = None, totals: tuple[Array, ...] = (), stop: bool = False):
+        self.record, self.output, self.stop = record, output, stop
         self.at: AtStack | None = None
         self.out_shapes: PyTree = None  # recorded: one layer's per-layer outputs, and how each combines
         self.out_kinds: PyTree = None
@@ -293,6 +297,9 @@ class StackCut:
                 "stacks pipelined, such as DeepSeek-V3's dense and MoE layers, runs on schedule='gpipe')"
             )
         self.calls += 1
+        if self.record and self.stop:  # what follows the stack is not traced at all
+            self.at = at
+            raise StackReached
         if self.record:
             self.at, self.out_shapes, self.out_kinds = at, at.out_shapes(), at.out_kinds()
             zeros = jax.tree.map(lambda s: jnp.zeros((at.n_layers, *s.shape), s.dtype), self.out_shapes)

@@ -47,6 +47,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +56,7 @@ from jaxtyping import Array, Float, PyTree
 
 from zoo.core.mesh import PIPELINE
 from zoo.errors import MeshError
-from zoo.hooks.pipeline import AtStack, StackCut, _schedule, split_at_stack
+from zoo.hooks.pipeline import AtStack, StackCut, StackReached, interleaved_items, split_at_stack
 from zoo.hooks.step import PipelineSplit, sum_to_varying_of, varying_axes
 
 LossOf = Callable[[PyTree, PyTree], tuple[Float[Array, ""], Any]]
@@ -68,11 +70,11 @@ def ring_slots(stages: int, microbatches: int, virtual: int = 1) -> int:
 
 def _orders(stages: int, microbatches: int, virtual: int) -> tuple[np.ndarray, ...]:
     """A stage's forward items (item ``i`` at tick ``s + i``): micro-batch and chunk, in the
-    interleaved schedule's order (:func:`zoo.hooks.pipeline._schedule`: groups of ``P``
+    interleaved schedule's order (:func:`zoo.hooks.pipeline.interleaved_items`: groups of ``P``
     micro-batches, each group's chunks in turn); and its backward items (item ``j`` at tick
     ``V·P - 1 + j + (P - 1 - s)``): micro-batch, chunk (the last chunk first) and the forward item
     of the same pair."""
-    fwd_mb, fwd_chunk = _schedule(stages, microbatches, virtual)
+    fwd_mb, fwd_chunk = interleaved_items(stages, microbatches, virtual)
     j = np.arange(microbatches * virtual)
     g, rem = j // (virtual * stages), j % (virtual * stages)
     bwd_chunk = virtual - 1 - rem // stages
@@ -118,6 +120,42 @@ def _at(tree: PyTree, i: Array | int) -> PyTree:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
+def _kept_vjp(fn: Callable[..., Any], what: str) -> tuple[Callable[..., Any], Callable[..., Any], dict[str, Any]]:
+    """``fn(diff, given, *rest) -> (out, aux)`` split into a forward pass ``(diff, again, given,
+    *rest) -> (out, aux, kept)`` and a backward pass ``(kept, diff, again, given, cotangent) -> d
+    diff``: of the residuals its ``jax.vjp`` at ``diff`` keeps, those that are leaves of ``given``
+    or leaves of ``diff`` that ``again`` marks (the stage's weights, the parameters, the rows: given
+    again to the backward pass) are not ``kept``. Both are jitted, traced once: the residuals a
+    trace keeps depend on what it sees outside, here its arguments alone, so every call keeps the
+    same (``layout``: how to rebuild the backward pass; ``spaces``: the memory each kept residual
+    is in, host for an offloaded name)."""
+    layout: dict[str, Any] = {}
+
+    def sources(diff, again, given):
+        flat = [x for x, a in zip(jax.tree.leaves(diff), again) if a] + jax.tree.leaves(given)
+        return flat
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def forward(diff, again, given, *rest):
+        out, back, aux = jax.vjp(lambda d: fn(d, given, *rest), diff, has_aux=True)
+        res, res_def = jax.tree.flatten(back)
+        ids = {id(x): k for k, x in enumerate(sources(diff, again, given))}
+        where = tuple(ids.get(id(x)) for x in res)
+        kept = [x for x, k in zip(res, where) if k is None]
+        if layout.setdefault("back", (res_def, where)) != (res_def, where):
+            raise MeshError(f"schedule='1f1b': {what} kept other residuals at another trace")
+        layout["spaces"] = [getattr(jax.typeof(x), "memory_space", None) for x in kept]
+        return out, aux, kept
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def backward(kept, diff, again, given, g):
+        res_def, where = layout["back"]
+        kept, known = iter(kept), sources(diff, again, given)
+        return jax.tree.unflatten(res_def, [next(kept) if k is None else known[k] for k in where])(g)[0]
+
+    return forward, backward, layout
+
+
 def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: PipelineSplit) -> tuple[Any, PyTree]:
     """``((loss, aux), grads)`` of ``loss_of(params, batch)`` on the 1F1B schedule, inside the
     parallel step's ``shard_map``: ``params`` the arrays to differentiate (a pytree), ``batch``
@@ -129,8 +167,9 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     leaves, treedef = jax.tree.flatten(params)
     found: dict[str, Any] = {}
 
-    # 1. The loss up to its stack (and its denominators, on the whole batch).
-    def head_of(flat):
+    # 1. The stack's block and the batch's denominators: the loss traced on the whole batch up to
+    # its stack (the rest of that trace is dead code, which jit removes).
+    def stack_of(flat):
         with split_at_stack(StackCut(record=True)) as cut:
             loss_of(jax.tree.unflatten(treedef, flat), batch)
         if cut.at is None:
@@ -139,19 +178,35 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         ids = {id(x) for x in jax.tree.leaves(at.stacked)}
         found["at"], found["in_stack"] = at, [id(x) in ids for x in flat]
         found["out_shapes"], found["out_kinds"] = cut.out_shapes, cut.out_kinds
-        return (at.carry, at.stacked), (at.rows, tuple(cut.totals))
+        found["rows"] = jax.tree.leaves(at.carry)[0].shape[0]
+        return at.stacked, tuple(cut.totals)
 
-    (carry, stacked), head_vjp, (rows, totals) = jax.vjp(head_of, leaves, has_aux=True)
+    stacked, stack_vjp, totals = jax.vjp(stack_of, leaves, has_aux=True)
     at, in_stack = found["at"], found["in_stack"]
     rest_leaves = [x for x, s in zip(leaves, in_stack) if not s]
-    n_rows = jax.tree.leaves(carry)[0].shape[0]
-    if n_rows % m:
-        raise MeshError(f"schedule='1f1b': microbatches={m} must divide each device's {n_rows} rows")
-    # The micro-batches' inputs, read by the first stage, typed as varying over the stages.
-    xs = jax.tree.map(lambda x: _vary(x, varying_axes(x) | {PIPELINE}), _cut_rows(carry, m))
-    # The per-row inputs too: a stage reads another micro-batch's than its neighbours at a tick.
-    row_mb = jax.tree.map(lambda x: _vary(x, varying_axes(x) | {PIPELINE}), _cut_rows(rows, m))
+    if found["rows"] % m:
+        raise MeshError(f"schedule='1f1b': microbatches={m} must divide each device's {found['rows']} rows")
     batch_mb = _cut_rows(batch, m)
+
+    def merged(rest):
+        rest = iter(rest)
+        return jax.tree.unflatten(treedef, [x if s else next(rest) for x, s in zip(leaves, in_stack)])
+
+    def head(rest, rows):
+        """What precedes the stack (the embedding, DeepSeek-V3's dense first layers) on one
+        micro-batch (``rows``: its rows of the batch): the stack's input and, as ``aux``, the
+        per-row inputs."""
+        try:
+            with split_at_stack(StackCut(record=True, stop=True)) as cut:
+                loss_of(merged(rest), rows)
+        except StackReached:
+            return cut.at.carry, cut.at.rows
+        raise MeshError("schedule='1f1b': the loss ran no pipelined layer stack on a micro-batch")
+
+    # Run at the tick the first stage starts a micro-batch, on every stage; its backward pass at
+    # the tick the first stage ends it, its residuals waiting in a ring of micro-batches.
+    head_vjp, head_back, head_layout = _kept_vjp(head, "the loss before its stack")
+    again_rest = (True,) * len(rest_leaves)  # the parameters are given to the backward pass again
     per_stage = jax.tree.leaves(stacked)[0].shape[0]
     if virtual > 1 and (m % stages or per_stage % virtual or at.pick is None):
         raise MeshError(
@@ -189,32 +244,11 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         y, outs = jax.lax.scan(one, h, (block if virtual == 1 else None, jnp.arange(chunk)))
         return (y, [o for o in outs if floating(o)]), [o for o in outs if not floating(o)]
 
-    # The forward pass and the backward pass are each traced once (jitted: the residuals a trace
-    # keeps depend on what it can see outside; here, on the arguments alone), so every tick keeps
-    # the same residuals in the ring. ``layout``: how to rebuild the backward pass from them.
-    layout: dict[str, Any] = {}
+    def layers(diff, r, stage, v):
+        block, h = diff
+        return forward(block, h, r, stage, v)
 
-    @jax.jit
-    def forward_vjp(block, h, r, stage, v):
-        """The forward pass, its per-layer outputs and the residuals its backward pass needs,
-        less the block and the rows (given to the backward pass again)."""
-        (y, outs), back, counts = jax.vjp(lambda b, x: forward(b, x, r, stage, v), block, h, has_aux=True)
-        res, res_def = jax.tree.flatten(back)
-        given = {id(x): ("block", k) for k, x in enumerate(jax.tree.leaves(block))}
-        given |= {id(x): ("rows", k) for k, x in enumerate(jax.tree.leaves(r))}
-        where = tuple(given.get(id(x), ("kept", 0)) for x in res)
-        kept = [x for x, w in zip(res, where) if w[0] == "kept"]
-        if layout.setdefault("back", (res_def, where)) != (res_def, where):
-            raise MeshError("schedule='1f1b': the stage's forward pass kept other residuals at another trace")
-        layout["spaces"] = [getattr(jax.typeof(k), "memory_space", None) for k in kept]
-        return y, outs, counts, kept
-
-    @jax.jit
-    def backward(kept, block, r, stage, v, g):
-        res_def, where = layout["back"]
-        kept, given = iter(kept), {"block": jax.tree.leaves(block), "rows": jax.tree.leaves(r)}
-        res = [next(kept) if w[0] == "kept" else given[w[0]][w[1]] for w in where]
-        return jax.tree.unflatten(res_def, res)(g)
+    forward_vjp, backward, layout = _kept_vjp(layers, "the stage's forward pass")
 
     def per_layer(outs, counts):
         """The whole stack's per-layer outputs ``[n_layers, ...]`` from every stage's chunks'
@@ -245,21 +279,30 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             )
         return out
 
-    # The rings' shapes, from the forward pass's trace (shapes and types only).
+    # The rings' shapes, from the passes' traces (shapes and types only).
     zero = _vary(jnp.zeros((), jnp.int32), frozenset({PIPELINE}))  # a chunk index, as a tick computes it
-    y_shape, out_shapes, count_shapes, kept_shapes = jax.eval_shape(forward_vjp, stacked, _at(xs, 0), _at(row_mb, 0),
-                                                                    stage, zero)  # fmt: skip
-    slots = ring_slots(stages, m, virtual)
-    waits = min(m, 2 * stages)  # micro-batches whose per-layer outputs' gradients a stage holds
+    x_shape, row_shapes, head_shapes = jax.eval_shape(lambda: head_vjp(rest_leaves, again_rest, _at(batch_mb, 0)))
 
     def like(s, lead: tuple[int, ...] = ()) -> Array:
         return _zeros_of(s, lead, {PIPELINE})
 
+    # The stage's weights are given to the backward pass again, its input is kept.
+    again = (True,) * len(jax.tree.leaves(stacked)) + (False,) * len(jax.tree.leaves(x_shape))
+    (y_shape, out_shapes), count_shapes, kept_shapes = jax.eval_shape(
+        lambda: forward_vjp((stacked, jax.tree.map(like, x_shape)), again, jax.tree.map(like, row_shapes), stage, zero)
+    )
+    slots = ring_slots(stages, m, virtual)
+    waits = min(m, 2 * stages)  # micro-batches whose head's residuals, rows or per-layer gradients a stage holds
+
+    def ring_of(shapes, spaces, n):
+        """Zeros for ``n`` slots of each of ``shapes``, in the memory each is in (host: offloaded)."""
+        out = [like(s, (n,)) for s in shapes]
+        return [jax.device_put(r, sp) if sp == jax.memory.Space.Host else r for r, sp in zip(out, spaces)]
+
     # A slot more than the ring's: a stage with no forward pass at a tick writes there. (Written
     # unconditionally, an offloaded tensor's slot stays in host memory: no select between the
     # host and the device.)
-    ring = [like(s, (slots + 1,)) for s in kept_shapes]
-    ring = [jax.device_put(r, space) if space == jax.memory.Space.Host else r for r, space in zip(ring, layout["spaces"])]
+    ring = ring_of(kept_shapes, layout["spaces"], slots + 1)
     # Interleaved, the last stage hands a micro-batch's chunk on to the first (and its gradient back).
     up = [(i, (i + 1) % stages) for i in range(stages if virtual > 1 else last)]
     down = [((i + 1) % stages, i) for i in range(stages if virtual > 1 else last)]
@@ -269,26 +312,55 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
 
     _, aux_shape = jax.eval_shape(lambda: tail(rest_leaves, jax.tree.map(like, y_shape), [all_chunks(s) for s in out_shapes],
                                                [all_chunks(s) for s in count_shapes], 0))  # fmt: skip
+    # The stack input's cotangent is summed over the stages from the first stage's (typed as the input).
+    x_axes = frozenset(getattr(getattr(jax.tree.leaves(x_shape)[0], "manual_axis_type", None), "varying", None) or ())
 
     state = {
         "fwd": jax.tree.map(like, y_shape),  # what the previous stage handed over
         "bwd": jax.tree.map(like, y_shape),  # the cotangent the next stage handed back
         "ring": ring,
+        "head": ring_of(head_shapes, head_layout["spaces"], waits),  # the head's residuals, by micro-batch
+        "rows": [like(s, (waits,)) for s in jax.tree.leaves(row_shapes)],  # the per-row inputs, by micro-batch
         "outs": [like(s, (slots + 1,)) for s in out_shapes],  # per-layer outputs awaiting the tail
         "counts": [like(s, (slots + 1,)) for s in count_shapes],
         "d_outs": [like(s, (waits, virtual)) for s in out_shapes],  # their gradients awaiting the backward pass
         "g_block": jax.tree.map(_zeros_like, stacked),
         "g_rest": [_zeros_like(x) for x in rest_leaves],
-        "dx": jax.tree.map(lambda x: _zeros_like(x), xs),
         "loss": jnp.zeros((), jnp.float32),
         "aux": jax.tree.map(_zeros_of, aux_shape),
     }
+    row_def = jax.tree.structure(row_shapes)
 
     def put_all(buffers, values, at_):
         return [jax.lax.dynamic_update_index_in_dim(b, v, at_, 0) for b, v in zip(buffers, values)]
 
     def get_all(buffers, at_):
         return [jax.lax.dynamic_index_in_dim(b, at_, keepdims=False) for b in buffers]
+
+    def rows_of(state, mb):
+        return jax.tree.unflatten(row_def, get_all(state["rows"], mb % waits))
+
+    def run_head(state, t):
+        """The head of the micro-batch the first stage starts at tick ``t``, on every stage: its
+        residuals and rows kept; returns the stack's input (the first stage's) and the state."""
+        i = fwd_mb[jnp.clip(t, 0, items - 1)]
+        x, rows, kept = head_vjp(rest_leaves, again_rest, _at(batch_mb, i))
+        state = dict(state)
+        state["head"] = put_all(state["head"], kept, i % waits)
+        typed = [_vary(r, varying_axes(r) | {PIPELINE}) for r in jax.tree.leaves(rows)]
+        state["rows"] = put_all(state["rows"], typed, i % waits)
+        return jax.tree.map(lambda a: _vary(a, varying_axes(a) | {PIPELINE}), x), state
+
+    def run_head_back(state, t, dh):
+        """The head's backward pass of the micro-batch the first stage ends at tick ``t``, on every
+        stage, from the first stage's cotangent ``dh`` of its output."""
+        i = bwd_mb[jnp.clip(t - (virtual * stages - 1) - last, 0, items - 1)]
+        dx = jax.tree.map(lambda d: jax.lax.psum(jnp.where(stage == 0, d, jnp.zeros_like(d)),
+                                                 tuple(sorted(varying_axes(d) - x_axes))), dh)  # fmt: skip
+        g_rest = head_back(get_all(state["head"], i % waits), rest_leaves, again_rest, _at(batch_mb, i), dx)
+        state = dict(state)
+        state["g_rest"] = [a + g for a, g in zip(state["g_rest"], g_rest)]
+        return state
 
     def run_tail(state, y, t):
         """The tail of the micro-batch whose last chunk leaves the last stage at tick ``t``: its
@@ -311,16 +383,25 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         state["aux"] = jax.tree.map(jnp.add, state["aux"], aux)
         return dy, state
 
+    def when(flag, fn, state, *args):
+        """``fn(state, *args) -> (value, state)`` where ``flag`` (the same on every device), else
+        zeros and the state unchanged."""
+        shapes = jax.eval_shape(lambda: fn(state, *args)[0])
+        return jax.lax.cond(flag, lambda s: fn(s, *args), lambda s: (jax.tree.map(_zeros_of, shapes), s), state)
+
     def tick(state, t, *, fwd: bool, bwd: bool):
         state = dict(state)
         dy = None
         if fwd:
+            starts = (t < items) & (fwd_chunk[jnp.clip(t, 0, items - 1)] == 0)  # the first stage starts a micro-batch
+            x, state = when(starts, run_head, state, t)
             i = t - stage
             on = (i >= 0) & (i < items)
             i = jnp.clip(i, 0, items - 1)
             mb, v = fwd_mb[i], fwd_chunk[i]
-            h = jax.tree.map(lambda a, b: jnp.where((stage == 0) & (v == 0), a, b), _at(xs, mb), state["fwd"])
-            y, outs, counts, kept = forward_vjp(stacked, h, _at(row_mb, mb), stage, v)
+            h = jax.tree.map(lambda a, b: jnp.where((stage == 0) & (v == 0), a, b), x, state["fwd"])
+            r = rows_of(state, mb)
+            (y, outs), counts, kept = forward_vjp((stacked, h), again, r, stage, v)
             slot = jnp.where(on, i % slots, slots)
             state["ring"] = put_all(state["ring"], kept, slot)
             state["outs"] = put_all(state["outs"], outs, slot)
@@ -331,8 +412,7 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
                     dy, state = run_tail(state, y, t)
                 else:  # only where the last stage ran a micro-batch's last chunk (the same on every device)
                     done = fwd_chunk[jnp.clip(t - last, 0, items - 1)] == virtual - 1
-                    dy, state = jax.lax.cond(done, lambda s: run_tail(s, y, t),
-                                             lambda s: (jax.tree.map(_zeros_like, y), s), state)  # fmt: skip
+                    dy, state = when(done, run_tail, state, y, t)
         if bwd:
             k = t - (virtual * stages - 1) - (last - stage)
             on = (k >= 0) & (k < items)
@@ -342,10 +422,14 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             g = state["bwd"] if dy is None else jax.tree.map(lambda a, b: jnp.where(from_tail, a, b), dy, state["bwd"])
             d_outs = [jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(b, mb % waits, keepdims=False), v,
                                                    keepdims=False) for b in state["d_outs"]]  # fmt: skip
-            g_block, dh = backward(get_all(state["ring"], item % slots), stacked, _at(row_mb, mb), stage, v, (g, d_outs))
+            r = rows_of(state, mb)
+            # (The stage's input is a kept residual: ``state["bwd"]`` only stands in for its shape.)
+            g_block, dh = backward(get_all(state["ring"], item % slots), (stacked, state["bwd"]), again, r, (g, d_outs))
             state["g_block"] = jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)), state["g_block"], g_block)
-            state["dx"] = jax.tree.map(lambda a, b: _put(a, mb, b, on & (stage == 0) & (v == 0)), state["dx"], dh)
             state["bwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, down), dh)
+            j0 = t - (virtual * stages - 1) - last  # the first stage's backward item
+            ends = (j0 >= 0) & (j0 < items) & (bwd_chunk[jnp.clip(j0, 0, items - 1)] == 0)
+            state = jax.lax.cond(ends, lambda s: run_head_back(s, t, dh), lambda s: s, state)
         return state, None
 
     def loop(state, start, n, **kind):
@@ -360,9 +444,8 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     state = loop(state, warm, items + last - warm, fwd=True, bwd=True)
     state = loop(state, items + last, warm, fwd=False, bwd=True)
 
-    # 3. The stack input's cotangent (the first stage's) back through what precedes the stack.
-    dx = jax.tree.map(lambda d, c: sum_to_varying_of(d.reshape(c.shape), c), state["dx"], carry)
-    (d_head,) = head_vjp((dx, state["g_block"]))
+    # 3. The stack's gradient back to the parameters it was made of; the rest's added.
+    (d_stack,) = stack_vjp(state["g_block"])
     g_rest = iter(state["g_rest"])
-    grads = [d if s else d + next(g_rest) for d, s in zip(d_head, in_stack)]
+    grads = [d if s else d + next(g_rest) for d, s in zip(d_stack, in_stack)]
     return (state["loss"], state["aux"]), jax.tree.unflatten(treedef, grads)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax._src import core
+from jax._src.interpreters import partial_eval as pe
 
 from zoo.plan._buffers import Buffer, Op, Peak, Program, intervals, live_peak, peak
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, nbytes
@@ -313,11 +314,15 @@ def program_peak(
     ``arg_divisors``: per flat argument, the devices it is split over (per-device bytes are its
     global bytes over that); ``shape_div``: the same by global shape, for values the program
     derives from them outside ``shard_map``. ``unified``: one memory for host and device."""
+    # Dead code first removed, as XLA removes it (the 1F1B step traces its loss once on the whole
+    # batch for the stack's block and the batch's counts, most of it unused).
     jaxpr = jaxpr_of(closed)
+    jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     ctx = _Context(unified, dict(shape_div or {}))
     env: dict[Any, Any] = {}
     pinned: dict[int, Buffer] = {}
-    divs = list(arg_divisors or [])
+    given = list(arg_divisors or [])
+    divs = [given[k] if k < len(given) else 1 for k, u in enumerate(used) if u]  # of the arguments still read
     for i, v in enumerate((*jaxpr.constvars, *jaxpr.invars)):
         k = i - len(jaxpr.constvars)
         d = divs[k] if 0 <= k < len(divs) else 1

@@ -111,7 +111,7 @@ class CostModel:
     joins the sum (:meth:`interleaved_bytes`), and the pipelined layers' saved tensors kept for
     at most ``2·V·P - 1`` chunks of one row (:func:`zoo.parallel.one_f_one_b.ring_slots`, a slot
     more for the stages with no forward pass at a tick, and the backward pass's copy of its slot)
-    instead of ``b + (P - 1)/V`` rows."""
+    instead of ``b + (P - 1)/V`` rows, those of the layers before the stack for at most ``2P`` rows."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
                  jaxpr2: Any = None, bodies: list[_flops.Body] | None = None,
@@ -175,6 +175,12 @@ class CostModel:
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
         self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
         self.schedule = "gpipe"  # or "1f1b": with_schedule
+
+    def batch_limit(self) -> int:
+        """The largest local batch a plan considers: on 1F1B, whose memory stops growing with the
+        micro-batches, ``16·P`` micro-batches (a bubble under 1/16; Megatron-Bridge's DeepSeek-V3
+        run has 16 per stage); else any that fits."""
+        return 16 * self.stages * MICROBATCH_ROWS if self.schedule == "1f1b" else 1 << 20
 
     def with_schedule(self, schedule: str) -> CostModel:
         """This model on the same traces priced on another pipeline ``schedule`` ("gpipe" or "1f1b")."""
@@ -278,10 +284,11 @@ class CostModel:
         """Bytes of name ``n`` the pipelined and other layers keep at local batch ``b``."""
         if self.schedule == "gpipe":  # interleaved, the bubble's ticks and the copied slice are of a chunk: per_0 / V
             return self.per_b[n] * b + self.per_0[n] / virtual
-        # 1F1B: a ring of chunk items of one row, a slot more, and the backward pass's copy of one.
+        # 1F1B: a ring of chunk items of one row, a slot more, and the backward pass's copy of one;
+        # the layers before the stack (DeepSeek-V3's dense ones) per micro-batch, in a ring of 2P.
         pipelined = self.per_0[n] / self.stages
         items = min(virtual * self.microbatches(b), 2 * virtual * self.stages - 1) + 2
-        return (self.per_b[n] - pipelined) * b + pipelined * items / virtual
+        return (self.per_b[n] - pipelined) * min(b, 2 * self.stages) + pipelined * items / virtual
 
     def _named(self, placement: Any, where: str, b: int, virtual: int = 1) -> float:
         return float(sum(self._rows_kept(n, b, virtual) for n in self.names
@@ -290,12 +297,15 @@ class CostModel:
     def memory(self, placement: Any, b: int, pm: str, om: str, virtual: int = 1) -> tuple[float, float]:
         """(device, host) bytes per device at local batch ``b`` (``virtual``: the interleaved schedule's)."""
         placement = _Where.of(placement)
-        # In the traced (GPipe) passes: replaced by what the map keeps on the schedule priced.
-        base = sum(self.per_b[n] * b + self.per_0[n] for n in self.base_device)
+        # GPipe's other buffers per row (the micro-batches' inputs and outputs, their gradients, the
+        # head's) are, on 1F1B, those of the micro-batches in flight: at most 2P of one row.
+        rows = b if self.schedule == "gpipe" else min(b, 2 * self.stages)
+        # In the traced (GPipe) passes at those rows: replaced by what the map keeps on the schedule priced.
+        base = sum(self.per_b[n] * rows + self.per_0[n] for n in self.base_device)
         # No map: XLA keeps at least every named tensor.
         extra = self._named(placement, "device", b, virtual) - base
         host_res = 0.0 if placement is None else self._named(placement, "pinned_host", b, virtual)
-        passes = self.passes_base + self.passes_slope * b + extra + self.interleaved_bytes(b, virtual)
+        passes = self.passes_base + self.passes_slope * rows + extra + self.interleaved_bytes(b, virtual)
         p_host, o_host = pm == "pinned_host", om == "pinned_host"
         temps = max(passes + p_host * self.params, self.update + p_host * self.params + o_host * self.opt)
         device = (not p_host) * self.params + (not o_host) * self.opt + self.batch_bytes * b + temps

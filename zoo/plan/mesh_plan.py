@@ -253,7 +253,7 @@ def _batches(cm: CostModel, fixed_b: int | None, device_budget: float, host_budg
                    for pm in TREE_PLACES for om in TREE_PLACES for v in _virtuals(cm, b, virtual))  # fmt: skip
 
     top, k = 0, 1
-    while k <= 1 << 20:
+    while k * unit <= cm.batch_limit():
         if not fits(k * unit):
             break
         top, k = k, k * 2
