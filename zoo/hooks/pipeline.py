@@ -271,7 +271,7 @@ class AtStack:
         return _combine_kinds(self.combine, self.out_shapes())
 
 
-class StackReached(Exception):  # noqa: N818  (control flow, not an error)
+class StackReached(Exception):  # control flow, not an error
     """Raised by a :class:`StackCut` with ``stop``: the loss was traced up to its stack."""
 
 

@@ -7,21 +7,25 @@ lets autodiff make the backward pass: every stage keeps all ``M`` micro-batches'
 until the backward pass starts. Here the step runs the backward pass itself, in the same tick
 loop as the forward pass:
 
-1. the loss is traced up to its pipelined stack over the device's rows (``jax.vjp``): the
-   residual stream entering the stack, the stage's block, the per-row inputs, and the whole
-   batch's loss denominators (:func:`zoo.hooks.pipeline.batch_total`);
-2. ``M + 2P - 2`` ticks in three loops (``P - 1`` warm-up ticks of forward passes, ``M`` ticks of
-   both, ``P - 1`` cool-down ticks of backward passes). At tick ``t`` stage ``s`` runs the
-   forward pass of micro-batch ``t - s`` with ``jax.vjp``, keeping what its backward pass needs
-   (the placement map's saved tensors) in a ring of ``2P - 1`` slots, and the backward pass of
-   micro-batch ``t - 2(P - 1) + s`` from its slot. The last stage's output goes to every stage
-   (a ``psum`` of one non-zero term), which runs the loss's tail on that micro-batch (the
-   final norm, head and loss, divided by the whole batch's counts) and its ``jax.vjp``: the
-   tail's gradients are accumulated and the cotangent starts the micro-batch's backward pass
-   on the last stage in the same tick. Forward activations go one stage on and cotangents one
-   stage back by ``ppermute`` at every tick;
-3. the cotangents of the stack's input, gathered on the first stage, go back through step 1's
-   ``jax.vjp``.
+1. the loss is traced once on the device's rows up to its pipelined stack, for the stage's block
+   (``jax.vjp``: its gradient goes back to the parameters it is made of) and the whole batch's
+   loss denominators (:func:`zoo.hooks.pipeline.batch_total`); the rest of that trace is dead
+   code, which jit removes;
+2. ``V·M + V·P + P - 2`` ticks in three loops (``V·P - 1`` warm-up ticks of forward passes,
+   then both, then ``V·P - 1`` cool-down ticks of backward passes; ``V = 1``: ``P - 1``, ``M``,
+   ``P - 1``). When the first stage starts a micro-batch, every stage runs what precedes the
+   stack on it (the embedding, DeepSeek-V3's dense first layers) under ``jax.vjp``, keeping its
+   residuals and the per-row inputs in a ring of ``2P`` micro-batches. At tick ``t`` stage ``s``
+   runs the forward pass of its item ``t - s`` (a micro-batch's chunk) with ``jax.vjp``, keeping
+   what its backward pass needs (the placement map's saved tensors) in a ring of ``2VP - 1``
+   slots, and the backward pass of an item from its slot. The last stage's output goes to every
+   stage (a ``psum`` of one non-zero term), which runs the loss's tail on that micro-batch (the
+   final norm, head and loss, divided by the whole batch's counts; DeepSeek-V3's MTP block) and
+   its ``jax.vjp``: the tail's gradients are accumulated and the cotangent starts the
+   micro-batch's backward pass on the last stage in the same tick. Forward activations go one
+   stage on and cotangents one stage back by ``ppermute`` at every tick; when the first stage
+   ends a micro-batch, the cotangent of its input goes back through what precedes the stack;
+3. the stage's weights' gradient goes back through step 1's ``jax.vjp``.
 
 A hand-over takes a tick each way, so micro-batch ``i`` waits on stage ``s`` from tick ``i + s`` to
 tick ``i + 2(P - 1) - s``: stage ``s`` keeps at most ``2(P - s) - 1`` micro-batches' saved tensors
@@ -38,16 +42,19 @@ batch takes it from :func:`zoo.hooks.pipeline.batch_total`, recorded on the whol
 DeepSeek-V3's (next-token, MTP and sequence-wise balance losses) is; Qwen3-MoE's Switch balance
 loss, a product of two whole-batch sums, is not, and refuses (:func:`zoo.hooks.pipeline.per_microbatch`).
 
+Interleaved (``virtual_stages=V``), each stage's layers are ``V`` chunks picked out of its block
+inside the layers' checkpoint; the forward items follow GPipe's interleaved order and the
+backward items the reverse chunk order, round the ring of stages both ways.
+
 Limits, each refused with a clear error: one pipelined stack per loss (Qwen3-MoE's dense-first
-block and MoE block are two), ``virtual_stages=1``.
+block and MoE block are two).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +64,7 @@ from jaxtyping import Array, Float, PyTree
 from zoo.core.mesh import PIPELINE
 from zoo.errors import MeshError
 from zoo.hooks.pipeline import AtStack, StackCut, StackReached, interleaved_items, split_at_stack
-from zoo.hooks.step import PipelineSplit, sum_to_varying_of, varying_axes
+from zoo.hooks.step import PipelineSplit, varying_axes
 
 LossOf = Callable[[PyTree, PyTree], tuple[Float[Array, ""], Any]]
 
@@ -108,12 +115,6 @@ def _cut_rows(tree: PyTree, m: int) -> PyTree:
         return x.reshape(m, x.shape[0] // m, *x.shape[1:])
 
     return jax.tree.map(cut, tree)
-
-
-def _put(buffer: Array, i: Array | int, value: Array, on: Array | bool) -> Array:
-    """``buffer`` with ``value`` written at ``i`` (on its leading axis) where ``on``, in place."""
-    old = jax.lax.dynamic_index_in_dim(buffer, i, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(on, value, old), i, 0)
 
 
 def _at(tree: PyTree, i: Array | int) -> PyTree:
