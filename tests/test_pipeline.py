@@ -274,18 +274,19 @@ def _deepseek_v3_reference(packed: bool):
 
 
 @pytest.mark.parametrize(
-    "spec, virtual, packed", [("pipeline=2,expert=4", 1, False), ("pipeline=2,fsdp=4", 1, False),
-                              ("pipeline=4,fsdp=2", 1, True), ("pipeline=2,tensor=2,fsdp=2", 1, True),
-                              ("pipeline=2,expert=4", 2, False)],  # the last interleaved: 2 chunks of one MoE layer a stage
-)
-def test_deepseek_v3_pipelined_equals_one_device(spec, virtual, packed):
+    "spec, virtual, packed, schedule", [("pipeline=2,expert=4", 1, False, "gpipe"), ("pipeline=4,fsdp=2", 1, True, "gpipe"),
+                                        ("pipeline=2,tensor=2,fsdp=2", 1, True, "gpipe"),
+                                        ("pipeline=2,expert=4", 2, False, "1f1b")],  # interleaved 1F1B: 2 chunks of one MoE layer a stage
+)  # fmt: skip
+def test_deepseek_v3_pipelined_equals_one_device(spec, virtual, packed, schedule):
     """The MoE stack (3 layers on 2 stages: one padding layer; on 4, one) pipelined, the dense
     first layer and the MTP block on every stage; the balance loss (a mean over sequences,
     averaged over micro-batches) and the per-layer expert load (summed) equal one device's;
-    plain and packed rows."""
+    plain and packed rows; on interleaved 1F1B too (zoo.parallel.one_f_one_b: each micro-batch's
+    share of the per-layer outputs reaching its own tail, their gradients back)."""
     model, ids, reference = _deepseek_v3_reference(packed)
     mesh = parallel.make_mesh(spec)
-    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3}, virtual, reference=reference,
+    aux = _check_with_aux(model, mesh, ids, 4, {"moe_layers": 3}, virtual, reference=reference, schedule=schedule,
                           **(_packed() if packed else {}))  # fmt: skip
     assert np.asarray(aux["expert_load"]).shape == (3, model.config.n_routed_experts)
     sharded = parallel.shard(model, mesh)
