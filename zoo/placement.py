@@ -32,8 +32,6 @@ memory between steps and are brought to device inside it.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -41,13 +39,14 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import jax
 
+from zoo.core import name_map
+from zoo.core.name_map import NameMap, choices
 from zoo.core.registry import families
 
 Placement = Literal["device", "remat", "pinned_host"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 BUILTIN_PRESETS: tuple[str, ...] = ("device", "remat")
 
-M = TypeVar("M", bound="PlacementMap")
 T = TypeVar("T")
 
 
@@ -56,17 +55,13 @@ class PlacementError(ValueError):
     placement, a choice the mechanism cannot honour, or a map of another model."""
 
 
-def _choices(kind: str, word: str, choices: tuple[str, ...] | list[str]) -> str:
-    """``'quer' (did you mean 'query'?); valid names: ...`` for an error message."""
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
-    suggestion = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{word!r}{suggestion}; valid {kind}: {', '.join(choices)}"
+_choices = choices  # the old private name
 
 
 def slot(default: Placement = "device", *, refuse: Mapping[str, str] | None = None) -> Any:
     """A placement field whose tensor cannot take some placements: ``refuse`` maps each such
     placement to the reason, which the error quotes."""
-    return dataclasses.field(default=default, metadata={"refuse": dict(refuse or {})})
+    return name_map.slot(default, refuse=refuse)
 
 
 _MAPS: dict[str, type[PlacementMap]] = {}
@@ -77,137 +72,29 @@ def _qualname(cls: type) -> str:
 
 
 @dataclass(frozen=True)
-class PlacementMap:
+class PlacementMap(NameMap):
     """Base of every model's placement map: one :data:`Placement` field per named tensor.
 
     Subclass with ``model=`` (the model class, or its dotted ``module.Class`` name) to
     register the map for that model; ``presets`` maps preset names to spec strings (see
     :meth:`parse`), on top of the built-in ``device`` (everything saved) and ``remat``
-    (everything recomputed that can be).
+    (everything recomputed that can be). Parsing and presets: :class:`zoo.core.name_map.NameMap`.
     """
 
-    model: ClassVar[str] = ""
-    presets: ClassVar[Mapping[str, str]] = {}
+    values: ClassVar[tuple[str, ...]] = PLACEMENTS
+    value_word: ClassVar[str] = "placement"
+    name_word: ClassVar[str] = "tensor"
+    error: ClassVar[type[ValueError]] = PlacementError
+    builtin: ClassVar[Mapping[str, str]] = {"device": "device", "remat": "remat"}
 
-    # Values are validated in __post_init__ with errors that list the choices; skip the
-    # generic type check of the jaxtyping import hook so every bad value is a PlacementError.
-    __no_type_check__ = True
+    @classmethod
+    def registered(cls, subclass: type) -> None:
+        _MAPS[subclass.model] = subclass
 
-    def __init_subclass__(cls, *, model: type | str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if model is None:
-            return
-        cls.model = model if isinstance(model, str) else _qualname(model)
-        clash = set(cls.presets) & set(BUILTIN_PRESETS)
-        if clash:
-            raise PlacementError(
-                f"{cls.__name__}.presets: {sorted(clash)} are built-in presets and cannot be redefined"
-            )
-        _MAPS[cls.model] = cls
-
-    def __post_init__(self) -> None:
-        cls = type(self)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value not in PLACEMENTS:
-                raise PlacementError(
-                    f"{cls.__name__}.{f.name}: unknown placement {_choices('placements', str(value), PLACEMENTS)}"
-                )
-            reason = f.metadata.get("refuse", {}).get(value)
-            if reason:
-                raise PlacementError(f"{cls.__name__}.{f.name} cannot be {value!r}: {reason}")
-
-    # -- the names ------------------------------------------------------------------
     @classmethod
     def names(cls) -> tuple[str, ...]:
         """Every named tensor of the model's layer, in data-flow order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def choices(cls, name: str) -> tuple[str, ...]:
-        """The placements tensor ``name`` accepts."""
-        refuse = cls._field(name).metadata.get("refuse", {})
-        return tuple(p for p in PLACEMENTS if p not in refuse)
-
-    @classmethod
-    def _field(cls, name: str) -> dataclasses.Field:
-        for f in dataclasses.fields(cls):
-            if f.name == name:
-                return f
-        raise PlacementError(f"{cls.__name__} has no tensor named {_choices('names', name, cls.names())}")
-
-    def placed(self, placement: Placement) -> tuple[str, ...]:
-        """The names given ``placement``."""
-        return tuple(n for n in self.names() if getattr(self, n) == placement)
-
-    def items(self) -> Iterator[tuple[str, str]]:
-        """``(name, placement)`` pairs in field order."""
-        return ((n, getattr(self, n)) for n in self.names())
-
-    def spec(self) -> str:
-        """The full map as a spec string ``name=placement,...`` (:meth:`parse` reads it back)."""
-        return ",".join(f"{n}={p}" for n, p in self.items())
-
-    # -- presets and parsing ----------------------------------------------------------
-    @classmethod
-    def preset_names(cls) -> tuple[str, ...]:
-        return (*BUILTIN_PRESETS, *cls.presets)
-
-    @classmethod
-    def preset(cls, name: str) -> M:
-        """A named map: ``device``, ``remat`` or one of the class's ``presets``."""
-        return cls._preset(name, ())
-
-    @classmethod
-    def parse(cls, spec: str) -> M:
-        """Read a command-line / config spelling of a map.
-
-        ``"query=pinned_host,mlp_up=remat"`` (unlisted names keep the field defaults), a preset
-        name ``"save_matmuls"``, or a preset with overrides ``"remat+query=pinned_host"``.
-        """
-        return cls._parse(spec, ())
-
-    @classmethod
-    def _preset(cls, name: str, seen: tuple[str, ...]) -> M:
-        if name == "device":
-            return cls(**{n: "device" for n in cls.names()})
-        if name == "remat":
-            return cls(**{n: "remat" if "remat" in cls.choices(n) else "device" for n in cls.names()})
-        if name not in cls.presets:
-            raise PlacementError(f"{cls.__name__} has no preset {_choices('presets', name, cls.preset_names())}")
-        if name in seen:
-            raise PlacementError(f"{cls.__name__}.presets refer to each other in a cycle: {' -> '.join((*seen, name))}")
-        return cls._parse(cls.presets[name], (*seen, name))
-
-    @classmethod
-    def _parse(cls, spec: str, seen: tuple[str, ...]) -> M:
-        if not isinstance(spec, str) or not spec.strip():
-            raise PlacementError(
-                f"{cls.__name__}: empty placement spec; give a preset ({', '.join(cls.preset_names())}) "
-                "and/or name=placement pairs"
-            )
-        parts = [p.strip() for p in spec.split("+")]
-        if "=" not in parts[0]:
-            base, parts = cls._preset(parts[0], seen), parts[1:]
-        else:
-            base = cls()
-        overrides: dict[str, str] = {}
-        for part in parts:
-            for item in (i.strip() for i in part.split(",")):
-                if "=" not in item:
-                    preset = item in cls.preset_names()
-                    hint = "a preset name may only come first" if preset else "expected name=placement"
-                    raise PlacementError(f"{cls.__name__}: cannot read {item!r} in {spec!r}: {hint}")
-                name, value = (s.strip() for s in item.split("=", 1))
-                cls._field(name)
-                if value not in PLACEMENTS:
-                    raise PlacementError(
-                        f"{cls.__name__}: {name}={value}: unknown placement {_choices('placements', value, PLACEMENTS)}"
-                    )
-                if name in overrides:
-                    raise PlacementError(f"{cls.__name__}: {name!r} is given twice in {spec!r}")
-                overrides[name] = value
-        return dataclasses.replace(base, **overrides)
+        return super().names()
 
     # -- compiling ------------------------------------------------------------------
     def policy(self) -> Callable[..., Any]:

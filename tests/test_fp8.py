@@ -1,0 +1,131 @@
+"""FP8 matmuls (``zoo.layers.fp8``) against a NumPy reference written from the recipes' papers
+(ml_dtypes' FP8 casts): quantization bit for bit, the forward product and both gradients."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from zoo.errors import ConfigError
+from zoo.layers import fp8
+
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+def np_quantize(x, dtype, block, power_of_two=False):
+    """Block by block, as the recipes define it: scale = amax · (1 / max) (rounded up to 2^k for MX)."""
+    fmax = float(ml_dtypes.finfo(dtype).max)
+    block = tuple(n if b == 0 else b for b, n in zip(block, x.shape))
+    grid = tuple(-(-n // b) for n, b in zip(x.shape, block))
+    q = np.zeros(x.shape, dtype)
+    scales = np.zeros(grid, np.float32)
+    for idx in np.ndindex(*grid):
+        sl = tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, block))
+        blk = x[sl].astype(np.float32)
+        amax = np.float32(np.abs(blk).max())
+        s = amax * np.float32(1 / fmax)
+        if power_of_two and amax > 0:
+            m, e = math.frexp(float(s))
+            s = np.float32(s if m == 0.5 else 2.0**e)
+        s = s if amax > 0 else np.float32(1.0)
+        q[sl] = np.clip(blk / s, -fmax, fmax).astype(dtype)
+        scales[idx] = s
+    return q, scales
+
+
+def np_fake(x, dtype, block, power_of_two=False):
+    q, s = np_quantize(x, dtype, block, power_of_two)
+    full = s
+    for axis, (b, n) in enumerate(zip(block, x.shape)):
+        full = np.repeat(full, n if b == 0 else b, axis=axis).take(np.arange(n), axis=axis)
+    return q.astype(np.float32) * full
+
+
+# (recipe, x's block and format, w's, g's for dx, w's for dx, x's for dw, g's for dw), 2-D operands
+NP_RECIPES = {
+    "tensorwise": dict(x=((0, 0), E4M3), w=((0, 0), E4M3), g=((0, 0), E5M2), w_t=((0, 0), E4M3),
+                       x_t=((0, 0), E4M3), g_t=((0, 0), E5M2)),
+    "mxfp8": dict(x=((1, 32), E4M3), w=((32, 1), E4M3), g=((1, 32), E4M3), w_t=((1, 32), E4M3),
+                  x_t=((32, 1), E4M3), g_t=((32, 1), E4M3)),
+    "blockwise": dict(x=((1, 128), E4M3), w=((128, 128), E4M3), g=((1, 128), E4M3), w_t=((128, 128), E4M3),
+                      x_t=((128, 1), E4M3), g_t=((128, 1), E4M3)),
+}  # fmt: skip
+
+
+def _data(shape, seed, spread=True) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if spread:  # magnitudes over six decades, so blocks get different scales
+        x *= np.exp(rng.uniform(-7, 7, shape)).astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("role", ["x", "w", "g", "x_t"])
+def test_quantization_matches_numpy_bit_for_bit(recipe, role):
+    x = _data((150, 200), 0)  # neither dimension a multiple of 128: partial blocks at the ends
+    x[:, 40:72] = 0.0  # an all-zero MX block
+    block, dtype = NP_RECIPES[recipe][role]
+    q_ref, s_ref = np_quantize(x, dtype, block, recipe == "mxfp8")
+    ours_block, ours_dtype = fp8._blocks(recipe, 0)[role]
+    assert ours_block == block and jnp.dtype(ours_dtype) == np.dtype(dtype)
+    q, s = jax.jit(lambda a: fp8.quantize(a, ours_dtype, ours_block, power_of_two=recipe == "mxfp8"))(x)
+    np.testing.assert_array_equal(np.asarray(s), s_ref)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
+    if recipe == "mxfp8":  # E8M0: every scale a power of two
+        assert np.all(np.frexp(np.asarray(s))[0] == 0.5)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "blockwise"])
+def test_matmul_and_its_gradients_match_numpy(recipe):
+    t, k, n = 96, 160, 136
+    x, w, g = _data((t, k), 1), _data((k, n), 2, spread=False), _data((t, n), 3)
+    r = NP_RECIPES[recipe]
+    pow2 = recipe == "mxfp8"
+
+    def fq(a, role):
+        return np_fake(a, r[role][1], r[role][0], pow2)
+
+    want_y = fq(x, "x") @ fq(w, "w")
+    want_dx = fq(g, "g") @ fq(w, "w_t").T
+    want_dw = fq(x, "x_t").T @ fq(g, "g_t")
+    y, vjp = jax.vjp(lambda a, b: fp8.fp8_matmul(a, b, recipe), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(g))
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # The quantization error is the recipe's, not zero: FP8 is not float32.
+    assert np.abs(np.asarray(y) - x @ w).max() > 1e-4 * np.abs(x @ w).max()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "blockwise"])
+def test_einsum_spellings_agree_with_the_matmul(recipe):
+    """Multi-letter contractions and expert batches reduce to one [E, T, K] @ [E, K, N] matmul."""
+    h = jnp.asarray(_data((2, 5, 4, 32), 4))  # b s h k
+    wo = jnp.asarray(_data((4, 32, 48), 5))  # h k d
+    got = fp8.einsum_fp8("bshk,hkd->bsd", h, wo, recipe)
+    want = fp8.fp8_matmul(h.reshape(10, 128), wo.reshape(128, 48), recipe).reshape(2, 5, 48)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    xe, we = jnp.asarray(_data((3, 7, 64), 6)), jnp.asarray(_data((3, 64, 40), 7))  # experts: e t d, e d m
+    got = fp8.einsum_fp8("etd,edm->etm", xe, we, recipe)
+    for e in range(3):  # tensorwise scales per expert; block scales never span experts
+        np.testing.assert_array_equal(np.asarray(got[e]), np.asarray(fp8.fp8_matmul(xe[e], we[e], recipe)))
+
+
+def test_matmul_follows_the_active_map_and_refuses_unknown_names():
+    x, w = jnp.asarray(_data((4, 64), 8)), jnp.asarray(_data((64, 16), 9))
+    plain = fp8.matmul("mlp_up", "td,df->tf", x, w)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(jnp.einsum("td,df->tf", x, w)))
+    with fp8.using({"mlp_up": "mxfp8", "mlp_gate": "none"}):
+        np.testing.assert_array_equal(
+            np.asarray(fp8.matmul("mlp_up", "td,df->tf", x, w)), np.asarray(fp8.fp8_matmul(x, w, "mxfp8"))
+        )
+        np.testing.assert_array_equal(np.asarray(fp8.matmul("mlp_gate", "td,df->tf", x, w)), np.asarray(plain))
+        with pytest.raises(ConfigError, match="names no matmul 'mlp_down'"):
+            fp8.matmul("mlp_down", "td,df->tf", x, w)
+    with pytest.raises(ConfigError, match="unknown FP8 recipe 'fp4'"), fp8.using({"mlp_up": "fp4"}):
+        pass

@@ -1,0 +1,235 @@
+"""FP8 matmuls: tensorwise current scaling, MXFP8 and DeepSeek-V3's blockwise recipe.
+
+Dimension letters: E leading batch (experts; any number of dims, flattened) · T rows
+(tokens) · K contracted · N output columns.
+
+A recipe quantizes both operands of a matmul to FP8 with a scale per block, runs the product
+of the dequantized operands with float32 accumulation, and, in the backward pass, quantizes
+the output's cotangent and the operands again along each gradient matmul's own contracted
+dimension (straight-through: the scales come from each block's maximum, so nothing is clipped):
+
+- ``"tensorwise"``: one float32 scale per tensor (per expert for batched weights), amax / 448,
+  computed from the tensor itself ("current scaling", Transformer Engine's
+  ``Float8CurrentScaling``); E4M3 forward, E5M2 cotangents (its ``HYBRID`` format).
+- ``"mxfp8"``: the OCP MX format: blocks of 32 consecutive elements along the contracted
+  dimension, each with a power-of-two (E8M0) scale, amax / 448 rounded up to a power of two as
+  ``jax.nn.scaled_dot_general`` rounds it; E4M3 everywhere.
+- ``"blockwise"``: DeepSeek-V3's (its technical report, section 3.3): activations and cotangents in
+  1x128 tiles along the contracted dimension, weights in 128x128 blocks, float32 scales
+  amax / 448; E4M3 everywhere.
+- ``"none"``: ``jnp.einsum`` as written, the model's own numerics.
+
+Which matmul runs which recipe is the family's precision map (:mod:`zoo.precision`), active
+during a trace through :func:`using`; model code calls :func:`matmul` with the matmul's name.
+On CPU the quantized operands are dequantized exactly (FP8 value times its float32 scale) and
+multiplied in float32, so the numerics are the recipe's own, reproducible by NumPy
+(``tests/test_fp8.py``). The backward pass keeps each weight as given (it is quantized again,
+identically) and the activation's FP8 copy quantized for the weight gradient: half a bfloat16
+activation's bytes, plus its scales.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from collections.abc import Iterator, Mapping
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float
+
+from zoo.errors import ConfigError
+
+Recipe = Literal["none", "tensorwise", "mxfp8", "blockwise"]
+RECIPES: tuple[str, ...] = get_args(Recipe)
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+MX_BLOCK = 32  # MXFP8's block along the contracted dimension
+TILE = 128  # DeepSeek-V3's activation tile and weight block
+
+_ACTIVE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("zoo_fp8_recipes", default=None)
+
+
+@contextlib.contextmanager
+def using(recipes: Mapping[str, str] | None) -> Iterator[None]:
+    """Trace the enclosed model code with ``recipes`` (matmul name -> recipe); ``None``: every
+    matmul as written. :func:`zoo.precision.using` gives a family's map this way."""
+    for name, recipe in (recipes or {}).items():
+        if recipe not in RECIPES:
+            raise ConfigError(f"matmul {name!r}: unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")
+    token = _ACTIVE.set(dict(recipes) if recipes is not None else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def recipe_of(name: str) -> str:
+    """The recipe the active map gives matmul ``name`` (``"none"`` with no map)."""
+    recipes = _ACTIVE.get()
+    if recipes is None:
+        return "none"
+    if name not in recipes:
+        raise ConfigError(
+            f"the active precision map names no matmul {name!r} (it names {', '.join(recipes)}): "
+            "the family's model code and its precision map disagree"
+        )
+    return recipes[name]
+
+
+# -- quantization ----------------------------------------------------------------------------
+
+
+def quantize(
+    x: Float[Array, "..."], dtype: DTypeLike, block: tuple[int, ...], *, power_of_two: bool = False
+) -> tuple[Array, Float[Array, "..."]]:
+    """``x`` in FP8 ``dtype`` with one float32 scale per block: ``(q, scale)``, ``x ≈ q · scale``.
+
+    ``block[i]``: the block's extent along dimension ``i`` (``0``: the whole dimension). A
+    dimension that the block does not divide ends in a partial block. Each scale is the block's
+    largest magnitude times the reciprocal of the format's largest value (in float32; rounded up to a power of two with
+    ``power_of_two``; 1 for an all-zero block), so no element saturates.
+    """
+    if len(block) != x.ndim:
+        raise ValueError(f"a block of {len(block)} dims for a tensor of shape {x.shape}")
+    shape = x.shape
+    block = tuple(n if b == 0 else b for b, n in zip(block, shape, strict=True))
+    padded = tuple(-(-n // b) * b for n, b in zip(shape, block, strict=True))
+    xb = jnp.pad(x.astype(jnp.float32), [(0, p - n) for n, p in zip(shape, padded, strict=True)])
+    xb = xb.reshape([d for p, b in zip(padded, block, strict=True) for d in (p // b, b)])
+    inner = tuple(range(1, 2 * x.ndim, 2))
+    amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
+    fmax = float(jnp.finfo(dtype).max)
+    # Times the float32 reciprocal, as XLA computes a division by a constant anyway.
+    scale = amax * jnp.float32(1 / fmax)
+    if power_of_two:  # the next power of two at or above (E8M0): exact, from the exponent
+        mantissa, exponent = jnp.frexp(scale)
+        scale = jnp.where(mantissa == 0.5, scale, jnp.ldexp(jnp.ones_like(scale), exponent))
+    scale = jnp.where(amax > 0, scale, 1.0)
+    q = jnp.clip(xb / scale, -fmax, fmax).astype(dtype).reshape(padded)
+    q = q[tuple(slice(0, n) for n in shape)]
+    return q, scale.reshape([p // b for p, b in zip(padded, block, strict=True)])
+
+
+def dequantize(q: Array, scale: Float[Array, "..."], block: tuple[int, ...]) -> Float[Array, "..."]:
+    """``q · scale`` in float32, each scale spread over its block (``block`` as :func:`quantize`'s)."""
+    for axis, (b, n) in enumerate(zip(block, q.shape, strict=True)):
+        scale = jnp.repeat(scale, n if b == 0 else b, axis=axis)[(slice(None),) * axis + (slice(0, n),)]
+    return q.astype(jnp.float32) * scale
+
+
+def _blocks(recipe: str, lead: int) -> dict[str, tuple[tuple[int, ...], DTypeLike]]:
+    """Each operand's block and format in each of the three matmuls of ``[E.., T, K] @ [E.., K, N]``
+    (``lead`` leading batch dims, one block each): ``x``/``w`` forward, ``g``/``w_t`` for the
+    input's gradient (contracting N), ``x_t``/``g_t`` for the weight's (contracting T)."""
+    e = (1,) * lead
+    if recipe == "tensorwise":
+        whole = (*e, 0, 0)
+        return {k: (whole, E5M2 if k.startswith("g") else E4M3) for k in ("x", "w", "g", "w_t", "x_t", "g_t")}
+    b = MX_BLOCK if recipe == "mxfp8" else TILE
+    weight = (*e, b, b) if recipe == "blockwise" else None
+    return {
+        "x": ((*e, 1, b), E4M3),
+        "w": (weight or (*e, b, 1), E4M3),
+        "g": ((*e, 1, b), E4M3),
+        "w_t": (weight or (*e, 1, b), E4M3),
+        "x_t": ((*e, b, 1), E4M3),
+        "g_t": ((*e, b, 1), E4M3),
+    }
+
+
+def fake_quantize(x: Float[Array, "..."], recipe: str, role: str, lead: int = 0) -> Float[Array, "..."]:
+    """``x`` quantized and dequantized as ``recipe`` treats operand ``role`` (see :func:`_blocks`)."""
+    block, dtype = _blocks(recipe, lead)[role]
+    return dequantize(*quantize(x, dtype, block, power_of_two=recipe == "mxfp8"), block)
+
+
+def _dot(a: Float[Array, "*E T K"], b: Float[Array, "*E K N"]) -> Float[Array, "*E T N"]:
+    lead = tuple(range(a.ndim - 2))
+    dims = (((a.ndim - 1,), (a.ndim - 2,)), (lead, lead))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _mT(a: Array) -> Array:
+    return jnp.swapaxes(a, -1, -2)
+
+
+def fp8_matmul(x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str) -> Float[Array, "*E T N"]:
+    """``x @ w`` as ``recipe`` computes it (float32 accumulation, result in ``x``'s dtype)."""
+    if recipe not in RECIPES or recipe == "none":
+        raise ConfigError(f"fp8_matmul: recipe {recipe!r} is not an FP8 recipe; choose one of {RECIPES[1:]}")
+    return _matmul(recipe)(x, w)
+
+
+@functools.cache
+def _matmul(recipe: str):
+    """The custom-VJP matmul of ``recipe`` (one per recipe, so traces reuse it)."""
+    pow2 = recipe == "mxfp8"
+
+    def forward(x, w):
+        lead = x.ndim - 2
+        blocks = _blocks(recipe, lead)
+        block, dtype = blocks["x_t"]
+        kept = quantize(x, dtype, block, power_of_two=pow2)  # the weight gradient's operand, in FP8
+        x_q = dequantize(*kept, block) if blocks["x"] == blocks["x_t"] else fake_quantize(x, recipe, "x", lead)
+        return _dot(x_q, fake_quantize(w, recipe, "w", lead)).astype(x.dtype), kept
+
+    @jax.custom_vjp
+    def f(x, w):
+        return forward(x, w)[0]
+
+    def fwd(x, w):
+        out, kept = forward(x, w)
+        return out, (kept, w, jnp.zeros((0,), x.dtype))
+
+    def bwd(res, g):
+        (q_xt, s_xt), w, like = res
+        lead = w.ndim - 2
+        x_t = dequantize(q_xt, s_xt, _blocks(recipe, lead)["x_t"][0])
+        dx = _dot(fake_quantize(g, recipe, "g", lead), _mT(fake_quantize(w, recipe, "w_t", lead)))
+        dw = _dot(_mT(x_t), fake_quantize(g, recipe, "g_t", lead))
+        return dx.astype(like.dtype), dw.astype(w.dtype)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def matmul(name: str, spec: str, x: Float[Array, "..."], w: Float[Array, "..."]) -> Float[Array, "..."]:
+    """``jnp.einsum(spec, x, w)``, in FP8 where the active precision map says so for ``name``.
+
+    ``spec`` is a two-operand einsum with an explicit output (``"bsd,dhk->bshk"``): the letters in
+    both operands and the output are batch (experts), those in both operands only are contracted.
+    """
+    recipe = recipe_of(name)
+    if recipe == "none":
+        return jnp.einsum(spec, x, w)
+    return einsum_fp8(spec, x, w, recipe)
+
+
+def einsum_fp8(spec: str, x: Float[Array, "..."], w: Float[Array, "..."], recipe: str) -> Float[Array, "..."]:
+    """A two-operand einsum as one batched ``[E, T, K] @ [E, K, N]`` FP8 matmul of ``recipe``."""
+    inputs, _, out = spec.replace(" ", "").partition("->")
+    lhs, _, rhs = inputs.partition(",")
+    if not out or not rhs or "," in rhs or "." in spec:
+        raise ValueError(f"einsum_fp8 takes 'lhs,rhs->out' with explicit letters, got {spec!r}")
+    batch = [c for c in lhs if c in rhs and c in out]
+    contract = [c for c in lhs if c in rhs and c not in out]
+    lfree = [c for c in lhs if c not in rhs]
+    rfree = [c for c in rhs if c not in lhs]
+    if sorted(out) != sorted(batch + lfree + rfree):
+        raise ValueError(f"einsum_fp8: output {out!r} of {spec!r} is not a matmul's (no sums over one operand alone)")
+    size = dict(zip(lhs, x.shape, strict=True)) | dict(zip(rhs, w.shape, strict=True))
+
+    def prod(letters):
+        return math.prod(size[c] for c in letters)
+
+    xs = jnp.transpose(x, [lhs.index(c) for c in batch + lfree + contract])
+    ws = jnp.transpose(w, [rhs.index(c) for c in batch + contract + rfree])
+    e = (prod(batch),) if batch else ()
+    y = fp8_matmul(xs.reshape(*e, prod(lfree), prod(contract)), ws.reshape(*e, prod(contract), prod(rfree)), recipe)
+    y = y.reshape([size[c] for c in batch + lfree + rfree])
+    order = batch + lfree + rfree
+    return jnp.transpose(y, [order.index(c) for c in out])
