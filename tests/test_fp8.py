@@ -129,3 +129,19 @@ def test_matmul_follows_the_active_map_and_refuses_unknown_names():
             fp8.matmul("mlp_down", "td,df->tf", x, w)
     with pytest.raises(ConfigError, match="unknown FP8 recipe 'fp4'"), fp8.using({"mlp_up": "fp4"}):
         pass
+
+
+def test_tensorwise_products_are_fp8_dots_in_the_program():
+    """The forward product and both gradients are FP8 x FP8 dots with float32 results (E5M2
+    cotangents), so a GPU compiler sees FP8 GEMMs; nothing else in the step is a dot."""
+    x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 16), jnp.bfloat16)
+
+    def loss(a, b):
+        return fp8.fp8_matmul(a, b, "tensorwise").astype(jnp.float32).sum()
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3, dots
+    operands = [line.rsplit(":", 1)[1] for line in dots]
+    assert all(o.count("f8E4M3FN") + o.count("f8E5M2") == 2 and "-> tensor<" in o for o in operands), operands
+    assert sum("f8E5M2" in o for o in operands) == 2  # the cotangent in both gradient products

@@ -21,9 +21,10 @@ dimension (straight-through: the scales come from each block's maximum, so nothi
 
 Which matmul runs which recipe is the family's precision map (:mod:`zoo.precision`), active
 during a trace through :func:`using`; model code calls :func:`matmul` with the matmul's name.
-On CPU the quantized operands are dequantized exactly (FP8 value times its float32 scale) and
-multiplied in float32, so the numerics are the recipe's own, reproducible by NumPy
-(``tests/test_fp8.py``). The backward pass keeps each weight as given (it is quantized again,
+Tensorwise products are FP8 x FP8 dots in the program (float32 accumulation, both scales
+applied to the result), the form a GPU runs; MXFP8 and blockwise multiply the dequantized
+operands (FP8 value times its block's scale) in float32. Either way the numerics are the
+recipe's own, reproducible by NumPy (``tests/test_fp8.py``). The backward pass keeps each weight as given (it is quantized again,
 identically) and the activation's FP8 copy quantized for the weight gradient: half a bfloat16
 activation's bytes, plus its scales.
 """
@@ -164,17 +165,37 @@ def fp8_matmul(x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str
     return _matmul(recipe)(x, w)
 
 
+def _scaled_dot(
+    a: tuple[Array, Float[Array, "..."]], b: tuple[Array, Float[Array, "..."]]
+) -> Float[Array, "*E T N"]:
+    """Two tensorwise-quantized operands' product: an FP8 x FP8 dot accumulated in float32, times
+    both scales (the form XLA's GPU compiler rewrites to a scaled FP8 cuBLASLt GEMM)."""
+    (qa, sa), (qb, sb) = a, b
+    return _dot(qa, qb) * (sa * sb)
+
+
 @functools.cache
 def _matmul(recipe: str):
-    """The custom-VJP matmul of ``recipe`` (one per recipe, so traces reuse it)."""
+    """The custom-VJP matmul of ``recipe`` (one per recipe, so traces reuse it).
+
+    Tensorwise runs its three products as FP8 dots in the program (scales applied to the float32
+    result); MXFP8 and blockwise scale within the contracted dimension, which a plain dot cannot
+    express, so they multiply the dequantized operands in float32 (on GPU a block-scaled GEMM
+    would compute the same products; XLA does not emit one from this spelling)."""
     pow2 = recipe == "mxfp8"
+    whole = recipe == "tensorwise"
+
+    def q(a, role, lead):
+        block, dtype = _blocks(recipe, lead)[role]
+        return quantize(a, dtype, block, power_of_two=pow2)
 
     def forward(x, w):
         lead = x.ndim - 2
         blocks = _blocks(recipe, lead)
-        block, dtype = blocks["x_t"]
-        kept = quantize(x, dtype, block, power_of_two=pow2)  # the weight gradient's operand, in FP8
-        x_q = dequantize(*kept, block) if blocks["x"] == blocks["x_t"] else fake_quantize(x, recipe, "x", lead)
+        kept = q(x, "x_t", lead)  # the weight gradient's operand, in FP8
+        if whole:
+            return _scaled_dot(kept, q(w, "w", lead)).astype(x.dtype), kept
+        x_q = dequantize(*kept, blocks["x_t"][0]) if blocks["x"] == blocks["x_t"] else fake_quantize(x, recipe, "x", lead)
         return _dot(x_q, fake_quantize(w, recipe, "w", lead)).astype(x.dtype), kept
 
     @jax.custom_vjp
@@ -188,6 +209,12 @@ def _matmul(recipe: str):
     def bwd(res, g):
         (q_xt, s_xt), w, like = res
         lead = w.ndim - 2
+        if whole:
+            q_g, s_g = q(g, "g", lead)
+            q_w, s_w = q(w, "w_t", lead)
+            dx = _scaled_dot((q_g, s_g), (_mT(q_w), _mT(s_w)))
+            dw = _scaled_dot((_mT(q_xt), _mT(s_xt)), q(g, "g_t", lead))
+            return dx.astype(like.dtype), dw.astype(w.dtype)
         x_t = dequantize(q_xt, s_xt, _blocks(recipe, lead)["x_t"][0])
         dx = _dot(fake_quantize(g, recipe, "g", lead), _mT(fake_quantize(w, recipe, "w_t", lead)))
         dw = _dot(_mT(x_t), fake_quantize(g, recipe, "g_t", lead))
