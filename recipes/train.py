@@ -45,6 +45,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--checkpoint", help="a Hugging Face checkpoint directory, or hub id (org/name; fetched into the hub cache), to "
                         "fine-tune (overrides --model/--preset)")  # fmt: skip
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32", help="activation dtype")
+    m.add_argument("--precision", default=None,
+                   help="which matmuls run in FP8: the family's precision map as a preset (fp8_all: tensorwise current "
+                        "scaling, mxfp8, blockwise; deepseek for --model deepseek_v3) or 'preset+name=recipe,...' "
+                        "(docs/precision.md); default: none")  # fmt: skip
     m.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
     m.add_argument("--attention", choices=["auto", "xla", "blockwise", "cudnn", "splash", "pallas_gpu"], default="auto",
                    help="attention path: auto picks splash (TPU), cuDNN (GPU, bf16, unpacked), the Pallas GPU kernel "
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # the checkpoint's sampling settings go with the saved weights; a bad file stops the run before training
         generation = read_generation_config(args.checkpoint) if args.checkpoint and args.save_hf else {}
         setup.check_model(model, seq_len=args.seq_len, placement=args.placement, mesh=mesh,
-                          virtual_stages=args.virtual_stages)  # fmt: skip
+                          virtual_stages=args.virtual_stages, precision=args.precision)  # fmt: skip
     except (CheckpointError, ConfigError) as e:
         parser().error(str(e))
     if args.placement == "auto":

@@ -18,6 +18,7 @@ from zoo.core.named import named
 from zoo.deepseek_v3.config import DeepseekV3Config
 from zoo.hooks.step import tensor_psum
 from zoo.layers import apply_rope, causal_attention, rms_norm
+from zoo.layers.fp8 import matmul
 
 
 class MLA(eqx.Module):
@@ -42,7 +43,7 @@ def mla(config: DeepseekV3Config, p: MLA, h: Float[Array, "B S D"], cos: Float[A
     k, v = mla_expand(config, p, kv_latent, k_rope)
     ctx = causal_attention(q, k, v, scale=config.softmax_scale, segment_ids=segment_ids, implementation=config.attention)
     # The projection only feeds the residual add, but the add's result feeds the MLP norm.
-    return named("attn_out", lambda: tensor_psum(jnp.einsum("bshu,hud->bsd", ctx, p.wo)))
+    return named("attn_out", lambda: tensor_psum(matmul("attn_out", "bshu,hud->bsd", ctx, p.wo)))
 
 
 def mla_project(config: DeepseekV3Config, p: MLA, h: Float[Array, "B S D"], cos: Float[Array, "B S R"],
@@ -53,19 +54,19 @@ def mla_project(config: DeepseekV3Config, p: MLA, h: Float[Array, "B S D"], cos:
     eps, n, c = config.rms_norm_eps, config.qk_nope_head_dim, config.kv_lora_rank
     if p.wq is None:
         # RMSNorm's backward needs its input: naming it spares recomputing the projection.
-        q_a = named("q_a", jnp.einsum, "bsd,dq->bsq", h, p.wq_a)
+        q_a = named("q_a", matmul, "q_a", "bsd,dq->bsq", h, p.wq_a)
         q_latent = named("q_latent", rms_norm, q_a, p.q_norm, eps)
 
     def query() -> Float[Array, "B S H K"]:
         if p.wq is not None:
-            q = jnp.einsum("bsd,dhk->bshk", h, p.wq)
+            q = matmul("query", "bsd,dhk->bshk", h, p.wq)
         else:
-            q = jnp.einsum("bsq,qhk->bshk", q_latent, p.wq_b)
+            q = matmul("query", "bsq,qhk->bshk", q_latent, p.wq_b)
         q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
         return jnp.concatenate([q[..., :n], q_rope], axis=-1)
 
     # The down projection's columns are kv_a's and the rope key's: it runs outside both scopes.
-    kv = jnp.einsum("bsd,da->bsa", h, p.wkv_a)
+    kv = matmul("kv_a", "bsd,da->bsa", h, p.wkv_a)
     kv_a = named("kv_a", lambda: kv[..., :c])
     kv_latent = named("kv_latent", rms_norm, kv_a, p.kv_norm, eps)
     k_rope = apply_rope(kv[..., None, c:], cos, sin, interleaved=config.rope_interleave)[..., 0, :]
@@ -79,7 +80,7 @@ def mla_expand(
     head make the keys' no-rope part, the last U the values); the rope key is shared."""
     n = config.qk_nope_head_dim
     # The up projection's columns are the keys' and the values': it runs outside both scopes.
-    expanded = jnp.einsum("bsc,chw->bshw", kv_latent, p.wkv_b)
+    expanded = matmul("kv_b", "bsc,chw->bshw", kv_latent, p.wkv_b)
 
     def key() -> Float[Array, "B T H K"]:
         k_nope = expanded[..., :n]

@@ -33,6 +33,7 @@ from zoo.deepseek_v3.loss import DeepseekV3Training, deepseek_v3_loss
 from zoo.deepseek_v3.mla import MLA, mla, mla_expand, mla_project  # noqa: F401  (re-exported: their home before mla.py)
 from zoo.deepseek_v3.moe import update_router_bias
 from zoo.deepseek_v3.placement import DeepseekV3Placement
+from zoo.deepseek_v3.precision import DeepseekV3Precision
 from zoo.hooks.pipeline import per_layer_to_stored
 from zoo.hooks.step import context_positions, context_size, gather_layer
 from zoo.layers import embed, rms_norm, rope_cos_sin, unembed
@@ -41,7 +42,6 @@ from zoo.layers.moe import resolve_expert_impl
 from zoo.layers.stack import scan_layers
 from zoo.loss import shifted_targets
 from zoo.placement import layer_policy
-
 
 # How generation decodes with the MLA cache (zoo/deepseek_v3/decode.py; the first is the default).
 
@@ -164,6 +164,7 @@ class DeepseekV3(CausalLM):
     config_cls: ClassVar[type] = DeepseekV3Config
     model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
     placement_map: ClassVar[type] = DeepseekV3Placement
+    precision_map: ClassVar[type] = DeepseekV3Precision
     training_options: ClassVar[type] = DeepseekV3Training
     cache_options: ClassVar[Mapping[str, tuple[tuple[str, ...], str]]] = {
         "mla": (decode.MLA_DECODES, ("DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same "

@@ -57,7 +57,8 @@ _ACTIVE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextV
 @contextlib.contextmanager
 def using(recipes: Mapping[str, str] | None) -> Iterator[None]:
     """Trace the enclosed model code with ``recipes`` (matmul name -> recipe); ``None``: every
-    matmul as written. :func:`zoo.precision.using` gives a family's map this way."""
+    matmul as written. :func:`zoo.layers.precision.using` gives a family's map this way. Enter it
+    inside the jitted function: ``jax.jit`` caches a trace by its arguments, not by this context."""
     for name, recipe in (recipes or {}).items():
         if recipe not in RECIPES:
             raise ConfigError(f"matmul {name!r}: unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")

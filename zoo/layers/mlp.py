@@ -2,11 +2,11 @@
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from zoo.core.named import named
 from zoo.hooks.step import tensor_psum
+from zoo.layers.fp8 import matmul
 
 
 class SwiGLU(eqx.Module):
@@ -25,7 +25,8 @@ def swiglu(
     *,
     prefix: str = "mlp",
 ) -> Float[Array, "B S D"]:
-    """Names ``{prefix}_gate``, ``{prefix}_up`` and ``{prefix}_hidden`` for the placement map.
+    """Names ``{prefix}_gate``, ``{prefix}_up`` and ``{prefix}_hidden`` for the placement map,
+    and the matmuls ``{prefix}_gate``, ``{prefix}_up``, ``{prefix}_down`` for the precision map.
 
     The down projection's output is not named: it only feeds the residual add, so the
     backward pass never needs it.
@@ -34,7 +35,7 @@ def swiglu(
     # XLA:CPU would transpose the [B S F] gradient inside the silu-backward fusion, slowly.
     bs, f = x.shape[:-1], w_gate.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
-    gate = named(f"{prefix}_gate", lambda: jnp.einsum("td,df->tf", x2, w_gate).reshape(*bs, f))
-    up = named(f"{prefix}_up", lambda: jnp.einsum("td,df->tf", x2, w_up).reshape(*bs, f))
+    gate = named(f"{prefix}_gate", lambda: matmul(f"{prefix}_gate", "td,df->tf", x2, w_gate).reshape(*bs, f))
+    up = named(f"{prefix}_up", lambda: matmul(f"{prefix}_up", "td,df->tf", x2, w_up).reshape(*bs, f))
     hidden = named(f"{prefix}_hidden", lambda: jax.nn.silu(gate) * up)
-    return tensor_psum(jnp.einsum("tf,fd->td", hidden.reshape(-1, f), w_down).reshape(x.shape))
+    return tensor_psum(matmul(f"{prefix}_down", "tf,fd->td", hidden.reshape(-1, f), w_down).reshape(x.shape))

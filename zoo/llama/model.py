@@ -24,10 +24,12 @@ from zoo.hooks.step import gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.decoder import DenseBlock, GQAttention
 from zoo.layers.embed import positions_for
+from zoo.layers.fp8 import matmul
 from zoo.layers.gqa_decode import GQAGeneration, GQALayers
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
 from zoo.llama.placement import LlamaPlacement
+from zoo.llama.precision import LlamaPrecision
 from zoo.loss import NextTokenLM
 from zoo.placement import layer_policy
 
@@ -89,9 +91,9 @@ def llama_qkv(
     queries and keys. ``k`` and ``v`` are what a generation cache keeps (``zoo.generate``)."""
     eps, a = config.rms_norm_eps, layer.attn
     h = named("attn_norm", rms_norm, x, layer.attn_norm, eps)
-    q = named("query", lambda: apply_rope(jnp.einsum("bsd,dhk->bshk", h, a.wq), cos, sin))
-    k = named("key", lambda: apply_rope(jnp.einsum("bsd,dgk->bsgk", h, a.wk), cos, sin))
-    v = named("value", jnp.einsum, "bsd,dgk->bsgk", h, a.wv)
+    q = named("query", lambda: apply_rope(matmul("query", "bsd,dhk->bshk", h, a.wq), cos, sin))
+    k = named("key", lambda: apply_rope(matmul("key", "bsd,dgk->bsgk", h, a.wk), cos, sin))
+    v = named("value", matmul, "value", "bsd,dgk->bsgk", h, a.wv)
     return q, k, v
 
 
@@ -103,7 +105,7 @@ def llama_post_attention(
     eps, a = config.rms_norm_eps, layer.attn
     # The projection only feeds the residual add, but the add's result feeds the MLP norm,
     # whose backward needs it: saving this name spares recomputing the projection.
-    x = x + named("attn_out", lambda: tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, a.wo)))
+    x = x + named("attn_out", lambda: tensor_psum(matmul("attn_out", "bshk,hkd->bsd", ctx, a.wo)))
     h = named("mlp_norm", rms_norm, x, layer.mlp_norm, eps)
     return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
@@ -127,6 +129,7 @@ class Llama(GQAGeneration, NextTokenLM):
     config_cls: ClassVar[type] = LlamaConfig
     model_types: ClassVar[tuple[str, ...]] = ("llama",)
     placement_map: ClassVar[type] = LlamaPlacement
+    precision_map: ClassVar[type] = LlamaPrecision
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray | None = None, arrays=None, mesh: Any = None,
                  param_dtype=jnp.float32, compute_dtype=jnp.float32):  # fmt: skip

@@ -29,6 +29,7 @@ from zoo.hooks.step import PipelineSplit, gather_layer, pipeline_of, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.decoder import DenseBlock, GQAttention, MoEBlock
 from zoo.layers.embed import positions_for
+from zoo.layers.fp8 import matmul
 from zoo.layers.gqa_decode import GQAGeneration, GQALayers
 from zoo.layers.moe import moe_experts, resolve_expert_impl
 from zoo.layers.moe_dispatch import dispatch_of
@@ -39,6 +40,7 @@ from zoo.qwen3.checkpoint import check_layer_kinds
 from zoo.qwen3.config import Qwen3Config
 from zoo.qwen3.loss import Qwen3Training, RouterStats, layer_router_stats, switch_balance_loss
 from zoo.qwen3.placement import Qwen3Placement
+from zoo.qwen3.precision import Qwen3Precision
 from zoo.qwen3.routing import Qwen3MoE, route
 
 
@@ -108,11 +110,11 @@ def qwen3_qkv(
     eps, a = config.rms_norm_eps, layer.attn
     h = named("attn_norm", rms_norm, x, layer.attn_norm, eps)
     # The per-head norms' backward needs their inputs: naming them spares the projections.
-    q = named("q_proj", jnp.einsum, "bsd,dhk->bshk", h, a.wq)
-    k = named("k_proj", jnp.einsum, "bsd,dgk->bsgk", h, a.wk)
+    q = named("q_proj", matmul, "q_proj", "bsd,dhk->bshk", h, a.wq)
+    k = named("k_proj", matmul, "k_proj", "bsd,dgk->bsgk", h, a.wk)
     q = named("query", lambda: apply_rope(rms_norm(q, a.q_norm, eps), cos, sin))
     k = named("key", lambda: apply_rope(rms_norm(k, a.k_norm, eps), cos, sin))
-    return q, k, named("value", jnp.einsum, "bsd,dgk->bsgk", h, a.wv)
+    return q, k, named("value", matmul, "value", "bsd,dgk->bsgk", h, a.wv)
 
 
 def qwen3_attention_out(
@@ -121,7 +123,7 @@ def qwen3_attention_out(
     """The output projection added to the residual stream."""
     # The add's result feeds the MLP norm, whose backward needs it: saving this name spares
     # recomputing the projection.
-    return x + named("attn_out", lambda: tensor_psum(jnp.einsum("bshk,hkd->bsd", ctx, layer.attn.wo)))
+    return x + named("attn_out", lambda: tensor_psum(matmul("attn_out", "bshk,hkd->bsd", ctx, layer.attn.wo)))
 
 
 def dense_ffn(config: Qwen3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
@@ -232,6 +234,7 @@ class Qwen3(GQAGeneration):
     config_cls: ClassVar[type] = Qwen3Config
     model_types: ClassVar[tuple[str, ...]] = ("qwen3", "qwen3_moe")
     placement_map: ClassVar[type] = Qwen3Placement
+    precision_map: ClassVar[type] = Qwen3Precision
     training_options: ClassVar[type] = Qwen3Training
 
     def __init__(self, config: Qwen3Config, *, key: PRNGKeyArray | None = None, arrays=None, mesh: Any = None,

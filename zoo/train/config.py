@@ -50,6 +50,10 @@ class TrainConfig:
     # The model family's training options (``type(model).training_options``, e.g. DeepSeek-V3's
     # MTP weight); None: the family's defaults.
     model_options: Any = None
+    # Which matmuls run in FP8 and in which recipe: the family's precision map as a spec string
+    # or map (zoo.layers.precision: "fp8_all", "mxfp8", "blockwise", DeepSeek-V3's "deepseek",
+    # "fp8_all+mlp_down=none"); None: every matmul in the model's dtype.
+    precision: Any = None
     # loop
     log_every: int = 25
     eval_every: int = 100

@@ -203,7 +203,7 @@ def _loop(run: _Run, manager: Any, start: int, previous: list[dict[str, Any]], t
                           opt_memory=opt_memory, xla_options=run.xla_options, xla_defaults=run.xla_defaults,
                           profile=run.profile, run_dir=run_dir)  # fmt: skip
     evaluate = make_eval(model, placement=run.placement, mesh=mesh, microbatches=cfg.microbatches,
-                         virtual_stages=cfg.virtual_stages)  # fmt: skip
+                         virtual_stages=cfg.virtual_stages, precision=cfg.precision)  # fmt: skip
     seq = cfg.seq_len
     flops_per_token = model.config.flops_per_token(seq)
     # Process 0 writes the metrics (every process computes the same ones).

@@ -27,6 +27,7 @@ from zoo.core import registry
 from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf import hub
 from zoo.hf.load import from_pretrained, read_config
+from zoo.layers import precision as zoo_precision
 from zoo.placement import PlacementError, resolve
 from zoo.runtime import parse_xla_option, resident_memory
 from zoo.train.batch import check_batch_layout
@@ -227,11 +228,12 @@ def built_on_mesh(model: Any, resident_before: int | None) -> str:
             f"devices hold {mine / 2**20:.0f} MiB of shards (a replicated array once per device){grew}")  # fmt: skip
 
 
-def check_model(model: Any, *, seq_len: int, placement: str | None, mesh: Any = None, virtual_stages: int = 1) -> None:
+def check_model(model: Any, *, seq_len: int, placement: str | None, mesh: Any = None, virtual_stages: int = 1,
+                precision: str | None = None) -> None:  # fmt: skip
     """``--seq-len`` within the model's positions, ``--virtual-stages`` chunks that divide each
     pipeline stage's layers (and a layer pattern the family can pipeline so), and a
-    ``--placement`` (name or map, not ``auto``) that fits the model, named before anything
-    compiles or a run dir is written."""
+    ``--placement`` (name or map, not ``auto``) and ``--precision`` that fit the model, named
+    before anything compiles or a run dir is written."""
     if seq_len > model.config.max_position_embeddings:
         raise ConfigError(f"--seq-len {seq_len} is beyond the model's max_position_embeddings "
                           f"{model.config.max_position_embeddings}")  # fmt: skip
@@ -245,6 +247,11 @@ def check_model(model: Any, *, seq_len: int, placement: str | None, mesh: Any = 
             resolve(placement, model)
         except PlacementError as e:
             raise ConfigError(f"--placement {placement}: {e}") from None
+    if precision is not None:
+        try:
+            zoo_precision.resolve(precision, model)
+        except ConfigError as e:
+            raise ConfigError(f"--precision {precision}: {e}") from None
 
 
 def mesh_share(mesh: Any) -> str:

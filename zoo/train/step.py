@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 from zoo import lora, parallel
 from zoo.core.protocol import options_or_default
 from zoo.hooks.pipeline import stacks_in_stage_order
+from zoo.layers import fp8, precision
 from zoo.loss import lm_loss
 from zoo.placement import memory_space, tree_placement
 from zoo.train.batch import as_batch
@@ -28,6 +29,12 @@ def loss_and_metrics(model: eqx.Module, input_ids: Int[Array, "B S"], *, cfg: Tr
     """The model's training objective and what to log about it (``model.loss``); ``fields``:
     the batch's positions / segment_ids / loss_mask."""
     return model.loss(input_ids, options=cfg.model_options, placement=placement, **fields)
+
+
+def matmul_recipes(model: eqx.Module, spec: Any) -> dict[str, str] | None:
+    """``{matmul name: FP8 recipe}`` of the precision map ``spec`` (a spec string or map) for
+    ``model``'s family (an adapted model's base); ``None``: no map, every matmul as written."""
+    return None if spec is None else precision.resolve(spec, lora.base_model(model)).recipes()
 
 
 def global_norm(tree: Any) -> Float[Array, ""]:
@@ -61,6 +68,7 @@ def make_train_step(
     gives a backend's set; ``None``: XLA's defaults).
     """
     options_or_default(lora.base_model(model), cfg.model_options)  # a clear error now if they are another family's
+    recipes = matmul_recipes(model, cfg.precision)
 
     memory_space(param_memory, "parameters")  # a clear error now, not at the first step's trace
     memory_space(opt_memory, "optimizer state")
@@ -87,7 +95,8 @@ def make_train_step(
 
         def grads_of(p, b):
             fields = {k: v for k, v in b.items() if k != "input_ids"}
-            with stacks_in_stage_order(stages, cfg.virtual_stages):  # the run keeps its stacks so (see train())
+            with stacks_in_stage_order(stages, cfg.virtual_stages), fp8.using(recipes):
+                # (the run keeps its stacks in stage order: see train())
                 return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
 
         def micro(acc, b):
@@ -123,14 +132,16 @@ def make_train_step(
 
 
 def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, microbatches: int | None = None,
-              virtual_stages: int = 1) -> Callable:  # fmt: skip
+              virtual_stages: int = 1, precision: Any = None) -> Callable:  # fmt: skip
     """``evaluate(params, batch) -> mean next-token loss`` (the plain LM loss), jitted; ``batch``:
     token ids ``[B, S]`` or a dict of them with any of :data:`BATCH_FIELDS`. With a ``mesh`` of
     more than one device, the loss runs laid out as the training step runs it
     (:func:`zoo.parallel.value`: ``microbatches`` through pipeline stages, ``virtual_stages``
     chunks of them, the stacks then in stage order), not as XLA would lay
-    out a plain jit of it (which gathers a pipelined layer stack whole on every device)."""
+    out a plain jit of it (which gathers a pipelined layer stack whole on every device).
+    ``precision``: the training step's precision map (``TrainConfig.precision``)."""
     static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+    recipes = matmul_recipes(model, precision)
     if mesh is not None and mesh.size > 1:
         loss = parallel.value(lm_loss, mesh, microbatches=microbatches, virtual_stages=virtual_stages)
 
@@ -138,7 +149,7 @@ def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, mic
 
         def sharded(params, batch):
             b = as_batch(batch)
-            with stacks_in_stage_order(stages, virtual_stages):  # a run's parameters, in its stage order
+            with stacks_in_stage_order(stages, virtual_stages), fp8.using(recipes):  # a run's stage order
                 return loss(eqx.combine(params, static), b.pop("input_ids"), placement=placement, **b)
 
         return sharded
@@ -146,6 +157,7 @@ def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, mic
     @jax.jit
     def evaluate(params, batch):
         b = as_batch(batch)
-        return lm_loss(eqx.combine(params, static), placement=placement, **b)
+        with fp8.using(recipes):
+            return lm_loss(eqx.combine(params, static), placement=placement, **b)
 
     return evaluate
