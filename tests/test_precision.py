@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FIXTURES
 from families import MODEL_TYPES, tiny, tiny_ids
 
 import zoo
@@ -37,15 +38,24 @@ def lm_in(spec):
     return f
 
 
+# Beside the shared fixture, those that run a family's other matmuls (DeepSeek-V3's MTP block).
+MORE = {"deepseek_v3": ("deepseek_v3-tiny-16e-mtp", {"mtp": True})}
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_the_map_names_exactly_the_matmuls_the_model_code_asks_for(model_type, monkeypatch):
-    model, ids = tiny(model_type), tiny_ids(model_type)
+    models = [tiny(model_type)]
+    if model_type in MORE:
+        name, options = MORE[model_type]
+        models.append(zoo.from_pretrained(FIXTURES / name, **options))
+    ids = tiny_ids(model_type)
     asked: list[str] = []
     real = fp8.recipe_of
     monkeypatch.setattr(fp8, "recipe_of", lambda name: asked.append(name) or real(name))
-    with using("fp8_all", model):
-        jax.eval_shape(jax.value_and_grad(lm), model, ids)
-    assert set(asked) == set(precision_map_for(model).names())
+    for model in models:
+        with using("fp8_all", model):  # the training loss, every block in it
+            jax.eval_shape(jax.value_and_grad(lambda m, i: m.loss(i)[0]), model, ids)
+    assert set(asked) == set(precision_map_for(models[0]).names())
 
 
 def test_none_is_the_models_own_numerics_bit_for_bit():
@@ -114,3 +124,22 @@ def test_an_fp8_train_step_lowers_the_loss_as_the_float32_step_does():
     assert abs(fp8_all[0] - f32[0]) < 1e-3 * f32[0]  # the same model before any update
     np.testing.assert_allclose(fp8_all, f32, rtol=5e-2)
     assert not np.array_equal(fp8_all, f32)
+
+
+def test_the_cuda_step_has_fp8_dots_for_exactly_the_tensorwise_matmuls():
+    """The training step exported for CUDA: each tensorwise matmul of the map is three FP8 x FP8
+    dots (forward, input and weight gradient) in the scanned layer bodies; the matmul the map
+    leaves out (``mlp_down``), attention and the head stay float32 dots."""
+    model, ids = tiny("llama"), tiny_ids("llama")
+    cfg = TrainConfig(batch_size=ids.shape[0], seq_len=ids.shape[1], precision="fp8_all+mlp_down=none")
+    tx = optimizer(cfg, model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    step = make_train_step(model, cfg, tx)
+    mlir = jax.export.export(step, platforms=["cuda"])(params, tx.init(params), ids[None], jnp.int32(0)).mlir_module()
+    dots = [line.rsplit(":", 1)[1] for line in mlir.splitlines() if "stablehlo.dot_general" in line]
+    fp8_dots = [d for d in dots if "f8E4M3FN" in d or "f8E5M2" in d]
+    assert len(fp8_dots) == 3 * 6, fp8_dots  # query, key, value, attn_out, mlp_gate, mlp_up
+    # mlp_down's three products: [T F] @ [F D] and its gradients, float32, with F = intermediate_size
+    f = model.config.intermediate_size
+    down = [d for d in dots if d not in fp8_dots and f"x{f}xf32" in d and "f8" not in d]
+    assert len(down) == 3, down

@@ -38,6 +38,7 @@ from zoo.hooks.pipeline import per_layer_to_stored
 from zoo.hooks.step import context_positions, context_size, gather_layer
 from zoo.layers import embed, rms_norm, rope_cos_sin, unembed
 from zoo.layers.embed import positions_for
+from zoo.layers.fp8 import matmul
 from zoo.layers.moe import resolve_expert_impl
 from zoo.layers.stack import scan_layers
 from zoo.loss import shifted_targets
@@ -255,7 +256,7 @@ class DeepseekV3(CausalLM):
                              next_ids, input_ids)  # fmt: skip
         e = rms_norm(embed(self.embed, next_ids, dtype, vocab_size=self.config.vocab_size), m.enorm, eps)
         h = rms_norm(last, m.hnorm, eps)
-        x = jnp.einsum("bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
+        x = matmul("mtp_proj", "bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
 
         def block(x, layer):
             x, _, _, dropped = moe_layer(self.config, layer, x, cos, sin, segment_ids, self.expert_impl)

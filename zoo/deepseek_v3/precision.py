@@ -20,11 +20,12 @@ class DeepseekV3Precision(PrecisionMap, model="zoo.deepseek_v3.model.DeepseekV3"
       latent's up projection to per-head keys and values; ``attn_out``: the output projection.
     - ``mlp_gate``/``mlp_up``/``mlp_down``: the dense first layers' SwiGLU;
       ``shared_gate``/``shared_up``/``shared_down``: the shared experts'.
+    - ``mtp_proj``: the MTP block's projection of [embedding, hidden state] to the model width
+      (the block's own layer runs the names above).
 
     The ``deepseek`` preset is the technical report's (section 3.3): every linear layer's GEMMs
     in the blockwise recipe; the router, attention, norms, embedding and head in higher
-    precision. The routed experts and the MTP projection are not in the map yet: they stay in the
-    model's dtype.
+    precision. The routed experts are not in the map yet: they stay in the model's dtype.
     """
 
     presets: ClassVar[Mapping[str, str]] = {"deepseek": "blockwise"}
@@ -40,3 +41,4 @@ class DeepseekV3Precision(PrecisionMap, model="zoo.deepseek_v3.model.DeepseekV3"
     shared_gate: Recipe = "none"
     shared_up: Recipe = "none"
     shared_down: Recipe = "none"
+    mtp_proj: Recipe = "none"
