@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "ratio": loss / base, "seconds": seconds})  # fmt: skip
                 print(rows[-1], flush=True)
     lines = [
-        f"The main job (`recipes/train.py --preset small`, embedded corpus, bf16 compute), {args.steps} steps, final "
-        "validation loss per `--precision`; the peer is the bf16 run (`none`) of the same invocation.",
+        (f"The main job (`recipes/train.py --preset small`, embedded corpus, bf16 compute), {args.steps} steps, final "
+         "validation loss per `--precision`; the peer is the bf16 run (`none`) of the same invocation."),
         "",
         "| model | --precision | validation loss | bf16 (peer) | ratio | within 2% | wall s |",
         "|---|---|---:|---:|---:|---|---:|",
