@@ -61,7 +61,7 @@ def mla_project(config: DeepseekV3Config, p: MLA, h: Float[Array, "B S D"], cos:
         if p.wq is not None:
             q = matmul("query", "bsd,dhk->bshk", h, p.wq)
         else:
-            q = matmul("query", "bsq,qhk->bshk", q_latent, p.wq_b)
+            q = matmul("query", "bsq,qhk->bshk", q_latent, p.wq_b, saved="q_latent")
         q_rope = apply_rope(q[..., n:], cos, sin, interleaved=config.rope_interleave)
         return jnp.concatenate([q[..., :n], q_rope], axis=-1)
 
@@ -80,7 +80,7 @@ def mla_expand(
     head make the keys' no-rope part, the last U the values); the rope key is shared."""
     n = config.qk_nope_head_dim
     # The up projection's columns are the keys' and the values': it runs outside both scopes.
-    expanded = matmul("kv_b", "bsc,chw->bshw", kv_latent, p.wkv_b)
+    expanded = matmul("kv_b", "bsc,chw->bshw", kv_latent, p.wkv_b, saved="kv_latent")
 
     def key() -> Float[Array, "B T H K"]:
         k_nope = expanded[..., :n]

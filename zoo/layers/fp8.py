@@ -40,6 +40,7 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
@@ -159,11 +160,18 @@ def _mT(a: Array) -> Array:
     return jnp.swapaxes(a, -1, -2)
 
 
-def fp8_matmul(x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str) -> Float[Array, "*E T N"]:
-    """``x @ w`` as ``recipe`` computes it (float32 accumulation, result in ``x``'s dtype)."""
+def fp8_matmul(
+    x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str, *, saved: str | None = None
+) -> Float[Array, "*E T N"]:
+    """``x @ w`` as ``recipe`` computes it (float32 accumulation, result in ``x``'s dtype).
+
+    ``saved``: the placement name of ``x``. The FP8 copy of ``x`` the backward pass keeps (and
+    its scales) then carries that name, so a placement map that keeps or offloads ``x`` keeps or
+    offloads the FP8 copy instead: half a bfloat16 tensor's bytes, the same numerics (the backward
+    pass reads the FP8 copy either way)."""
     if recipe not in RECIPES or recipe == "none":
         raise ConfigError(f"fp8_matmul: recipe {recipe!r} is not an FP8 recipe; choose one of {RECIPES[1:]}")
-    return _matmul(recipe)(x, w)
+    return _matmul(recipe, saved)(x, w)
 
 
 def _scaled_dot(
@@ -176,8 +184,9 @@ def _scaled_dot(
 
 
 @functools.cache
-def _matmul(recipe: str):
-    """The custom-VJP matmul of ``recipe`` (one per recipe, so traces reuse it).
+def _matmul(recipe: str, saved: str | None = None):
+    """The custom-VJP matmul of ``recipe`` whose kept FP8 operand is named ``saved`` (one per
+    pair, so traces reuse it).
 
     Tensorwise runs its three products as FP8 dots in the program (scales applied to the float32
     result); MXFP8 and blockwise scale within the contracted dimension, which a plain dot cannot
@@ -205,6 +214,8 @@ def _matmul(recipe: str):
 
     def fwd(x, w):
         out, kept = forward(x, w)
+        if saved is not None:  # named here, where jax.checkpoint's policy sees the residual
+            kept = tuple(checkpoint_name(a, saved) for a in kept)
         return out, (kept, w, jnp.zeros((0,), x.dtype))
 
     def bwd(res, g):
@@ -225,19 +236,25 @@ def _matmul(recipe: str):
     return f
 
 
-def matmul(name: str, spec: str, x: Float[Array, "..."], w: Float[Array, "..."]) -> Float[Array, "..."]:
+def matmul(
+    name: str, spec: str, x: Float[Array, "..."], w: Float[Array, "..."], *, saved: str | None = None
+) -> Float[Array, "..."]:
     """``jnp.einsum(spec, x, w)``, in FP8 where the active precision map says so for ``name``.
 
     ``spec`` is a two-operand einsum with an explicit output (``"bsd,dhk->bshk"``): the letters in
     both operands and the output are batch (experts), those in both operands only are contracted.
+    ``saved``: ``x``'s placement name, given where this matmul is ``x``'s only reader in the
+    backward pass (see :func:`fp8_matmul`): the map then keeps ``x``'s FP8 copy, not ``x``.
     """
     recipe = recipe_of(name)
     if recipe == "none":
         return jnp.einsum(spec, x, w)
-    return einsum_fp8(spec, x, w, recipe)
+    return einsum_fp8(spec, x, w, recipe, saved=saved)
 
 
-def einsum_fp8(spec: str, x: Float[Array, "..."], w: Float[Array, "..."], recipe: str) -> Float[Array, "..."]:
+def einsum_fp8(
+    spec: str, x: Float[Array, "..."], w: Float[Array, "..."], recipe: str, *, saved: str | None = None
+) -> Float[Array, "..."]:
     """A two-operand einsum as one batched ``[E, T, K] @ [E, K, N]`` FP8 matmul of ``recipe``."""
     inputs, _, out = spec.replace(" ", "").partition("->")
     lhs, _, rhs = inputs.partition(",")
@@ -257,7 +274,8 @@ def einsum_fp8(spec: str, x: Float[Array, "..."], w: Float[Array, "..."], recipe
     xs = jnp.transpose(x, [lhs.index(c) for c in batch + lfree + contract])
     ws = jnp.transpose(w, [rhs.index(c) for c in batch + contract + rfree])
     e = (prod(batch),) if batch else ()
-    y = fp8_matmul(xs.reshape(*e, prod(lfree), prod(contract)), ws.reshape(*e, prod(contract), prod(rfree)), recipe)
+    y = fp8_matmul(xs.reshape(*e, prod(lfree), prod(contract)), ws.reshape(*e, prod(contract), prod(rfree)), recipe,
+                   saved=saved)
     y = y.reshape([size[c] for c in batch + lfree + rfree])
     order = batch + lfree + rfree
     return jnp.transpose(y, [order.index(c) for c in out])

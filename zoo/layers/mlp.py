@@ -38,4 +38,7 @@ def swiglu(
     gate = named(f"{prefix}_gate", lambda: matmul(f"{prefix}_gate", "td,df->tf", x2, w_gate).reshape(*bs, f))
     up = named(f"{prefix}_up", lambda: matmul(f"{prefix}_up", "td,df->tf", x2, w_up).reshape(*bs, f))
     hidden = named(f"{prefix}_hidden", lambda: jax.nn.silu(gate) * up)
-    return tensor_psum(matmul(f"{prefix}_down", "tf,fd->td", hidden.reshape(-1, f), w_down).reshape(x.shape))
+    # The down projection is the hidden tensor's only reader in the backward pass: in FP8, the map
+    # places the FP8 copy it keeps (half the bytes of a bfloat16 one) under the hidden tensor's name.
+    down = matmul(f"{prefix}_down", "tf,fd->td", hidden.reshape(-1, f), w_down, saved=f"{prefix}_hidden")
+    return tensor_psum(down.reshape(x.shape))
