@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="activations and matmuls (parameters stay float32)")  # fmt: skip
+    p.add_argument("--precision", default=None,
+                   help="the family's precision map (fp8_all, deepseek, 'fp8_all+mlp_down=none', ...: docs/precision.md): "
+                        "its tensorwise FP8 matmuls priced at the hardware's FP8 peak")  # fmt: skip
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="MoE models: the dispatch's all-to-all slot, x the mean routed rows (default: the config's, 1.25)")
     p.add_argument("--no-verify", action="store_true", help="skip the CUDA export check of the offloaded names")
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline=not args.no_pipeline,
             virtual_stages=args.virtual_stages,
             schedule=args.schedule,
+            precision=args.precision,
         )
     except planning.NothingFits as e:
         if e.candidates:

@@ -8,6 +8,7 @@ compared with ``estimate(..., unified_memory=True)``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax.numpy as jnp
@@ -208,3 +209,23 @@ def test_when_the_trace_refuses_every_choice_the_error_says_so(monkeypatch):
                        r"priced .* but its traced step needs \d+\.\d GiB"):  # fmt: skip
         plan.plan(registry.by_model_type("llama").config_cls.preset("tiny", "llama"), seq_len=16, batch_size=1,
                   hardware="h100", verify=False)  # fmt: skip
+
+
+def test_a_layers_flops_are_its_matmuls_with_attention_causal_whatever_the_width():
+    """One Llama layer's forward FLOPs as the cost model counts them: every projection in full and
+    attention's two matmuls at half (the causal mask), on a model whose width equals the sequence
+    length and whose grouped queries fold the sequence into a larger dimension (a projection's
+    [S, D] input has two dims of size S there: once counted at half). FP8 products are the
+    precision map's tensorwise projections."""
+    from zoo.plan import _flops
+    from zoo.plan._step import abstract_model
+
+    c = dataclasses.replace(registry.by_model_type("llama").config_cls.preset("tiny", "llama"), hidden_size=256,
+                            intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32, num_layers=2)  # fmt: skip
+    s, d, h, g, k, f = 256, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    linear = 2 * s * (d * (h + 2 * g) * k + h * k * d + 3 * d * f)
+    attention = 2 * 2 * s * s * h * k / 2
+    (body,) = _flops.layer_bodies(abstract_model(c, jnp.bfloat16), s, "fp8_all+mlp_down=none")
+    assert body.layers == 2
+    assert body.forward_flops() == linear + attention
+    assert body.fp8_flops() == linear - 2 * s * f * d

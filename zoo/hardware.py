@@ -61,6 +61,10 @@ class Hardware:
     hierarchical: bool = False
     # float32 matmuls run at this fraction of the bf16 peak (TF32 on NVIDIA, bf16 passes on TPU).
     f32_ratio: float = 0.5
+    # FP8 matmuls (E4M3/E5M2 operands, float32 accumulation) run at this multiple of the bf16 peak
+    # (dense, as the datasheet gives it; 1: no FP8 matmul unit, an FP8 product runs as bf16).
+    fp8_ratio: float = 1.0
+    fp8_source: str = ""
     # The devices of a mesh are simulated in one process (XLA:CPU's forced device count): they
     # share ``hbm_bytes``, the machine's memory, rather than each having it.
     simulated: bool = False
@@ -71,8 +75,10 @@ class Hardware:
         return self.hbm_bytes / max(int(devices), 1) if self.simulated else self.hbm_bytes
 
     def peak_for(self, dtype: Any) -> float:
-        """Dense matmul peak, FLOP/s, in the compute dtype ``dtype`` (bf16 or float32)."""
-        return self.peak_flops * (self.f32_ratio if np.dtype(dtype).itemsize >= 4 else 1.0)
+        """Dense matmul peak, FLOP/s, in the compute dtype ``dtype`` (bf16, float32, or an FP8
+        format for a product of FP8 operands)."""
+        size = np.dtype(dtype).itemsize
+        return self.peak_flops * (self.f32_ratio if size >= 4 else self.fp8_ratio if size == 1 else 1.0)
 
     def describe(self) -> str:
         return (
@@ -104,6 +110,7 @@ HARDWARE: dict[str, Hardware] = {
             "BF16, PCIe Gen5 128 GB/s bidirectional); DGX H100: 2 TB system memory for 8 GPUs",
             domain=8, domain_link=900 * GB / 2, cross_link=_IB400,
             link_source="H100 SXM5 datasheet: NVLink 900 GB/s per GPU (both directions); " + _HGX_LINKS,
+            fp8_ratio=2.0, fp8_source="H100 SXM5 datasheet: FP8 Tensor Core 3,958 TFLOPS with sparsity, 1,979 dense",
         ),
         Hardware(
             "h200",
@@ -116,6 +123,7 @@ HARDWARE: dict[str, Hardware] = {
             "PCIe Gen5); DGX H200: 2 TB system memory for 8 GPUs",
             domain=8, domain_link=900 * GB / 2, cross_link=_IB400,
             link_source="H200 SXM datasheet: NVLink 900 GB/s per GPU (both directions); " + _HGX_LINKS,
+            fp8_ratio=2.0, fp8_source="H200 SXM datasheet: FP8 Tensor Core 3,958 TFLOPS with sparsity, 1,979 dense",
         ),
         Hardware(
             "b200",
@@ -129,6 +137,8 @@ HARDWARE: dict[str, Hardware] = {
             domain=8, domain_link=1800 * GB / 2, cross_link=_IB400,
             link_source="DGX B200 datasheet: fifth-generation NVLink 1.8 TB/s per GPU (both directions), 14.4 TB/s "
             "for the 8; " + _HGX_LINKS,
+            fp8_ratio=2.0, fp8_source="DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs (with sparsity): "
+            "4.5 PFLOPS dense per GPU, twice BF16",
         ),
         Hardware(
             "gb200",
@@ -147,6 +157,8 @@ HARDWARE: dict[str, Hardware] = {
             domain=72, domain_link=1800 * GB / 2, cross_link=_IB400,
             link_source="GB200 NVL72 datasheet: one NVLink domain of 72 GPUs, 1.8 TB/s per GPU (both directions), "
             "130 TB/s in all; DGX GB200: one 400 Gb/s ConnectX-7 per GPU across racks",
+            fp8_ratio=2.0, fp8_source="GB200 NVL72 datasheet: FP8/FP6 Tensor Core 720 PFLOPS with sparsity for 72 "
+            "GPUs (360 dense: 5 PFLOPS per GPU), twice the 180 PFLOPS dense BF16",
         ),
         Hardware(
             "tpu-v5p",
@@ -162,6 +174,8 @@ HARDWARE: dict[str, Hardware] = {
             link_source="Cloud TPU v5p documentation: ICI 1,200 GB/s per chip (both directions, 3D torus), the "
             "largest slice 6,144 chips; data center network (DCN) 50 Gbps per chip between slices",
             hierarchical=True,
+            fp8_source="Cloud TPU v5p documentation: BF16 and INT8 (918 TOPS) peaks, no FP8 one: FP8 products priced "
+            "as BF16",
         ),
         Hardware(
             "tpu-v6e",
@@ -178,6 +192,8 @@ HARDWARE: dict[str, Hardware] = {
             link_source="Cloud TPU v6e documentation: ICI 800 GB/s per chip (both directions, 4 ports, 2D torus), "
             "256-chip pods",
             hierarchical=True,
+            fp8_source="Cloud TPU v6e documentation: BF16 and INT8 (1,836 TOPS) peaks, no FP8 one: FP8 products "
+            "priced as BF16",
         ),
         Hardware(
             "cpu",
@@ -194,6 +210,7 @@ HARDWARE: dict[str, Hardware] = {
             link_source="simulated devices of one process: a collective is a copy in RAM",
             f32_ratio=1.0,
             simulated=True,
+            fp8_source="XLA:CPU emulates FP8 products: priced as float32",
         ),
     )
 }

@@ -6,7 +6,8 @@ forward work that rebuilds them from what is still saved: the union of the names
 slices* in the body's dataflow, cut at the saved names and the body's inputs. Its FLOPs are the
 matmuls in it. The count is taken on the dense-attention, ``ragged_dot`` spelling of the layer
 (the flash and grouped kernels loop a data-dependent number of times, which a trace cannot
-count); a matmul over a [S, S] square of scores counts half (the causal mask's work).
+count); attention's matmuls (those under the ``context`` scope every family's attention runs in:
+scores and probabilities over [S, S]) count half, the causal mask's work.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax._src import core
 
+from zoo.layers import precision as zoo_precision
+from zoo.layers.attention import NAMES as ATTENTION_NAMES
 from zoo.placement import subjaxprs
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds
+
+
+ATTENTION_SCOPE = ATTENTION_NAMES[0]  # the named scope causal_attention runs in (zoo.layers.attention)
 
 
 def _dot_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
@@ -33,8 +39,9 @@ def _dot_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
         lhs = eqn.invars[0].aval
         out = eqn.outvars[0].aval
         flops = 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
-        shapes = [tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars)]
-        if seq_len > 1 and any(sum(1 for d in s if d == seq_len) >= 2 for s in shapes):
+        # Attention's by its scope, not by two dims of size S: a projection of a model whose width
+        # is the sequence length has those too, and grouped queries fold S into a larger dim.
+        if seq_len > 1 and ATTENTION_SCOPE in str(eqn.source_info.name_stack).split("/"):
             flops *= 0.5  # scores or probabilities over [S, S]: causal
         return flops
     if name in ("ragged_dot", "ragged_dot_general"):
@@ -48,6 +55,13 @@ class _Node:
     flops: float
     ins: list[Any]
     name: str | None = None  # a checkpoint_name equation's name
+    fp8: bool = False  # a product of FP8 operands (zoo.layers.fp8's tensorwise recipe)
+
+
+def _is_fp8_dot(eqn: core.JaxprEqn) -> bool:
+    return eqn.primitive.name == "dot_general" and all(
+        jnp.issubdtype(v.aval.dtype, jnp.floating) and jnp.dtype(v.aval.dtype).itemsize == 1 for v in eqn.invars
+    )
 
 
 @dataclass
@@ -71,6 +85,16 @@ class Body:
         if "forward" not in self._cache:
             self._cache["forward"] = sum(n.flops for n in self.nodes)
         return self._cache["forward"]
+
+    def fp8_flops(self) -> float:
+        """The forward FLOPs in products of FP8 operands (their gradients' products are FP8 too)."""
+        if "fp8" not in self._cache:
+            self._cache["fp8"] = float(sum(n.flops for n in self.nodes if n.fp8))
+        return self._cache["fp8"]
+
+    def fp8_share(self) -> float:
+        total = self.forward_flops()
+        return self.fp8_flops() / total if total else 0.0
 
     def recompute_flops(self, remat: Iterable[str]) -> float:
         """FLOPs the backward pass reruns per layer when ``remat`` are recomputed (the other
@@ -116,7 +140,7 @@ def _flatten(jaxpr: core.Jaxpr, env: dict[Any, int], body: Body, seq_len: int, s
         flops = _dot_flops(eqn, seq_len) * scale
         if name in ("scan", "while", "cond"):
             flops = _loop_flops(eqn, seq_len) * scale
-        node = _Node(flops, ins, eqn.params["name"] if name == "name" else None)
+        node = _Node(flops, ins, eqn.params["name"] if name == "name" else None, _is_fp8_dot(eqn))
         index = len(body.nodes)
         body.nodes.append(node)
         if node.name is not None:
@@ -162,14 +186,20 @@ def counting_model(model: Any) -> Any:
     return jax.eval_shape(lambda: cls(config, key=jax.random.key(0), **kwargs))
 
 
-def layer_bodies(model: Any, seq_len: int) -> list[Body]:
+def layer_bodies(model: Any, seq_len: int, precision: Any = None) -> list[Body]:
     """Each checkpointed body of the forward pass (one per layer kind, and a block outside the
-    scans), from one trace of one sequence's loss under the all-``device`` map."""
+    scans), from one trace of one sequence's loss under the all-``device`` map and the precision
+    map ``precision`` (its tensorwise matmuls are FP8 products: :meth:`Body.fp8_flops`)."""
     counting = counting_model(model)
     cls = type(model).placement_map
     everything = cls.preset("device")
     ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda m, x: m.loss(x, placement=everything)[0])(counting, ids)
+
+    def loss(m: Any, x: Any) -> Any:
+        with zoo_precision.using(precision, m):
+            return m.loss(x, placement=everything)[0]
+
+    jaxpr = jax.make_jaxpr(loss)(counting, ids)
     bodies: list[Body] = []
 
     def walk(j: Any, length: int) -> None:

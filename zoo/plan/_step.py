@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, S
 from zoo import parallel, train
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
+from zoo.layers import precision as zoo_precision
 from zoo.placement import PlacementMap, memory_space, resolve, subjaxprs
 
 SDS = jax.ShapeDtypeStruct
@@ -100,6 +101,9 @@ class Step:
     microbatches: int | None = None
     virtual_stages: int = 1
     schedule: str = "gpipe"  # or "1f1b" (zoo.parallel.one_f_one_b)
+    # The family's precision map (zoo.layers.precision): which matmuls the cost model prices as
+    # FP8 products. The traced step (memory) is the one without it: FP8 residuals only shrink it.
+    precision: Any = None
 
     def __post_init__(self) -> None:
         memory_space(self.param_memory, "parameters")
@@ -280,6 +284,7 @@ class StepOptions(TypedDict, total=False):
     microbatches: int  # with a pipeline axis: micro-batches per device's rows (default: one per stage)
     virtual_stages: int  # with a pipeline axis: chunks per stage, the interleaved schedule (default 1: GPipe)
     schedule: str  # with a pipeline axis: "gpipe" (default) or "1f1b"
+    precision: Any  # a precision map or its spec (zoo.layers.precision): FP8 matmuls priced at the FP8 peak
 
 
 def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options: Unpack[StepOptions]) -> Step:
@@ -293,9 +298,13 @@ def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options:
     placement = options.get("placement")
     if placement is not None:
         placement = resolve(placement, model)
+    precision = options.get("precision")
+    if precision is not None:
+        precision = zoo_precision.resolve(precision, model)
     return Step(model, mesh_sizes(options.get("mesh")), int(batch_size), int(seq_len), placement,
                 options.get("param_memory", "device"), options.get("opt_memory", "device"),
-                options.get("microbatches"), options.get("virtual_stages", 1), options.get("schedule", "gpipe"))  # fmt: skip
+                options.get("microbatches"), options.get("virtual_stages", 1), options.get("schedule", "gpipe"),
+                precision)  # fmt: skip
 
 
 # -- reading the traced program -------------------------------------------------------------------

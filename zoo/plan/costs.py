@@ -156,7 +156,7 @@ class CostModel:
         self.names = [n for n in self.map_cls.names() if self.per_b.get(n)]
         remat = self.map_cls.preset("remat")
         self.base_device = {n for n in self.names if getattr(remat, n) == "device"}
-        self.bodies = _flops.layer_bodies(base.model, seq_len) if bodies is None else bodies
+        self.bodies = _flops.layer_bodies(base.model, seq_len, base.precision) if bodies is None else bodies
         self.tensor = base.sizes["tensor"]
         self.flops_model = base.config.flops_per_token(seq_len) * seq_len / (base.devices / self.shards)
         # ^ per device per unit local batch: the global batch's FLOPs shared by every device
@@ -171,6 +171,12 @@ class CostModel:
         self.whole_flops = sum(3 * b.forward_flops() * b.layers for b in self.bodies if not self._pipelined(b))
         per_sequence = self.flops_model * base.devices / self.shards
         self.head_flops = max(per_sequence - self.pipelined_flops - self.whole_flops, 0.0)
+        # FP8 products (the precision map's tensorwise matmuls, forward and both gradients) run at
+        # the hardware's FP8 peak: a body's compute takes ``_slowdown`` of its time at the compute
+        # dtype's peak; the step's, by the FP8 products' share of all its FLOPs.
+        self.fp8_ratio = hw.peak_for(jnp.float8_e4m3fn) / self.peak
+        fp8 = sum(3 * b.fp8_flops() * b.layers for b in self.bodies)
+        self.fp8_share = min(fp8 / per_sequence, 1.0) if per_sequence else 0.0
         vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
         self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
@@ -342,9 +348,10 @@ class CostModel:
         layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
         for body in self.bodies:
             layers, rows = self._work(body, b, virtual)
-            fwd = body.forward_flops() * rows / self.tensor
+            slow = self._slowdown(body.fp8_share())
+            fwd = body.forward_flops() * rows / self.tensor * slow  # in FLOPs at the compute dtype's rate
             remat = () if placement is None else [n for n in body.names if placement.get(n) == "remat"]
-            rec = body.recompute_flops(remat) * rows / self.tensor
+            rec = body.recompute_flops(remat) * rows / self.tensor * slow
             recompute += layers * rec
             layer_fwd += layers * fwd / rate
             layer_bwd += layers * (2 * fwd + rec) / rate
@@ -358,7 +365,7 @@ class CostModel:
                         moved += count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize * rows
             link = moved / self.hw.host_link
             exposed += layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
-        compute = (executed + recompute) / rate
+        compute = (executed * self._slowdown(self.fp8_share) + recompute) / rate
         comm = self.traffic.seconds(b, self._scale(b, virtual))
         # XLA's latency-hiding scheduler gathers the next layer's weights (and scatters the last
         # layer's gradients) behind this layer's compute; tensor all-reduces, all-to-alls and
@@ -374,6 +381,11 @@ class CostModel:
                 t += max(0.0, self.opt / bw - compute) + self.opt / bw
         t += (3 * self.params + 2 * self.opt) / self.hw.hbm_bandwidth
         return t, model
+
+    def _slowdown(self, fp8_share: float) -> float:
+        """Compute time with ``fp8_share`` of the FLOPs at the FP8 peak, over that at the compute
+        dtype's peak (1 without FP8 products, 1/2 all FP8 where the FP8 peak is twice bf16's)."""
+        return 1.0 - fp8_share + fp8_share / self.fp8_ratio
 
     def with_efficiency(self, efficiency: float) -> CostModel:
         """This model on the same traces with the hardware's matmul ``efficiency`` replaced

@@ -44,6 +44,7 @@ def plan_mesh(
     mesh: Any = None,
     hardware: str | Hardware | None = None,
     compute_dtype: Any = None,
+    precision: Any = None,
     verify: bool = True,
     margin: float = 0.1,
     bodies: list[_flops.Body] | None = None,
@@ -62,7 +63,7 @@ def plan_mesh(
     if hw.unified:
         host_budget = 0.0
     probe = make_step(model_or_config, batch_size=_shards(mesh), seq_len=seq_len, placement="remat", mesh=mesh,
-                      compute_dtype=compute_dtype, microbatches=MICROBATCH_ROWS)  # fmt: skip
+                      compute_dtype=compute_dtype, microbatches=MICROBATCH_ROWS, precision=precision)  # fmt: skip
     shards = probe.batch_size
     if batch_size is not None and batch_size % shards:
         raise MeshError(
@@ -135,10 +136,23 @@ def plan_mesh(
         mfu=flops / (t * cm.peak), tokens_per_s=b * shards * seq_len / t, estimate=est,
         candidates=candidates, hardware=hw, device_budget=device_budget, host_budget=host_budget,
         seq_len=seq_len, mesh=mesh_spec(probe.sizes), offloaded_verified=verified,
-        notes=tuple(n for n in (hw.note,) if n), comm_time=cm.comm[key],
+        notes=tuple(n for n in (hw.note, _precision_note(cm, flops / t)) if n), comm_time=cm.comm[key],
         microbatches=cm.microbatches(b), bubble=cm.bubble(b, v), p2p_bytes=cm.pipeline_bytes(b, v)[0],
         pipeline_reduce_bytes=cm.pipeline_bytes(b, v)[1], virtual_stages=v, schedule=s,
     )  # fmt: skip
+
+
+def _precision_note(cm: CostModel, flops_per_s: float) -> str:
+    """What a precision map changed in the price ("" without FP8 products)."""
+    if cm.base.precision is None:
+        return ""
+    hw = cm.hw
+    return (
+        f"precision {cm.base.precision.spec()}: {cm.fp8_share:.1%} of the step's model FLOPs are FP8 products, "
+        f"priced at {cm.peak * cm.fp8_ratio / 1e12:.0f} TFLOP/s ({hw.fp8_source or 'no FP8 peak known: as the compute dtype'}); "
+        f"{flops_per_s / 1e12:.0f} model TFLOP/s per device, MFU against the compute dtype's peak; the memory "
+        "estimate is the step's without FP8 (FP8 residuals only shrink it)"
+    )
 
 
 def price(
@@ -152,6 +166,7 @@ def price(
     param_memory: str = "device",
     opt_memory: str = "device",
     compute_dtype: Any = None,
+    precision: Any = None,
     virtual_stages: int = 1,
 ) -> tuple[Candidate, ...]:
     """The cost model's figures for given maps (label -> map, spec string or None) at one
@@ -159,7 +174,8 @@ def price(
     row is ``None`` where it exceeds the hardware's memory. What ``plan`` weighs, for any map
     (with a pipeline axis, on the schedule of ``virtual_stages``: 1 is GPipe's)."""
     hw = lookup(hardware if hardware is not None else "cpu")
-    cm = cost_model(model_or_config, seq_len=seq_len, mesh=mesh, hardware=hw, compute_dtype=compute_dtype)
+    cm = cost_model(model_or_config, seq_len=seq_len, mesh=mesh, hardware=hw, compute_dtype=compute_dtype,
+                    precision=precision)
     probe, shards = cm.base, cm.shards
     b = batch_size // shards
     cm.check_virtual(b, virtual_stages)
@@ -181,13 +197,14 @@ def cost_model(
     mesh: Any = None,
     hardware: str | Hardware | None = None,
     compute_dtype: Any = None,
+    precision: Any = None,
 ) -> CostModel:
     """The cost model of one model, sequence, mesh and hardware, from the full-remat step traced
     at local batches 1 and 2: what :func:`price` prices maps with (``zoo.plan.published`` too)."""
     hw = lookup(hardware if hardware is not None else "cpu")
     shards = _shards(mesh)
     probe = make_step(model_or_config, batch_size=shards, seq_len=seq_len, placement="remat", mesh=mesh,
-                      compute_dtype=compute_dtype, microbatches=MICROBATCH_ROWS)  # fmt: skip
+                      compute_dtype=compute_dtype, microbatches=MICROBATCH_ROWS, precision=precision)  # fmt: skip
     j1 = probe.trace()
     e1 = _from_step(probe, unified=hw.unified, jaxpr=j1)
     probe2 = make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh,

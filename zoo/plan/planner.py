@@ -60,6 +60,7 @@ def plan(
     pipeline: bool = True,
     virtual_stages: int | None = None,
     schedule: str | None = None,
+    precision: Any = None,
 ) -> Plan:
     """The placement map, parameter and optimizer-state memory, and (``batch_size=None``) the
     largest global batch that maximise estimated tokens per second within ``device_budget``
@@ -76,6 +77,9 @@ def plan(
     ``schedule``: on a mesh with a pipeline axis, ``"gpipe"`` or ``"1f1b"`` (each micro-batch's
     backward pass as soon as it leaves the last stage: fewer micro-batches' saved tensors kept);
     ``None`` (default) prices both and takes the faster that fits, GPipe where they tie.
+    ``precision``: the family's precision map or its spec (``"fp8_all"``): its tensorwise FP8
+    matmuls are priced at the hardware's FP8 peak (the memory estimate stays the step's without
+    it: FP8 residuals only shrink it).
     ``hardware``: a name of :data:`zoo.hardware.HARDWARE` (default ``"cpu"``, one memory:
     nothing is offloaded). ``margin``: the fraction of each budget kept free for the
     estimate's own error (10% is the worst measured against XLA:CPU on the test grid). Raises :class:`~zoo.errors.MeshError` for a mesh that does not divide
@@ -90,10 +94,12 @@ def plan(
             return search.search(model_or_config, devices=devices, seq_len=seq_len, device_budget=device_budget,
                                  batch_size=batch_size, host_budget=host_budget, hardware=hardware,
                                  compute_dtype=compute_dtype, verify=verify, margin=margin, top=top,
-                                 pipeline=pipeline, virtual_stages=virtual_stages, schedule=schedule)  # fmt: skip
+                                 pipeline=pipeline, virtual_stages=virtual_stages, schedule=schedule,
+                                 precision=precision)  # fmt: skip
         n = math.prod(_mesh_sizes(mesh).values())
         if n != devices:
             raise ConfigError(f"plan: mesh {mesh_spec(_mesh_sizes(mesh))} has {n} devices, not devices={devices}")
     return plan_mesh(model_or_config, seq_len=seq_len, device_budget=device_budget, batch_size=batch_size,
                      host_budget=host_budget, mesh=mesh, hardware=hardware, compute_dtype=compute_dtype,
-                     verify=verify, margin=margin, virtual_stages=virtual_stages, schedule=schedule)  # fmt: skip
+                     verify=verify, margin=margin, virtual_stages=virtual_stages, schedule=schedule,
+                     precision=precision)  # fmt: skip

@@ -37,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 from zoo import parallel
 from zoo.core.mesh import PIPELINE
 from zoo.errors import ConfigError, MeshError
@@ -106,6 +108,11 @@ def search(
     keep = worth_pipelining(found, [4 * p for p in states], devices, hw.domain)
     found = [sizes for sizes, k in zip(found, keep) if k]
     states = [st for st, k in zip(states, keep) if k]
+    bodies = _flops.layer_bodies(model, seq_len, plan_kw.get("precision"))
+    # The quick model prices every matmul at the compute dtype's peak: with a precision map, its
+    # FP8 products' share runs at the FP8 peak (as CostModel prices them), so its bounds stay optimistic.
+    fp8 = sum(3 * b.fp8_flops() * b.layers for b in bodies) / (config.flops_per_token(seq_len) * seq_len)
+    faster = 1.0 - min(fp8, 1.0) * (1.0 - hw.peak_for(dtype) / hw.peak_for(jnp.float8_e4m3fn))
     rows: list[MeshRow] = []
     one_row: dict[str, float] = {}  # mesh -> the quick model's seconds at one row per device
     for sizes, p_bytes in zip(found, states):
@@ -113,8 +120,8 @@ def search(
         shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
         given = plan_kw.get("batch_size")
         b = max(given // shards, 1) if given else quick_rows(config, sizes, seq_len, budget_d + budget_h, dtype)
-        quick = quick_time(config, sizes, seq_len, hw, dtype, rows=b) / b
-        one_row[mesh_spec(sizes)] = quick if given or b == 1 else quick_time(config, sizes, seq_len, hw, dtype)
+        quick = quick_time(config, sizes, seq_len, hw, dtype, rows=b) / b * faster
+        one_row[mesh_spec(sizes)] = quick if given or b == 1 else quick_time(config, sizes, seq_len, hw, dtype) * faster
         why = ""
         if p_bytes > budget_d or state > budget_d + budget_h:
             why = f"state {state / 2**30:.0f} GiB per device"
@@ -127,7 +134,6 @@ def search(
     if not (isinstance(top, int) and top >= 1):
         raise ConfigError(f"plan: top (the meshes planned in full) must be a positive integer, got {top!r}")
     live = sorted((r for r in rows if not r.why), key=per_token)
-    bodies = _flops.layer_bodies(model, seq_len)
     planned, found_plans = [], {}
     closest: list[Any] = [None, ""]  # the planned mesh nearest to fitting: its smallest peak, and why
 
