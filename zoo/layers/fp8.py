@@ -93,8 +93,9 @@ def quantize(
 
     ``block[i]``: the block's extent along dimension ``i`` (``0``: the whole dimension). A
     dimension that the block does not divide ends in a partial block. Each scale is the block's
-    largest magnitude times the reciprocal of the format's largest value (in float32; rounded up to a power of two with
-    ``power_of_two``; 1 for an all-zero block), so no element saturates.
+    largest magnitude times the reciprocal of the format's largest value (in float32, at least its
+    smallest normal number; rounded up to a power of two with ``power_of_two``; 1 for an all-zero
+    block), so no element saturates.
     """
     if len(block) != x.ndim:
         raise ValueError(f"a block of {len(block)} dims for a tensor of shape {x.shape}")
@@ -106,8 +107,10 @@ def quantize(
     inner = tuple(range(1, 2 * x.ndim, 2))
     amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
     fmax = float(jnp.finfo(dtype).max)
-    # Times the float32 reciprocal, as XLA computes a division by a constant anyway.
-    scale = amax * jnp.float32(1 / fmax)
+    # Times the float32 reciprocal, as XLA computes a division by a constant anyway; at least the
+    # smallest normal float32: XLA flushes a subnormal scale to zero (0 / 0 in a block of tiny
+    # values, NaN), and the block's values over it stay within the format's range.
+    scale = jnp.maximum(amax * jnp.float32(1 / fmax), jnp.finfo(jnp.float32).tiny)
     if power_of_two:  # the next power of two at or above (E8M0): exact, from the exponent
         mantissa, exponent = jnp.frexp(scale)
         scale = jnp.where(mantissa == 0.5, scale, jnp.ldexp(jnp.ones_like(scale), exponent))
