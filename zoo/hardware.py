@@ -220,7 +220,7 @@ HARDWARE: dict[str, Hardware] = {
 # half of zoo.plan.published.RUNS only (MaxText's measured steps; one constant per hardware, none
 # per run) and checked on the held-out half: docs/planning.md, "Against published runs". H200
 # keeps 0.6: no published H200 run was fitted, though it is the same Hopper chip as the H100.
-CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.62, "tpu-v5p": 0.775, "tpu-v6e": 0.495}
+CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.595, "tpu-v5p": 0.765, "tpu-v6e": 0.49}
 HARDWARE.update({n: dataclasses.replace(HARDWARE[n], efficiency=e) for n, e in CALIBRATED_EFFICIENCY.items()})
 
 

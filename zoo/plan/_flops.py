@@ -28,7 +28,6 @@ from zoo.layers.attention import NAMES as ATTENTION_NAMES
 from zoo.placement import subjaxprs
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds
 
-
 ATTENTION_SCOPE = ATTENTION_NAMES[0]  # the named scope causal_attention runs in (zoo.layers.attention)
 
 
