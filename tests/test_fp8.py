@@ -94,8 +94,12 @@ def test_matmul_and_its_gradients_match_numpy(recipe):
     want_y = fq(x, "x") @ fq(w, "w")
     want_dx = fq(g, "g") @ fq(w, "w_t").T
     want_dw = fq(x, "x_t").T @ fq(g, "g_t")
-    y, vjp = jax.vjp(lambda a, b: fp8.fp8_matmul(a, b, recipe), jnp.asarray(x), jnp.asarray(w))
-    dx, dw = vjp(jnp.asarray(g))
+    @jax.jit
+    def value_and_grads(a, b, c):
+        y, vjp = jax.vjp(lambda a, b: fp8.fp8_matmul(a, b, recipe), a, b)
+        return (y, *vjp(c))
+
+    y, dx, dw = value_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g))
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # The quantization error is the recipe's, not zero: FP8 is not float32.
@@ -107,13 +111,14 @@ def test_einsum_spellings_agree_with_the_matmul(recipe):
     """Multi-letter contractions and expert batches reduce to one [E, T, K] @ [E, K, N] matmul."""
     h = jnp.asarray(_data((2, 5, 4, 32), 4))  # b s h k
     wo = jnp.asarray(_data((4, 32, 48), 5))  # h k d
-    got = fp8.einsum_fp8("bshk,hkd->bsd", h, wo, recipe)
-    want = fp8.fp8_matmul(h.reshape(10, 128), wo.reshape(128, 48), recipe).reshape(2, 5, 48)
+    einsum, matmul = jax.jit(fp8.einsum_fp8, static_argnums=(0, 3)), jax.jit(fp8.fp8_matmul, static_argnums=2)
+    got = einsum("bshk,hkd->bsd", h, wo, recipe)
+    want = matmul(h.reshape(10, 128), wo.reshape(128, 48), recipe).reshape(2, 5, 48)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     xe, we = jnp.asarray(_data((3, 7, 64), 6)), jnp.asarray(_data((3, 64, 40), 7))  # experts: e t d, e d m
-    got = fp8.einsum_fp8("etd,edm->etm", xe, we, recipe)
+    got = einsum("etd,edm->etm", xe, we, recipe)
     for e in range(3):  # tensorwise scales per expert; block scales never span experts
-        np.testing.assert_array_equal(np.asarray(got[e]), np.asarray(fp8.fp8_matmul(xe[e], we[e], recipe)))
+        np.testing.assert_array_equal(np.asarray(got[e]), np.asarray(matmul(xe[e], we[e], recipe)))
 
 
 def test_matmul_follows_the_active_map_and_refuses_unknown_names():
@@ -160,7 +165,7 @@ def test_a_block_of_tiny_values_quantizes_to_finite_numbers(recipe):
     q_ref, s_ref = np_quantize(x, dtype, block, recipe == "mxfp8")
     np.testing.assert_array_equal(np.asarray(s), s_ref)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
-    dx, dw = jax.grad(lambda a, b: fp8.fp8_matmul(a, b, recipe).sum(), argnums=(0, 1))(
+    dx, dw = jax.jit(jax.grad(lambda a, b: fp8.fp8_matmul(a, b, recipe).sum(), argnums=(0, 1)))(
         jnp.asarray(x), jnp.asarray(_data((256, 32), 11, spread=False))
     )
     assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()

@@ -45,6 +45,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 from zoo.errors import ConfigError
+from zoo.hooks.step import varying_axes, varying_over
 
 Recipe = Literal["none", "tensorwise", "mxfp8", "blockwise"]
 RECIPES: tuple[str, ...] = get_args(Recipe)
@@ -174,7 +175,11 @@ def fp8_matmul(
     pass reads the FP8 copy either way)."""
     if recipe not in RECIPES or recipe == "none":
         raise ConfigError(f"fp8_matmul: recipe {recipe!r} is not an FP8 recipe; choose one of {RECIPES[1:]}")
-    return _matmul(recipe, saved)(x, w)
+    # Inside shard_map both operands enter varying over the axes either varies over: the gradient
+    # rule then returns each cotangent with its operand's type, and the casts' transposes sum the
+    # cotangents over the axes an operand was replicated on (a weight's over the batch axes).
+    axes = tuple(sorted(varying_axes(x) | varying_axes(w)))
+    return _matmul(recipe, saved)(varying_over(x, axes), varying_over(w, axes))
 
 
 def _scaled_dot(
@@ -216,14 +221,19 @@ def _matmul(recipe: str, saved: str | None = None):
         return forward(x, w)[0]
 
     def fwd(x, w):
-        out, kept = forward(x, w)
+        out, (q_xt, s_xt) = forward(x, w)
+        # Kept as its bits: jax.checkpoint rounds every floating residual to its format with
+        # reduce_precision(exponent 4, mantissa 3), which for E4M3FN is IEEE's E4M3 (largest
+        # finite 240), so magnitudes from 256 to 448 became inf and then NaN.
+        kept = (jax.lax.bitcast_convert_type(q_xt, jnp.uint8), s_xt)
         if saved is not None:  # named here, where jax.checkpoint's policy sees the residual
             kept = tuple(checkpoint_name(a, saved) for a in kept)
         return out, (kept, w, jnp.zeros((0,), x.dtype))
 
     def bwd(res, g):
-        (q_xt, s_xt), w, like = res
+        (bits, s_xt), w, like = res
         lead = w.ndim - 2
+        q_xt = jax.lax.bitcast_convert_type(bits, _blocks(recipe, lead)["x_t"][1])
         if whole:
             q_g, s_g = q(g, "g", lead)
             q_w, s_w = q(w, "w_t", lead)
