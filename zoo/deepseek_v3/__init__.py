@@ -13,11 +13,12 @@ from zoo.deepseek_v3.moe import (
     update_router_bias,
 )
 from zoo.deepseek_v3.placement import DeepseekV3Placement
+from zoo.deepseek_v3.precision import DeepseekV3Precision
 
 register(DeepseekV3)
 
 __all__ = [
     "MLA_DECODES", "PRESETS", "DeepseekV3", "DeepseekV3Config", "DeepseekV3Metrics", "DeepseekV3Output",
-    "DeepseekV3Placement", "DeepseekV3Training", "MLACache", "deepseek_v3_loss", "deepseek_v3_params", "preset",
+    "DeepseekV3Placement", "DeepseekV3Precision", "DeepseekV3Training", "MLACache", "deepseek_v3_loss", "deepseek_v3_params", "preset",
     "route", "routed_experts_dense", "routed_experts_ragged", "sequence_balance_loss", "update_router_bias",
 ]  # fmt: skip
