@@ -73,13 +73,10 @@ def test_none_is_the_models_own_numerics_bit_for_bit():
 
 @pytest.mark.parametrize("spec", ["fp8_all", "mxfp8", "blockwise"])
 def test_each_recipe_changes_the_loss_by_its_quantization_error_only(spec):
-    """FP8 is not float32 (the loss moves) but a small rounding of it (by well under 1%), and the
-    map is what the trace saw: the same spec twice traces to the same numbers."""
+    """FP8 is not float32 (the loss moves) but a small rounding of it (by well under 1%)."""
     model, ids = tiny("llama"), tiny_ids("llama")
     base = float(jax.jit(lm)(model, ids))
     first = float(jax.jit(lm_in(spec))(model, ids))
-    again = float(jax.jit(lm_in(spec))(model, ids))
-    assert first == again
     assert first != base and abs(first - base) < 5e-3 * abs(base), (first, base)
 
 
@@ -246,8 +243,7 @@ def test_an_fp8_step_runs_on_a_mesh_close_to_one_device():
     np.testing.assert_allclose(sharded, one, rtol=2e-2)
 
 
-@pytest.mark.parametrize("placement", ["device", "remat", "remat+mlp_hidden=device,attn_norm=device"])
-def test_a_placement_map_never_changes_an_fp8_steps_numbers(placement):
+def test_a_placement_map_never_changes_an_fp8_steps_numbers():
     """Placement changes memory, never numerics, FP8 included: the loss and gradients of a
     tensorwise step under a map equal those without one (the FP8 copies a map saves included)."""
     model, ids = tiny("llama"), tiny_ids("llama")
@@ -259,7 +255,8 @@ def test_a_placement_map_never_changes_an_fp8_steps_numbers(placement):
 
         return eqx.filter_jit(eqx.filter_value_and_grad(f))(model, ids)
 
-    want, got = step(None), step(placement)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        assert np.isfinite(np.asarray(b)).all()
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+    want = step(None)
+    for placement in ("device", "remat", "remat+mlp_hidden=device,attn_norm=device"):
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(step(placement)), strict=True):
+            assert np.isfinite(np.asarray(b)).all(), placement
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7, err_msg=placement)
