@@ -100,6 +100,7 @@ def test_matmul_and_its_gradients_match_numpy(recipe):
         return (y, *vjp(c))
 
     y, dx, dw = value_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g))
+    # the same FP8 operands and scales; only float32 summation order differs from NumPy's matmul
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # The quantization error is the recipe's, not zero: FP8 is not float32.

@@ -124,6 +124,9 @@ def test_an_fp8_train_step_lowers_the_loss_as_the_float32_step_does():
     f32, fp8_all = losses(None), losses("fp8_all")
     assert np.all(np.diff(fp8_all) < 0), fp8_all
     assert abs(fp8_all[0] - f32[0]) < 1e-3 * f32[0]  # the same model before any update
+    # not a parity check: FP8 against float32 numerics, whose gap is the quantization's (measured
+    # 2.2% at the third step here); the loss falling and the step's exactness are checked above and
+    # in test_fp8, the 300-step gap in benchmarks/fp8.py
     np.testing.assert_allclose(fp8_all, f32, rtol=5e-2)
     assert not np.array_equal(fp8_all, f32)
 
@@ -240,6 +243,8 @@ def test_an_fp8_step_runs_on_a_mesh_close_to_one_device():
 
     one, sharded = first_loss(None), first_loss(parallel.make_mesh("data=2,fsdp=2,tensor=2"))
     assert np.isfinite(sharded).all()
+    # per-shard tensorwise scales are other numerics than one device's whole-tensor ones, not a
+    # parity check (on this mesh the FP8 gradient norm moved 1.2% from the mesh's float32 one)
     np.testing.assert_allclose(sharded, one, rtol=2e-2)
 
 
@@ -259,4 +264,6 @@ def test_a_placement_map_never_changes_an_fp8_steps_numbers():
     for placement in ("device", "remat", "remat+mlp_hidden=device,attn_norm=device"):
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(step(placement)), strict=True):
             assert np.isfinite(np.asarray(b)).all(), placement
+            # remat recomputes the float32 work in other fusions: last-bit differences (~1 ulp; 4% of
+            # elements under "remat"), the same rtol as test_placement_maps' float32 checks
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7, err_msg=placement)
