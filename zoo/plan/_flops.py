@@ -185,6 +185,18 @@ def counting_model(model: Any) -> Any:
     return jax.eval_shape(lambda: cls(config, key=jax.random.key(0), **kwargs))
 
 
+def fp8_share(bodies: list[Body], flops_per_sequence: float) -> float:
+    """The share of a sequence's training FLOPs (forward and both gradients) in FP8 products."""
+    fp8 = sum(3 * b.fp8_flops() * b.layers for b in bodies)
+    return min(fp8 / flops_per_sequence, 1.0) if flops_per_sequence else 0.0
+
+
+def fp8_slowdown(share: float, fp8_ratio: float) -> float:
+    """Compute time with ``share`` of the FLOPs at ``fp8_ratio`` times the compute dtype's peak,
+    over that at the compute dtype's peak (1 without FP8 products)."""
+    return 1.0 - share + share / fp8_ratio
+
+
 def layer_bodies(model: Any, seq_len: int, precision: Any = None) -> list[Body]:
     """Each checkpointed body of the forward pass (one per layer kind, and a block outside the
     scans), from one trace of one sequence's loss under the all-``device`` map and the precision

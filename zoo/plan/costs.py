@@ -172,11 +172,10 @@ class CostModel:
         per_sequence = self.flops_model * base.devices / self.shards
         self.head_flops = max(per_sequence - self.pipelined_flops - self.whole_flops, 0.0)
         # FP8 products (the precision map's tensorwise matmuls, forward and both gradients) run at
-        # the hardware's FP8 peak: a body's compute takes ``_slowdown`` of its time at the compute
+        # the hardware's FP8 peak: a body's compute takes ``_flops.fp8_slowdown`` of its time at the compute
         # dtype's peak; the step's, by the FP8 products' share of all its FLOPs.
         self.fp8_ratio = hw.peak_for(jnp.float8_e4m3fn) / self.peak
-        fp8 = sum(3 * b.fp8_flops() * b.layers for b in self.bodies)
-        self.fp8_share = min(fp8 / per_sequence, 1.0) if per_sequence else 0.0
+        self.fp8_share = _flops.fp8_share(self.bodies, per_sequence)
         vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
         self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
@@ -348,7 +347,7 @@ class CostModel:
         layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
         for body in self.bodies:
             layers, rows = self._work(body, b, virtual)
-            slow = self._slowdown(body.fp8_share())
+            slow = _flops.fp8_slowdown(body.fp8_share(), self.fp8_ratio)
             fwd = body.forward_flops() * rows / self.tensor * slow  # in FLOPs at the compute dtype's rate
             remat = () if placement is None else [n for n in body.names if placement.get(n) == "remat"]
             rec = body.recompute_flops(remat) * rows / self.tensor * slow
@@ -365,7 +364,7 @@ class CostModel:
                         moved += count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize * rows
             link = moved / self.hw.host_link
             exposed += layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
-        compute = (executed * self._slowdown(self.fp8_share) + recompute) / rate
+        compute = (executed * _flops.fp8_slowdown(self.fp8_share, self.fp8_ratio) + recompute) / rate
         comm = self.traffic.seconds(b, self._scale(b, virtual))
         # XLA's latency-hiding scheduler gathers the next layer's weights (and scatters the last
         # layer's gradients) behind this layer's compute; tensor all-reduces, all-to-alls and
@@ -381,11 +380,6 @@ class CostModel:
                 t += max(0.0, self.opt / bw - compute) + self.opt / bw
         t += (3 * self.params + 2 * self.opt) / self.hw.hbm_bandwidth
         return t, model
-
-    def _slowdown(self, fp8_share: float) -> float:
-        """Compute time with ``fp8_share`` of the FLOPs at the FP8 peak, over that at the compute
-        dtype's peak (1 without FP8 products, 1/2 all FP8 where the FP8 peak is twice bf16's)."""
-        return 1.0 - fp8_share + fp8_share / self.fp8_ratio
 
     def with_efficiency(self, efficiency: float) -> CostModel:
         """This model on the same traces with the hardware's matmul ``efficiency`` replaced
