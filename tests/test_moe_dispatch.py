@@ -5,6 +5,8 @@ and token dropping drops exactly the pairs past a destination's slot and counts 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -195,3 +197,29 @@ def test_token_dropping_with_room_for_every_pair_equals_one_device():
     np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("mesh", [None, "fsdp=2,expert=4"])
+def test_a_kept_or_offloaded_expert_projection_is_its_routed_rows_once(mesh):
+    """Issue 38 (the seed's offload map needed 332 GiB of host per GB200 against 223.5): a map
+    that keeps or offloads ``moe_gate`` moved the capacity kernel's slots (``1.25 x`` the rows
+    it gets, the headroom empty), and the planner counted the dropless later rounds' names,
+    which run in a while loop whose iterations nothing saves, as a second copy. Now the kept copy
+    is one row per pair the kernel gets, counted once: DeepSeek-V3 small (3 MoE layers, expert
+    hidden 128), bf16, 8 rows of 64 tokens at capacity factor 1.0."""
+    from zoo import plan, registry
+    from zoo.layers.capacity_mlp import capacity_for
+
+    cfg = registry.by_model_type("deepseek_v3").config_cls.preset("small", "deepseek_v3")
+    cfg = dataclasses.replace(cfg, capacity_factor=1.0)
+    est = plan.estimate(cfg, batch_size=8, seq_len=64, mesh=mesh, placement="remat+moe_gate=pinned_host,moe_up=device",
+                        compute_dtype=jnp.bfloat16)  # fmt: skip
+    k, experts, layers, hidden = cfg.num_experts_per_tok, cfg.n_routed_experts, 3, cfg.moe_intermediate_size
+    if mesh is None:  # one device: all 512 tokens' pairs, all 16 experts
+        rows, local_experts = 8 * 64 * k, experts
+    else:  # 64 tokens a device; each of the 4 destinations' slot, received from the 4 sources
+        rows, local_experts = 4 * slot_rows(64 * k, 4, 1.0), experts // 4
+    slots = local_experts * capacity_for(min(rows, 64 * k if mesh else rows), local_experts)
+    assert rows < slots  # the kernel's headroom: what used to be kept
+    assert est.residuals["moe_gate"] == (0, layers * rows * hidden * 2)
+    assert est.residuals["moe_up"] == (layers * rows * hidden * 2, 0)

@@ -84,8 +84,7 @@ def test_collectives_across_tpu_slices_are_hierarchical():
     """XLA runs a multislice all-gather, reduce-scatter or all-reduce in two stages: the ring in
     the slice on ICI over all the bytes, the ring across slices on DCN over 1/(chips in the
     slice) of them. A flat ring at DCN priced 405B's fsdp=512 on 2 x v6e-256 at 0.28 of its
-    published step. GPUs keep one ring at the cross link (NCCL's rings cross the nodes), and an
-    all-to-all or a permute is never split."""
+    published step. An all-to-all sends only the other slice's share over DCN."""
     v6e, h100 = plan.hardware("tpu-v6e"), plan.hardware("h100")
     sizes = mesh_sizes("fsdp=512")
     assert collectives.spans(sizes, ("fsdp",), v6e.domain) == 2
@@ -97,16 +96,50 @@ def test_collectives_across_tpu_slices_are_hierarchical():
     flat = collectives.seconds("all_gather", nbytes, 512, v6e.cross_link)
     assert flat > 25 * two_stage
     assert collectives.collective_seconds("all_to_all", nbytes, v6e, sizes, ("fsdp",)) == pytest.approx(
-        collectives.seconds("all_to_all", nbytes, 512, v6e.cross_link)
-    )
-    h100_sizes = mesh_sizes("fsdp=16")
-    assert collectives.collective_seconds("all_gather", nbytes, h100, h100_sizes, ("fsdp",)) == pytest.approx(
-        collectives.seconds("all_gather", nbytes, 16, h100.cross_link)
+        256 / 512 * nbytes / v6e.cross_link
     )
     # Inside one slice: one ring on ICI.
     assert collectives.collective_seconds(
         "all_gather", nbytes, v6e, mesh_sizes("fsdp=256"), ("fsdp",)
     ) == pytest.approx(collectives.seconds("all_gather", nbytes, 256, v6e.domain_link))
+
+
+def test_gpu_rings_across_nodes_share_the_nodes_network_links():
+    """A ring across GPU nodes was priced at one NIC's 50 GB/s for all its bytes: NCCL runs a
+    ring per channel, each crossing on another GPU's NIC, so the bus bandwidth nccl-tests reports
+    across nodes grows with the GPUs per node (NVIDIA/nccl#1168: ~45 -> ~90 GB/s from 4 to 8;
+    #2409: ~470 GB/s expected on 2 x 8 H100 at 400 Gb/s each). Now the m devices of a group in a
+    domain carry its crossing bytes together, up to the domain's own link; a group with one device
+    per node keeps one NIC; an all-to-all sends only the other domains' share across."""
+    h100, gb200 = plan.hardware("h100"), plan.hardware("gb200")
+    nbytes = 1.6e9
+
+    def ring(hw, sizes, axes):
+        return collectives.collective_seconds("all_gather", nbytes, hw, sizes, axes)
+
+    # fsdp=16 on two 8-GPU nodes: 8 NICs a node, 400 GB/s (below NVLink's 450).
+    assert collectives.fewest_inside(mesh_sizes("fsdp=16"), ("fsdp",), 8) == 8
+    assert ring(h100, mesh_sizes("fsdp=16"), ("fsdp",)) == pytest.approx(15 / 16 * nbytes / (8 * h100.cross_link))
+    # data=4 over nodes with tensor=8 inside: one GPU of each group a node, one NIC.
+    assert ring(h100, mesh_sizes("data=4,tensor=8"), ("data",)) == pytest.approx(3 / 4 * nbytes / h100.cross_link)
+    # The seed's fsdp=16 after expert=8 on 128 GB200 (72 a domain): 9 and 7 of a group on each side.
+    seed = mesh_sizes("fsdp=16,expert=8")
+    assert collectives.spans(seed, ("fsdp",), 72) == 2 and collectives.fewest_inside(seed, ("fsdp",), 72) == 7
+    assert ring(gb200, seed, ("fsdp",)) == pytest.approx(15 / 16 * nbytes / (7 * gb200.cross_link))
+    flat = collectives.seconds("all_gather", nbytes, 16, gb200.cross_link)
+    assert flat == pytest.approx(7 * ring(gb200, seed, ("fsdp",)))
+    # Many devices a domain: the ring is as fast as NVLink inside, never faster.
+    wide = mesh_sizes("fsdp=144")
+    assert ring(gb200, wide, ("fsdp",)) == pytest.approx(143 / 144 * nbytes / gb200.domain_link)
+    assert collectives.collective_seconds("all_reduce", nbytes, gb200, wide, ("fsdp",)) == pytest.approx(
+        2 * ring(gb200, wide, ("fsdp",))
+    )
+    # expert=16 on two nodes: half of each device's all-to-all bytes cross, on its own NIC.
+    a2a = collectives.collective_seconds("all_to_all", nbytes, h100, mesh_sizes("expert=16"), ("expert",))
+    assert a2a == pytest.approx(8 / 16 * nbytes / h100.cross_link)
+    # A permute (a pipeline's hand-over) sends its buffer once on the link it crosses.
+    hand_over = collectives.collective_seconds("permute", nbytes, h100, mesh_sizes("pipeline=2,fsdp=8"), ("pipeline",))
+    assert hand_over == pytest.approx(nbytes / h100.cross_link)
 
 
 def test_a_hardware_without_link_figures_is_refused():
@@ -125,6 +158,15 @@ def _spans_by_device_ids(sizes, axes, domain):
     return int(1 + (np.diff(groups, axis=1) != 0).sum(axis=1).max())
 
 
+def _fewest_by_device_ids(sizes, axes, domain):
+    """The fewest devices of a group inside one domain, by brute force."""
+    ids = np.arange(math.prod(sizes[a] for a in AXES)).reshape([sizes[a] for a in AXES])
+    idx = [AXES.index(a) for a in axes]
+    rest = [i for i in range(len(AXES)) if i not in idx]
+    groups = ids.transpose(rest + idx).reshape(-1, math.prod(sizes[a] for a in axes)) // domain
+    return int(min(np.unique(g, return_counts=True)[1].min() for g in groups))
+
+
 def test_spans_come_from_the_mesh_shape():
     """#42.8: spans is computed from the shape (one group per base residue, cached), the same as
     grouping every device id; 100,000 devices take no device array per collective."""
@@ -133,6 +175,8 @@ def test_spans_come_from_the_mesh_shape():
         for axes in (("tensor",), ("fsdp",), ("data", "fsdp"), ("fsdp", "expert"), ("pipeline", "context")):
             for domain in (1, 4, 8, 9, 16, 72):
                 assert collectives.spans(sizes, axes, domain) == _spans_by_device_ids(sizes, axes, domain), (spec, axes)
+                if math.prod(sizes.values()) > domain:
+                    assert collectives.fewest_inside(sizes, axes, domain) == _fewest_by_device_ids(sizes, axes, domain)
     start = time.perf_counter()
     assert collectives.spans(mesh_sizes("data=12500,fsdp=8"), ("data",), 72) == 12500 * 8 // 72 + 1
     assert collectives.spans(mesh_sizes("fsdp=100000"), ("fsdp",), 8) == 12500

@@ -8,10 +8,12 @@ come back in the backward pass, one direction at a time.
 
 The network (``zoo.plan.collectives`` prices collectives on it): devices come in fast domains of
 ``domain`` devices (an NVLink domain, a TPU slice's ICI), each device with ``domain_link`` bytes/s
-per direction into it; a collective whose group spans two domains runs at ``cross_link`` per
-device (InfiniBand / RoCE per GPU, TPU DCN per chip) for all of its bytes, as NCCL's rings do;
-on TPUs (``hierarchical``) XLA runs such an all-gather, reduce-scatter or all-reduce in two
-stages, the slice-local part on ICI and only a 1/(devices in the slice) share over DCN.
+per direction into it, and ``cross_link`` per device out of it (InfiniBand / RoCE per GPU, TPU
+DCN per chip). A ring all-gather, reduce-scatter or all-reduce whose group spans domains, m of
+its devices in each, crosses on the m devices' links together (NCCL: a ring per channel, each
+crossing on another GPU's NIC), up to ``domain_link``; on TPUs (``hierarchical``) XLA runs it in
+two stages, the slice-local part on ICI and only a 1/(devices in the slice) share over DCN. An
+all-to-all sends each device's bytes for other domains on its own ``cross_link``.
 ``link_source`` says where each figure comes from.
 """
 
@@ -220,7 +222,7 @@ HARDWARE: dict[str, Hardware] = {
 # half of zoo.plan.published.RUNS only (MaxText's measured steps; one constant per hardware, none
 # per run) and checked on the held-out half: docs/planning.md, "Against published runs". H200
 # keeps 0.6: no published H200 run was fitted, though it is the same Hopper chip as the H100.
-CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.595, "tpu-v5p": 0.765, "tpu-v6e": 0.49}
+CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.56, "tpu-v5p": 0.765, "tpu-v6e": 0.49}
 HARDWARE.update({n: dataclasses.replace(HARDWARE[n], efficiency=e) for n, e in CALIBRATED_EFFICIENCY.items()})
 
 

@@ -95,12 +95,36 @@ def _mm(spec, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
+def _kept(layout, slots):
+    """``slots`` as the backward pass keeps them: one row per pair (zeros for a pair without a slot) where the pairs are fewer than the slots (the
+    slots' ``capacity_factor`` headroom is empty rows, and a map that keeps or offloads the
+    tensor should move only the routed rows), else the slots themselves."""
+    e, c, m = slots.shape
+    if layout.pair_slot.shape[0] >= e * c:
+        return slots
+    rows = jnp.take(slots.reshape(e * c, m), layout.pair_slot, axis=0)
+    return jnp.where((layout.mine & layout.in_capacity)[:, None], rows, jnp.zeros((), rows.dtype))
+
+
+def _slots(layout, kept):
+    """The slots back from :func:`_kept`'s rows (bit for bit: an empty slot's row is zeros)."""
+    if kept.ndim == 3:
+        return kept
+    return jnp.where(layout.slot_valid[..., None], jnp.take(kept, layout.slot_pair, axis=0), jnp.zeros((), kept.dtype))
+
+
 def _capacity_pass(x, w_gate, w_up, w_down, layout, k):
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
-    gate = named("moe_gate", _mm, "ecd,edm->ecm", xc, w_gate)
-    up = named("moe_up", _mm, "ecd,edm->ecm", xc, w_up)
-    hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
-    return _mm("ecm,emd->ecd", hidden, w_down), (gate, up, hidden)
+    # Each named tensor's matmul under its scope; the copy the backward pass keeps (the placement
+    # map's) is the name's.
+    with region("moe_gate"):
+        gate = _mm("ecd,edm->ecm", xc, w_gate)
+    with region("moe_up"):
+        up = _mm("ecd,edm->ecm", xc, w_up)
+    with region("moe_hidden"):
+        hidden = jax.nn.silu(gate) * up
+    kept = tuple(named(n, _kept, layout, a) for n, a in (("moe_gate", gate), ("moe_up", up), ("moe_hidden", hidden)))
+    return _mm("ecm,emd->ecd", hidden, w_down), kept
 
 
 def _overflow_any(layout) -> Array:
@@ -168,7 +192,8 @@ def _silu_grad(gate):
 
 
 def _bwd(k, tile, residuals, dout):
-    x, w_gate, w_up, w_down, layout, (gate, up, hidden) = residuals
+    x, w_gate, w_up, w_down, layout, kept = residuals
+    gate, up, hidden = (_slots(layout, a) for a in kept)
     e, c = layout.slot_pair.shape
     f32 = jnp.float32
     # Batched pass: each slot's output gradient gathered from its pair.

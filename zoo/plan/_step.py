@@ -358,7 +358,9 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
     recompute a subset of the same names: a scan whose names are a subset of an earlier scan
     of the same length is a backward copy, and named tensors outside any scan are counted
     only before the first backward scan. A pipeline's tick loop is one stack: its length is the
-    stage's layer scan nested in it, its ``ticks`` the loop's."""
+    stage's layer scan nested in it, its ``ticks`` the loop's. Names inside a ``while`` loop (a
+    trip count that follows the data: the MoE dispatch's later rounds) are not counted: autodiff
+    saves nothing of a while loop's iterations (a custom VJP around it recomputes them)."""
     scans: list[list] = []  # [(ticks, length), names Counter, shapes, position]
     outside: list[tuple[int, str, SDS]] = []  # (position, name, shape)
     counter = [0]
@@ -375,6 +377,8 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
                     scan[1][eqn.params["name"]] += 1
                     scan[2][eqn.params["name"]] = s
             inner = scan
+            if eqn.primitive.name == "while":
+                continue
             if eqn.primitive.name == "scan":
                 n = eqn.params["length"]
                 if scan is None and is_tick_scan(eqn.params["jaxpr"]):

@@ -9,8 +9,8 @@ reads the same from a compiled program's HLO text, for the tests to hold the two
 :func:`link` says which link a collective over some mesh axes crosses: devices are numbered in
 the mesh's axis order (``zoo.parallel.AXES``: data, fsdp, context, tensor, expert; the last
 varies fastest), and a group of devices inside one fast domain (``Hardware.domain``) uses
-``domain_link``, one spanning two uses ``cross_link`` for all its bytes (a ring is as fast as its
-slowest hop). :func:`seconds` prices one collective: a ring all-gather, reduce-scatter or
+``domain_link``; :func:`collective_seconds` prices a group spanning domains (its devices in each
+domain share the crossing). :func:`seconds` prices one ring: an all-gather, reduce-scatter or
 all-to-all moves ``(n-1)/n`` of its buffer through each device, an all-reduce twice that.
 """
 
@@ -284,16 +284,24 @@ def spans(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> int:
     """How many fast domains of ``domain`` consecutive devices the widest group of devices that
     differ only along ``axes`` spans (from the mesh's shape: cached, and no device array where the
     whole mesh sits in one domain)."""
-    return _spans(tuple(sizes[a] for a in AXES), tuple(AXES.index(a) for a in axes), max(domain, 1))
+    return _layout(tuple(sizes[a] for a in AXES), tuple(AXES.index(a) for a in axes), max(domain, 1))[0]
+
+
+def fewest_inside(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> int:
+    """The fewest devices of one group (devices that differ only along ``axes``) inside one fast
+    domain of ``domain`` consecutive devices, over every group and every domain it touches: how
+    many of the group's links out of that domain its collectives share."""
+    return _layout(tuple(sizes[a] for a in AXES), tuple(AXES.index(a) for a in axes), max(domain, 1))[1]
 
 
 @functools.lru_cache(maxsize=4096)
-def _spans(shape: tuple[int, ...], idx: tuple[int, ...], domain: int) -> int:
+def _layout(shape: tuple[int, ...], idx: tuple[int, ...], domain: int) -> tuple[int, int]:
+    """(domains the widest group spans, fewest of a group's devices inside one domain)."""
     group = math.prod(shape[i] for i in idx)
     if group == 1 or math.prod(shape) <= domain:
-        return 1
+        return 1, group
     if domain == 1:
-        return group
+        return group, 1
     # A group's devices are a base plus the offsets along ``axes``; the domains it spans depend
     # on the base only modulo the domain: one group per residue is enough.
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
@@ -304,7 +312,8 @@ def _spans(shape: tuple[int, ...], idx: tuple[int, ...], domain: int) -> int:
     residues = np.zeros(1, dtype=np.int64)
     for i in rest:
         residues = np.unique((residues[:, None] + np.arange(shape[i], dtype=np.int64)[None, :] * strides[i]) % domain)
-    return int(max(np.unique((r + offsets) // domain).size for r in residues.tolist()))
+    counts = [np.unique((r + offsets) // domain, return_counts=True)[1] for r in residues.tolist()]
+    return int(max(c.size for c in counts)), int(min(c.min() for c in counts))
 
 
 def crosses(sizes: Mapping[str, int], axes: tuple[str, ...], domain: int) -> bool:
@@ -338,17 +347,34 @@ def seconds(kind: str, nbytes: int | float, n: int, bandwidth: int | float) -> f
 
 def collective_seconds(kind: str, nbytes: int | float, hw: Any, sizes: Mapping[str, int],  # noqa: PYI041
                        axes: tuple[str, ...]) -> float:  # fmt: skip
-    """A collective of ``kind`` over ``axes`` on hardware ``hw``: one ring on the link it crosses
-    (:func:`link`), or, on hierarchical hardware (TPU multislice) where the group spans k domains of
-    ``inside`` devices each, a ring inside the domain on all the bytes and one across the k
-    domains on ``1/inside`` of them (an all-gather's: each slice first gathers the other slices'
-    shards of its share over DCN, then the slice-local ring on ICI)."""
+    """A collective of ``kind`` over ``axes`` on hardware ``hw``. Inside one fast domain: one ring
+    on ``domain_link``. A group spanning k domains, with at least m of its devices in each:
+
+    - hierarchical hardware (TPU multislice), all-gather / reduce-scatter / all-reduce: a ring
+      inside the domain on all the bytes, then one across the k domains on ``1/inside`` of them
+      (each slice first gathers the other slices' shards of its share over DCN);
+    - GPUs (NCCL), the same three: rings, one per channel, each crossing between domains on
+      another device's network link, so the m devices' links carry the crossing bytes together:
+      a ring at ``min(domain_link, m x cross_link)`` (the bus bandwidth nccl-tests reports across
+      nodes grows with the GPUs per node: NVIDIA/nccl#1168, ~45 -> ~90 GB/s from 4 to 8 GPUs per
+      node; #2409 expects ~470 GB/s on 2 x 8 H100 with a 400 Gb/s NIC each);
+    - an all-to-all: each device's bytes for the group outside its domain, ``(n-m)/n``, on its
+      own ``cross_link``, the rest on ``domain_link`` (at once);
+    - a permute: its buffer once, on the link it crosses.
+    """
     n = math.prod(sizes[a] for a in axes)
     if n <= 1:
         return 0.0
     bandwidth = link(hw, sizes, axes)
     k = spans(sizes, axes, hw.domain)
-    if k == 1 or not hw.hierarchical or kind not in ("all_gather", "reduce_scatter", "all_reduce") or n % k:
+    if k == 1 or kind == "permute":
+        return seconds(kind, nbytes, n, bandwidth)
+    m = fewest_inside(sizes, axes, hw.domain)
+    if kind == "all_to_all":
+        return max((n - m) / n * nbytes / bandwidth, (m - 1) / n * nbytes / hw.domain_link)
+    if not hw.hierarchical:
+        return seconds(kind, nbytes, n, min(hw.domain_link, m * bandwidth))
+    if n % k:
         return seconds(kind, nbytes, n, bandwidth)
     inside = n // k
     return seconds(kind, nbytes, inside, hw.domain_link) + seconds(kind, nbytes / inside, k, bandwidth)
