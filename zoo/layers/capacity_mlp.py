@@ -115,16 +115,13 @@ def _slots(layout, kept):
 
 def _capacity_pass(x, w_gate, w_up, w_down, layout, k):
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
-    # Each named tensor's matmul under its scope; the copy the backward pass keeps (the placement
-    # map's) is the name's.
-    with region("moe_gate"):
-        gate = _mm("ecd,edm->ecm", xc, w_gate)
-    with region("moe_up"):
-        up = _mm("ecd,edm->ecm", xc, w_up)
-    with region("moe_hidden"):
-        hidden = jax.nn.silu(gate) * up
-    kept = tuple(named(n, _kept, layout, a) for n, a in (("moe_gate", gate), ("moe_up", up), ("moe_hidden", hidden)))
-    return _mm("ecm,emd->ecd", hidden, w_down), kept
+    # The projections as slots, named as the rows the backward pass keeps (the placement map's
+    # tensors); the SwiGLU on those rows, back into slots for the down projection. The forward
+    # pass computes every named tensor (a planner's trace under full remat sees each).
+    gate = named("moe_gate", lambda: _kept(layout, _mm("ecd,edm->ecm", xc, w_gate)))
+    up = named("moe_up", lambda: _kept(layout, _mm("ecd,edm->ecm", xc, w_up)))
+    hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
+    return _mm("ecm,emd->ecd", _slots(layout, hidden), w_down), (gate, up, hidden)
 
 
 def _overflow_any(layout) -> Array:
