@@ -182,8 +182,11 @@ def test_a_resume_that_changes_the_runs_settings_is_refused_with_the_differences
     assert json.loads((other / "run.json").read_text())["param_dtype"] == "bfloat16"  # the run's settings now
 
 
+STEPS = 14  # the SIGTERM test's run: stopped at step 3, the rest resumed
+
+
 def _train_cmd(run_dir, *extra) -> list[str]:
-    return [sys.executable, str(ROOT / "recipes" / "train.py"), "--preset", "tiny", "--steps", "30", "--warmup", "2",
+    return [sys.executable, str(ROOT / "recipes" / "train.py"), "--preset", "tiny", "--steps", str(STEPS), "--warmup", "2",
             "--batch-size", "4", "--seq-len", "32", "--log-every", "1", "--eval-every", "100", "--checkpoint-every",
             "100", "--peak-tflops", "1", "--run-dir", str(run_dir), *extra]  # fmt: skip
 
@@ -232,17 +235,18 @@ def test_sigterm_saves_at_the_step_reached_and_resume_is_exact(tmp_path):
     for p, out in zip(procs, outs):
         assert p.wait(timeout=300) == 143, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
-    m = re.search(r"train\.py: SIGTERM: stopped after step (\d+) of 30; saved checkpoint step (\d+) \((.*)\): "
+    m = re.search(rf"train\.py: SIGTERM: stopped after step (\d+) of {STEPS}; saved checkpoint step (\d+) \((.*)\): "
                   r"--resume continues from it", outs[0])  # fmt: skip
-    assert m and m[1] == m[2] and 3 <= int(m[1]) < 30 and m[3] == str(cut / "checkpoints" / m[1]), outs[0][-2000:]
+    assert m and m[1] == m[2] and 3 <= int(m[1]) < STEPS and m[3] == str(cut / "checkpoints" / m[1]), outs[0][-2000:]
     assert sorted(os.listdir(cut / "checkpoints")) == [m[1]]
     cmds, env = _processes(_train_cmd(cut, "--resume"), processes)
     outs = _run_all(cmds, env)
     assert f"resumed from {cut / 'checkpoints'} at step {m[1]}" in outs[0]
     vals = [json.loads(x)["val_loss"] for x in (full / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
     assert f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f}" in outs[0]  # the whole run's (point 15), not the session's
-    assert sorted(_losses(cut)) == list(range(1, 31))
-    np.testing.assert_array_equal([_losses(cut)[s] for s in range(1, 31)], [_losses(full)[s] for s in range(1, 31)])
+    steps = range(1, STEPS + 1)
+    assert sorted(_losses(cut)) == list(steps)
+    np.testing.assert_array_equal([_losses(cut)[s] for s in steps], [_losses(full)[s] for s in steps])
 
 
 def test_ctrl_c_saves_at_the_step_reached_in_one_line(tmp_path):

@@ -62,11 +62,12 @@ def _bash_block(after: str) -> list[str]:
 
 def _shortened(args: list[str]) -> list[str]:
     """A README line made quick by flags the README shows: ``--steps`` (last given wins), small
-    batches; evaluations of a few rows, a few generated tokens."""
+    batches; evaluations of a few rows, a few generated tokens. ``--peak-tflops`` skips the
+    recipe's 2-second matmul benchmark (the MFU's denominator), nine times over."""
     script = Path(args[1]).name
     if script == "train.py" and "--help" not in args:
         steps = "4" if "--resume" in args and "--steps" in args else "2"  # the longer resume extends the run
-        return [*args, "--steps", steps, "--batch-size", "8", "--seq-len", "32", "--eval-every", "2"]
+        return [*args, "--steps", steps, "--batch-size", "8", "--seq-len", "32", "--eval-every", "2", "--peak-tflops", "1"]
     return [*args, *{"eval.py": ["--max-rows", "8"], "generate.py": ["--max-new-tokens", "4"]}.get(script, [])]
 
 
