@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default=None,
                    help="the family's precision map (fp8_all, deepseek, 'fp8_all+mlp_down=none', ...: docs/precision.md): "
                         "its tensorwise FP8 matmuls priced at the hardware's FP8 peak")  # fmt: skip
+    p.add_argument("--domain", type=int, default=None,
+                   help="the job's devices in each fast domain, where it holds fewer than the hardware's (GB200: 64 "
+                        "for jobs of 128+ GPUs, as NVIDIA places them: 16 trays a rack) (default: the hardware's)")
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="MoE models: the dispatch's all-to-all slot, x the mean routed rows (default: the config's, 1.25)")
     p.add_argument("--no-verify", action="store_true", help="skip the CUDA export check of the offloaded names")
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value, least in (("--device-budget-gib", args.device_budget_gib, "positive"),
                                ("--host-budget-gib", args.host_budget_gib, "non-negative"),
                                ("--batch-size", args.batch_size, "positive"), ("--devices", args.devices, "positive"),
-                               ("--top", args.top, "positive"), ("--capacity-factor", args.capacity_factor, "positive")):  # fmt: skip
+                               ("--top", args.top, "positive"), ("--capacity-factor", args.capacity_factor, "positive"),
+                               ("--domain", args.domain, "positive")):  # fmt: skip
         if value is not None and not (value > 0 or (value == 0 and least == "non-negative")):
             p.error(f"{flag} must be {least}, got {value}")
 
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         hw = planning.hardware(args.hardware)
+        if args.domain is not None and args.domain > hw.domain:
+            p.error(f"--domain must be at most {hw.name}'s {hw.domain} devices a fast domain, got {args.domain}")
+        hw = planning.hardware(hw, domain=args.domain) if args.domain is not None else hw
         config = registry.by_model_type(args.model, "--model").config_cls.preset(args.preset, args.model)
         if args.capacity_factor is not None:
             if not hasattr(config, "capacity_factor"):

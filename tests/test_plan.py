@@ -164,6 +164,8 @@ def test_recipe_plans_and_says_when_nothing_fits(capsys):
         (["--host-budget-gib", "-2"], "--host-budget-gib must be non-negative, got -2.0"),
         (["--batch-size", "0"], "--batch-size must be positive, got 0"),
         (["--devices", "8", "--top", "0"], "--top must be positive, got 0"),
+        (["--domain", "0"], "--domain must be positive, got 0"),
+        (["--hardware", "gb200", "--domain", "80"], "--domain must be at most gb200's 72 devices a fast domain, got 80"),
     ],
 )
 def test_recipe_refuses_bad_flags_naming_them(flags, message, capsys):

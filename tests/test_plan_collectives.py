@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -140,6 +141,24 @@ def test_gpu_rings_across_nodes_share_the_nodes_network_links():
     # A permute (a pipeline's hand-over) sends its buffer once on the link it crosses.
     hand_over = collectives.collective_seconds("permute", nbytes, h100, mesh_sizes("pipeline=2,fsdp=8"), ("pipeline",))
     assert hand_over == pytest.approx(nbytes / h100.cross_link)
+
+
+def test_a_job_placed_64_gpus_a_rack_keeps_its_expert_groups_on_nvlink():
+    """Megatron-Bridge's DeepSeek-V3 on 256 GB200 (`pipeline=4,expert=64`) was priced at 857
+    tokens/s per GPU against 3,139 published: numbered in 72-GPU domains, three of its four
+    64-GPU expert groups straddle two racks (8 and 56), and their all-to-alls cross on the NICs.
+    NVIDIA places such jobs 16 trays (64 GPUs) a rack (Slurm's --segment 16): with
+    ``hardware("gb200", domain=64)`` the groups stay on NVLink."""
+    gb200, job = plan.hardware("gb200"), plan.hardware("gb200", domain=64)
+    assert job.domain == 64 and job.efficiency == gb200.efficiency and job.cross_link == gb200.cross_link
+    sizes, nbytes = mesh_sizes("pipeline=4,expert=64"), 1e9
+    assert collectives.spans(sizes, ("expert",), 72) == 2 and collectives.fewest_inside(sizes, ("expert",), 72) == 8
+    a2a = functools.partial(collectives.collective_seconds, "all_to_all", nbytes, sizes=sizes, axes=("expert",))
+    assert a2a(gb200) == pytest.approx(56 / 64 * nbytes / gb200.cross_link)
+    assert a2a(job) == pytest.approx(63 / 64 * nbytes / job.domain_link)
+    for bad in (0, 73, True):
+        with pytest.raises(ConfigError, match=r"domain must be a device count from 1 to gb200's 72"):
+            plan.hardware("gb200", domain=bad)
 
 
 def test_a_hardware_without_link_figures_is_refused():

@@ -226,9 +226,17 @@ CALIBRATED_EFFICIENCY: dict[str, float] = {"h100": 0.56, "tpu-v5p": 0.765, "tpu-
 HARDWARE.update({n: dataclasses.replace(HARDWARE[n], efficiency=e) for n, e in CALIBRATED_EFFICIENCY.items()})
 
 
-def hardware(name: str | Hardware) -> Hardware:
+def hardware(name: str | Hardware, *, domain: int | None = None) -> Hardware:
     """The table's entry ``name`` (case-insensitive); an unknown name is a :class:`ConfigError`
-    listing the table."""
+    listing the table. ``domain``: the job's devices in each fast domain, where it holds fewer
+    than the domain has (NVIDIA places jobs of 128 GB200s or more 16 four-GPU trays, 64 GPUs, to
+    an NVL72 rack: Slurm's ``--segment 16``); the planner numbers the job's devices in domains of
+    that many."""
+    if domain is not None:
+        hw = hardware(name)
+        if not isinstance(domain, int) or isinstance(domain, bool) or not 1 <= domain <= hw.domain:
+            raise ConfigError(f"domain must be a device count from 1 to {hw.name}'s {hw.domain}, got {domain!r}")
+        return dataclasses.replace(hw, domain=domain)
     if isinstance(name, Hardware):
         return name
     key = str(name).strip().lower().replace("_", "-")

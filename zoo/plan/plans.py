@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from zoo.hardware import Hardware
+from zoo.hardware import HARDWARE, Hardware
 from zoo.placement import PlacementMap
 from zoo.plan._step import mesh_sizes as _mesh_sizes
 from zoo.plan.estimate import Estimate, GiB
@@ -83,8 +83,10 @@ class Plan:
         return candidate_table(self.candidates)
 
     def __str__(self) -> str:
+        table = HARDWARE.get(self.hardware.name)
+        job = f" ({self.hardware.domain} of the job's devices a fast domain)" if table and table.domain != self.hardware.domain else ""
         head = (
-            f"plan: {self.estimate.model} on {self.hardware.name} x {self.estimate.mesh or 'one device'}, "
+            f"plan: {self.estimate.model} on {self.hardware.name}{job} x {self.estimate.mesh or 'one device'}, "
             f"{self.seq_len} tokens per sequence; budgets {_size(self.device_budget)} device, "
             f"{_size(self.host_budget)} host per device"
         )
