@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), "
                    "a recipes/train.py run directory (its latest good checkpoint), or a Hugging Face hub id (org/name)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, as train.py "
+                        "--save-adapter or peft writes it) merged into the checkpoint first")
     p.add_argument("--data", default="stdlib", help="as recipes/train.py's --data (default: the embedded corpus)")
     p.add_argument("--text-field", default="text", help="the field of a record that holds its text")
     p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto",
@@ -99,6 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(str(e))
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.compute_dtype]
     model, settings = load_model(args.checkpoint, dtype, p)
+    if args.adapter is not None:
+        from zoo import lora
+        from zoo.errors import ConfigError
+
+        try:
+            model = lora.merge(lora.load_adapter(model, args.adapter))
+        except (CheckpointError, ConfigError, OSError) as e:
+            p.error(f"--adapter {args.adapter}: {e}")
     if args.seq_len is None:
         args.seq_len = int(settings.get("train", {}).get("seq_len", 512))
     for name in ("seq_len", "batch_size"):

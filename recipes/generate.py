@@ -94,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", nargs="?", default=str(DEFAULT),
                    help="checkpoint directory (config.json + safetensors), a recipes/train.py run directory, or a "
                         "Hugging Face hub id (org/name)")  # fmt: skip
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, as train.py "
+                        "--save-adapter or peft writes it) merged into the checkpoint first")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The quick brown fox')")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -195,12 +198,14 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--system goes with --chat")
     prompts = args.prompt or ["The quick brown fox"]
 
-    from zoo import train
+    from zoo import lora, train
 
     try:
         model, _ = train.load_model(path, compute_dtype=None if args.dtype is None else jnp.dtype(args.dtype))
+        if args.adapter is not None:
+            model = lora.merge(lora.load_adapter(model, args.adapter))
     except (zoo.CheckpointError, zoo.ConfigError) as e:
-        p.error(str(e))
+        p.error(str(e) if args.adapter is None else f"--adapter {args.adapter}: {e}")
     vocab = model.config.vocab_size
     use_hf = (path / "tokenizer.json").is_file() and not args.bytes
     make_tokenizer = (lambda: HFTokenizer(path / "tokenizer.json")) if use_hf else (lambda: ByteTokenizer(vocab))

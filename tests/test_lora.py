@@ -188,13 +188,17 @@ def test_merged_model_saves_as_a_plain_checkpoint(tmp_path):
     np.testing.assert_allclose(np.asarray(again(jnp.asarray(ref["input_ids"]))), ref["merged_logits"], atol=1e-5, rtol=0)
 
 
-def _train_recipe():
+def _recipe(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_recipe_lora", FIXTURES.parents[1] / "recipes" / "train.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe_lora", FIXTURES.parents[1] / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _train_recipe():
+    return _recipe("train")
 
 
 def test_recipe_trains_only_the_adapters_and_saves_them_as_peft(tmp_path):
@@ -221,6 +225,27 @@ def test_recipe_trains_only_the_adapters_and_saves_them_as_peft(tmp_path):
     merged = zoo.from_pretrained(tmp_path / "merged")
     np.testing.assert_allclose(np.asarray(merged(ids)), np.asarray(adapted(ids)), atol=1e-5, rtol=0)
     assert np.abs(np.asarray(base(ids)) - np.asarray(adapted(ids))).max() > 1e-3
+
+
+def test_eval_and_generate_take_a_peft_adapter(tmp_path, capsys):
+    """Issue 41: `recipes/eval.py` and `recipes/generate.py --adapter DIR` merge a PEFT adapter into
+    the checkpoint first: the loss and the greedy tokens are the merged checkpoint's, not the
+    base's; an adapter for another family is refused in one line naming the flag and the file."""
+    base_dir, adapter = FIXTURES / "llama3_1-tiny", FIXTURES / "llama3_1-tiny-lora"
+    merged_dir = tmp_path / "merged"
+    zoo.save_pretrained(lora.merge(lora.load_adapter(zoo.from_pretrained(base_dir), adapter)), merged_dir)
+    evaluate, generate = _recipe("eval"), _recipe("generate")
+    flags = ["--max-rows", "4", "--seq-len", "32", "--data-cache", str(tmp_path / "cache")]
+    with_adapter = evaluate.main([str(base_dir), "--adapter", str(adapter), *flags])
+    assert with_adapter["loss"] == evaluate.main([str(merged_dir), *flags])["loss"]
+    assert abs(with_adapter["loss"] - evaluate.main([str(base_dir), *flags])["loss"]) > 1e-2
+    gen = ["--prompt", "def ", "--max-new-tokens", "6"]
+    tokens = generate.main([str(base_dir), "--adapter", str(adapter), *gen])["tokens"]
+    assert tokens == generate.main([str(merged_dir), *gen])["tokens"]
+    with pytest.raises(SystemExit) as e:
+        generate.main([str(base_dir), "--adapter", str(FIXTURES / "deepseek_v3-tiny-lora"), *gen])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--adapter" in err and "adapter_config.json: LoRA target_modules: 'q_a_proj'" in err
 
 
 @pytest.mark.parametrize("value, message", [("r=8", "r= and alpha= are needed"), ("r=x,alpha=2", "not a number"),

@@ -86,7 +86,7 @@ def test_collectives_across_tpu_slices_are_hierarchical():
     the slice on ICI over all the bytes, the ring across slices on DCN over 1/(chips in the
     slice) of them. A flat ring at DCN priced 405B's fsdp=512 on 2 x v6e-256 at 0.28 of its
     published step. An all-to-all sends only the other slice's share over DCN."""
-    v6e, h100 = plan.hardware("tpu-v6e"), plan.hardware("h100")
+    v6e = plan.hardware("tpu-v6e")
     sizes = mesh_sizes("fsdp=512")
     assert collectives.spans(sizes, ("fsdp",), v6e.domain) == 2
     assert collectives.spans(mesh_sizes("fsdp=128,tensor=4"), ("tensor",), v6e.domain) == 1
