@@ -96,9 +96,10 @@ def _mm(spec, a, b):
 
 
 def _kept(layout, slots):
-    """``slots`` as the backward pass keeps them: one row per pair (zeros for a pair without a slot) where the pairs are fewer than the slots (the
-    slots' ``capacity_factor`` headroom is empty rows, and a map that keeps or offloads the
-    tensor should move only the routed rows), else the slots themselves."""
+    """``slots`` as the backward pass keeps them: one row per pair (zeros for a pair without a
+    slot) where the pairs are fewer than the slots (the slots' ``capacity_factor`` headroom is
+    empty rows, and a map that keeps or offloads the tensor should move only the routed rows),
+    else the slots themselves."""
     e, c, m = slots.shape
     if layout.pair_slot.shape[0] >= e * c:
         return slots
