@@ -15,7 +15,9 @@ The gradient is written out (``jax.custom_vjp``) so that every data movement is 
 pairs' rows are gathered into the capacity slots going forward, and the slots' gradients are
 gathered back per pair and summed over each token's ``K`` pairs going backward, where autodiff
 would scatter-add (slow on CPU); the overflow's weight gradients accumulate into the batched
-pass's instead of into buffers of their own.
+pass's instead of into buffers of their own. What it keeps of the batched pass (``moe_gate``,
+``moe_up``, ``moe_hidden``: the placement map's names) is one row per pair, not the ``E·C``
+slots, whose headroom is empty rows.
 """
 
 from __future__ import annotations
