@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 from jax._src import core
+from jax.extend.core import ClosedJaxpr  # jax 0.12 has it here only, not in jax._src.core
 
 from zoo.layers.moe_dispatch import LATER_ROUNDS
 
@@ -34,7 +35,7 @@ def nbytes(aval: Any) -> int:
 
 def jaxpr_of(x: Any) -> core.Jaxpr:
     """The jaxpr of ``x``: a closed jaxpr's own, else ``x``."""
-    return x.jaxpr if isinstance(x, core.ClosedJaxpr) else x
+    return x.jaxpr if isinstance(x, ClosedJaxpr) else x
 
 
 def call_jaxpr(eqn: core.JaxprEqn) -> Any:
