@@ -802,3 +802,36 @@ def test_every_token_to_one_device_equals_single_device(name, spec):
     expected = moe_bodies(model) * devices * (pairs - slot_rows(pairs, mesh.shape["expert"], 1.0))
     assert int(metrics["moe_dropped_pairs"]) == expected > 0
     assert float(drop_loss) != float(ref_loss)
+
+
+@pytest.mark.parametrize("name, spec, routing", [("deepseek_v3", "fsdp=4,tensor=2", "balanced"),
+                                                 ("deepseek_v3", "fsdp=8", "adversarial"),
+                                                 ("qwen3_moe", "data=2,fsdp=4", "adversarial")])  # fmt: skip
+def test_experts_gathered_a_block_at_a_time_equal_single_device(name, spec, routing, monkeypatch):
+    """Where no mesh axis splits the experts, the step gathers a layer's routed experts over
+    FSDP a block of experts at a time (``zoo.layers.moe.EXPERT_BLOCK_BYTES``, here a quarter
+    of a layer's: four blocks): loss, metrics and gradients equal one device's, with every
+    token routed to the first experts (one block overflows, the others get nothing) too."""
+    from zoo.layers import moe
+
+    model, loss_fn, _ = MODELS[name]()
+    if routing == "adversarial":
+        model = all_to_first_experts(model, capacity_factor=1.0)
+    w = model.moe_layers.moe.w_gate
+    mesh = parallel.make_mesh(spec)
+    experts, d, m = w.shape[1:]  # a device gathers its "tensor" block of the hidden units M
+    monkeypatch.setattr(moe, "EXPERT_BLOCK_BYTES", 3 * experts * d * m // mesh.shape["tensor"] * w.dtype.itemsize // 4)
+    blocks = []
+    monkeypatch.setattr(moe, "expert_blocks", lambda *a, f=moe.expert_blocks: blocks.append(f(*a)) or blocks[-1])
+    ids = batch(model)
+    (ref_loss, ref_aux), ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=True))(model, ids)
+    (loss, aux), grads = parallel.value_and_grad(loss_fn, mesh, has_aux=True)(parallel.shard(model, mesh), ids)
+    assert blocks and set(blocks) == {4}
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    aux, ref_aux = (a._asdict() if hasattr(a, "_asdict") else a for a in (aux, ref_aux))
+    for field in ref_aux:
+        np.testing.assert_allclose(np.asarray(aux[field]), np.asarray(ref_aux[field]), rtol=1e-5, err_msg=field)
+    g, ref_g = flat(grads), flat(ref_grads)
+    for path in ref_g:
+        r = np.asarray(ref_g[path])
+        np.testing.assert_allclose(np.asarray(g[path]), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()), err_msg=path)

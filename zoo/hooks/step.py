@@ -58,6 +58,16 @@ class Gather(NamedTuple):
     shared: tuple[str, ...] = ()
 
 
+class GatherLater(NamedTuple):
+    """The plan of a routed-experts weight (leading with the experts, which no mesh axis
+    splits) whose FSDP gather the MoE layer runs itself, one block of experts at a time
+    (:func:`zoo.layers.moe.routed_experts`): a layer's gathered experts are most of its
+    weights (DeepSeek-V3 671B: 21 GiB in bf16), and with their float32 gradients most of its
+    backward pass's transient. ``dims`` as the gather of any other weight."""
+
+    dims: tuple[Gather, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class VocabSplit:
     """How the step splits the vocabulary: the embedding's and head's rows over ``axis`` (of
@@ -105,6 +115,8 @@ class _Step:
     gathered: set[Any]
     vocab: VocabSplit | None = None
     pipeline: PipelineSplit | None = None
+    # Weights gather_layer left to the MoE layer: id -> (the local block, its gather's dims).
+    later: dict[int, tuple[Any, tuple[Gather, ...]]] = dataclasses.field(default_factory=dict)
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
@@ -160,7 +172,23 @@ def gather_layer(tree: PyTree) -> PyTree:
     if plan is None:
         raise MeshError(f"gather_layer: {type(tree).__name__} is not a layer stack of the model in this step")
     step.gathered.add(treedef)
-    return jax.tree.unflatten(treedef, [named(GATHERED, gather_fsdp, x, d) for x, d in zip(leaves, plan)])
+    out = []
+    for x, d in zip(leaves, plan):
+        if isinstance(d, GatherLater):  # the MoE layer gathers it, a block of experts at a time
+            step.later[id(x)] = (x, d.dims)
+            out.append(x)
+        else:
+            out.append(named(GATHERED, gather_fsdp, x, d))
+    return jax.tree.unflatten(treedef, out)
+
+
+def gathered_later(w: Array) -> tuple[Gather, ...] | None:
+    """The gather :func:`gather_layer` left undone on ``w`` (a routed-experts weight's local
+    block; :class:`GatherLater`), for its one reader to run block by block; ``None`` where
+    ``w`` is whole (gathered, or outside the step)."""
+    step = _STEP.get()
+    entry = None if step is None else step.later.get(id(w))
+    return entry[1] if entry is not None and entry[0] is w else None
 
 
 def gather_fsdp(x, dims: Sequence[int | Gather]):
@@ -348,8 +376,8 @@ def psum_varying(x, axes: Sequence[str]):
 
 
 __all__ = [
-    "CONTEXT", "GATHERED", "PIPELINE", "Gather", "PipelineSplit", "axis_size", "context_gather", "context_order", "context_positions",
-    "context_size", "context_sum", "current_step", "gather_fsdp", "gather_layer", "global_sum", "in_step", "pipeline_of",
+    "CONTEXT", "GATHERED", "PIPELINE", "Gather", "GatherLater", "PipelineSplit", "axis_size", "context_gather", "context_order", "context_positions",
+    "context_size", "context_sum", "current_step", "gather_fsdp", "gather_layer", "gathered_later", "global_sum", "in_step", "pipeline_of",
     "psum_varying", "remat_policy", "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
     "varying_over", "VocabSplit", "vocab_split",
 ]  # fmt: skip

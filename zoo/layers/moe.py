@@ -6,12 +6,15 @@ Routing is the family's own (DeepSeek-V3's sigmoid + bias + groups, Qwen3's soft
 produces a :class:`Routing`, and everything after it is here.
 
 Dimension letters: T tokens · D model width · E routed experts · M expert hidden ·
-K experts per token (top-k) · P (token, expert) pairs · R sorted rows.
+K experts per token (top-k) · P (token, expert) pairs · R sorted rows · Dw, Mw: the experts'
+``D`` and ``M`` as the layer is handed them (a device's FSDP block inside a step that gathers
+them a block of experts at a time: :func:`_experts_in_blocks`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -21,12 +24,27 @@ from jaxtyping import Array, Float, Int
 
 from zoo.core.mesh import axis_size
 from zoo.core.named import named
-from zoo.hooks.step import current_step, psum_varying, varying_axes, varying_like
+from zoo.errors import MeshError
+from zoo.hooks.step import (
+    GATHERED,
+    current_step,
+    gather_fsdp,
+    gathered_later,
+    psum_varying,
+    remat_policy,
+    varying_axes,
+    varying_like,
+)
 from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
 from zoo.layers.moe_dispatch import Dispatch, exchange_experts
+from zoo.layers.stack import layer_policy_now
 
 ExpertImpl = Literal["auto", "ragged_dot", "capacity", "grouped", "tiled", "dense"]
+# The most bytes of routed-expert weights an FSDP step gathers at once where no mesh axis
+# splits the experts: the three projections of a block of experts, in the compute dtype
+# (:func:`expert_blocks`). DeepSeek-V3 671B's 21 GiB a layer is 16 blocks of 16 experts.
+EXPERT_BLOCK_BYTES = 2 * 2**30
 
 
 class Routing(NamedTuple):
@@ -244,13 +262,63 @@ def resolve_expert_impl(impl: str) -> str:
     return impl
 
 
+def expert_blocks(experts: int, gathered_bytes: int, limit: int | None = None) -> int:
+    """The blocks a layer's routed experts are gathered in: the fewest that divide ``experts``
+    with each block's share of ``gathered_bytes`` at most ``limit`` (default
+    :data:`EXPERT_BLOCK_BYTES`; one expert a block at most)."""
+    limit = EXPERT_BLOCK_BYTES if limit is None else limit
+    return next((n for n in range(1, experts + 1) if experts % n == 0 and gathered_bytes <= n * limit), experts)
+
+
+def _experts_in_blocks(
+    pair_mlp: Callable[..., Float[Array, "P D"]],
+    x: Float[Array, "T D"],
+    routing: Routing,
+    weights: tuple[Float[Array, "E Dw Mw"], Float[Array, "E Dw Mw"], Float[Array, "E Mw Dw"]],
+    dims: list,
+) -> Float[Array, "T D"]:
+    """The routed experts' combined output, their weights gathered a block of experts at a time
+    (:class:`zoo.hooks.step.GatherLater`; ``weights`` are this device's blocks, ``dims`` their
+    gathers). A loop over :func:`expert_blocks` blocks: each gathers its experts' weights and
+    runs its pairs (the other blocks' marked as not its own: zeros), adding their rows.
+    Checkpointed as the layer body is, so the backward pass re-gathers each block and
+    reduce-scatters its gradient before the next: one block's gathered weights and float32
+    gradients are what the layer holds, not every expert's. Each pair's row comes from its one
+    expert's block, so the sum is exact."""
+    step = current_step()
+    t, k = routing.experts.shape
+    e = weights[0].shape[0]
+    gathered = sum(w.size * w.dtype.itemsize * math.prod(axis_size(step.mesh, g.axes) for g in d)
+                   for w, d in zip(weights, dims))  # fmt: skip
+    n = expert_blocks(e, gathered)
+    g = e // n
+    flat = routing.experts.reshape(-1)
+    x = varying_like(x, weights[0])
+
+    def block(out, at):
+        i, local = at
+        ws = [named(GATHERED, gather_fsdp, w, d) for w, d in zip(local, dims)]
+        ids = flat - i * g
+        ids = jnp.where((ids >= 0) & (ids < g), ids, g)  # g: another block's pair (zeros)
+        return out + pair_mlp(x, ids, k, *ws, expected_rows=-(-t * k // n)), None
+
+    policy = layer_policy_now() or remat_policy(None)
+    body = block if policy is None else jax.checkpoint(block, policy=policy, prevent_cse=False)
+    init = varying_like(varying_like(jnp.zeros((t * k, x.shape[-1]), x.dtype), x), weights[0])
+    blocks = tuple(w.reshape(n, g, *w.shape[1:]) for w in weights)
+    out, _ = jax.lax.scan(body, init, (jnp.arange(n, dtype=flat.dtype), blocks))
+    out = named("moe_out", out.reshape, t, k, -1)
+    out = jnp.einsum("tkd,tk->td", out, varying_like(routing.weights, weights[0]).astype(out.dtype))
+    return psum_varying(out, ("tensor",))
+
+
 def routed_experts(
     impl: Callable[..., Float[Array, "T D"]],
     x: Float[Array, "T D"],
     routing: Routing,
-    w_gate: Float[Array, "E D M"],
-    w_up: Float[Array, "E D M"],
-    w_down: Float[Array, "E M D"],
+    w_gate: Float[Array, "E Dw M"],
+    w_up: Float[Array, "E Dw M"],
+    w_down: Float[Array, "E Mw Dw"],
     *,
     pair_mlp: Callable[..., Float[Array, "P D"]],
     dispatch: Dispatch = Dispatch(),
@@ -258,7 +326,9 @@ def routed_experts(
     """The routed experts' combined output, expert-parallel inside the step; and the (token,
     expert) pairs dropped past the dispatch's capacity (0 unless ``dispatch.overflow="drop"``).
 
-    Outside the step (or with experts not split over ``"expert"``) this is ``impl``. Split,
+    Outside the step (or with experts not split over ``"expert"``) this is ``impl``; where the
+    step left the experts' FSDP gather to this layer (:class:`zoo.hooks.step.GatherLater`),
+    ``pair_mlp`` a block of experts at a time (:func:`_experts_in_blocks`). Split,
     each device holds ``E / expert`` experts (and, with ``"tensor"``, a slice of their hidden
     units) and computes only the (token, expert) pairs routed to them: ``pair_mlp(x,
     pair_experts, k, w_gate, w_up, w_down)`` (:func:`expert_pair_mlp`) runs
@@ -277,6 +347,11 @@ def routed_experts(
     if step is None:
         return impl(x, routing, w_gate, w_up, w_down), none
     if "expert" not in varying_axes(w_gate):
+        dims = [gathered_later(w) for w in (w_gate, w_up, w_down)]
+        if any(d is not None for d in dims):
+            if not all(d is not None for d in dims):
+                raise MeshError("routed_experts: some of the routed experts' weights are gathered, others not")
+            return _experts_in_blocks(pair_mlp, x, routing, (w_gate, w_up, w_down), dims), none
         x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
         return psum_varying(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",)), none
     t, k = routing.experts.shape
@@ -304,9 +379,9 @@ def routed_experts(
 def moe_experts(
     x: Float[Array, "T D"],
     routing: Routing,
-    w_gate: Float[Array, "E D M"],
-    w_up: Float[Array, "E D M"],
-    w_down: Float[Array, "E M D"],
+    w_gate: Float[Array, "E Dw M"],
+    w_up: Float[Array, "E Dw M"],
+    w_down: Float[Array, "E Mw Dw"],
     *,
     impl: str = "auto",
     dispatch: Dispatch = Dispatch(),

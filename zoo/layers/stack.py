@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -12,6 +14,23 @@ from zoo.hooks.step import GATHERED, pipeline_of, remat_policy
 
 Carry = TypeVar("Carry")
 LAYER_SCOPE = "decoder_layer"  # the named scope of every scanned layer's ops (zoo.train.trace_report reads it)
+_POLICY: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar("zoo_layer_policy", default=None)
+
+
+def layer_policy_now() -> Callable[..., Any] | None:
+    """The remat policy of the layer body being traced (:func:`scan_layers`'s, after
+    :func:`zoo.hooks.remat_policy`), for a loop inside the layer that checkpoints its own
+    iterations as the layer does (``None``: outside a layer body, or no policy)."""
+    return _POLICY.get()
+
+
+@contextlib.contextmanager
+def _policy(policy: Callable[..., Any] | None) -> Iterator[None]:
+    token = _POLICY.set(policy)
+    try:
+        yield
+    finally:
+        _POLICY.reset(token)
 
 
 def scan_layers(
@@ -47,7 +66,7 @@ def scan_layers(
     policy = remat_policy(policy)  # inside zoo.parallel's step: FSDP re-gathers instead of saving
 
     def scoped(c: Carry, layer: Any, r: Any) -> tuple[Carry, Any]:
-        with jax.named_scope(LAYER_SCOPE):
+        with jax.named_scope(LAYER_SCOPE), _policy(policy):
             return body(c, layer) if rows is None else body(c, layer, r)
 
     fn = scoped if policy is None else jax.checkpoint(scoped, policy=policy, prevent_cse=False)

@@ -39,6 +39,7 @@ from zoo.errors import ConfigError, MeshError
 from zoo.hooks.pipeline import stage_layout
 from zoo.hooks.step import (
     Gather,
+    GatherLater,
     PipelineSplit,
     VocabSplit,
     context_order,
@@ -55,7 +56,9 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     all-gathered on (:class:`Gather`: over ``fsdp`` and the expert group where it joins, as
     :func:`gather_axes` says; ``shared`` where those axes are not among ``batch_axes``); and per
     model leaf, the dims a non-layer leaf is gathered on at the start of the step (none for
-    layer-stack leaves: they are gathered layer by layer)."""
+    layer-stack leaves: they are gathered layer by layer). A layer's routed-experts weight,
+    where no mesh axis splits its experts, is :class:`GatherLater`: the MoE layer gathers it
+    a block of experts at a time."""
 
     specs, rules, sizes = model_specs(model), rules_of(model), model.config.sizes
     stacks: dict[str, bool] = {}
@@ -72,11 +75,17 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
         return tuple(Gather(i - drop, axes, tuple(a for a in axes if a not in batch_axes))
                      for i, axes in enumerate(gathered) if axes and not (vocab and p.names[i] == VOCAB))  # fmt: skip
 
+    def layer_dims(path: str) -> tuple[Gather, ...] | GatherLater:
+        d, names = dims(path, 1), specs[path].names
+        rule = rules.get(names[1]) if len(names) > 1 else None
+        experts = rule is not None and rule.mesh_axis == "expert" and axis_size(mesh, "expert") == 1
+        return GatherLater(d) if experts and d and all(g.dim > 0 for g in d) else d
+
     plans = {}
     for root, is_stack in stacks.items():
         sub = getattr(model, root, None)
         if is_stack and sub is not None:
-            plan = map_params(lambda path, x, root=root: dims(f"{root}.{path}", 1), sub)
+            plan = map_params(lambda path, x, root=root: layer_dims(f"{root}.{path}"), sub)
             plans[jax.tree.structure(sub)] = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
     rest = map_params(lambda path, x: () if stacks[path.split(".")[0]] else dims(path, 0), model)
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
