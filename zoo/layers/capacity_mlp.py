@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zoo.core.named import named, region
 from zoo.hooks.step import sum_to_varying_of
-from zoo.layers.grouped_matmul import _loop_matmul, _loop_weight_grad
+from zoo.layers.grouped_matmul import _zeros_like_vma, tile_layout
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
 CAPACITY_FACTOR = 1.25
@@ -139,11 +139,96 @@ def _per_pair(layout, cap_rows, over_rows=None):
     return jnp.where(layout.mine[:, None], rows, jnp.zeros((), rows.dtype))
 
 
-def _overflow_mlp(x, w_gate, w_up, sizes, tile):
-    """The overflow rows' gate and up projections, through the tile loop."""
-    gate = _loop_matmul(x, w_gate, sizes, tile, transpose_rhs=False)
-    up = _loop_matmul(x, w_up, sizes, tile, transpose_rhs=False)
-    return gate, up
+def _dot(a, b, contract):
+    """``a @ b`` (contracting ``a``'s dim 1 with ``b``'s ``contract``) accumulated in float32,
+    rounded to ``a``'s dtype as the batched pass rounds its products."""
+    return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+class _Tile(NamedTuple):
+    """One tile of the overflow rows: its pairs' token rows and (backward) output gradients,
+    zeros past its valid rows; its expert's weights; where its rows start."""
+
+    keep: Array
+    x: Array
+    dy: Array | None
+    w: tuple[Array, Array, Array]
+    row0: Array
+    owner: Array
+
+
+def _overflow_tiles(layout, x, dout, weights, k, tile):
+    """The overflow rows as tiles of ``tile`` rows, each one expert's (``tile_layout``), and a
+    function reading tile ``i``: its rows gathered from ``x`` (and ``dout``) by pair, so that no
+    ``[O, D]`` copy of them exists (sized for every pair to one expert, they were most of a
+    layer's transient at DeepSeek-V3's scale)."""
+    o = layout.over_pair.shape[0]
+    tiles = tile_layout(layout.over_sizes, o, tile)
+    pair = jnp.pad(layout.over_pair, (0, tile))
+    valid = jnp.pad(layout.over_valid, (0, tile))
+
+    def read(i) -> _Tile:
+        p = jax.lax.dynamic_slice_in_dim(pair, tiles.first_row[i], tile)
+        keep = (jnp.arange(tile) < tiles.valid[i]) & jax.lax.dynamic_slice_in_dim(valid, tiles.first_row[i], tile)
+        rows = lambda a, idx: jnp.where(keep[:, None], jnp.take(a, idx, axis=0), jnp.zeros((), a.dtype))  # noqa: E731
+        w = tuple(jax.lax.dynamic_index_in_dim(a, tiles.owner[i], keepdims=False) for a in weights)
+        dy = None if dout is None else rows(dout, p)
+        return _Tile(keep, rows(x, p // k), dy, w, tiles.first_row[i], tiles.owner[i])
+
+    return tiles, read
+
+
+def _put(buf, t: _Tile, rows):
+    """``rows`` written over the tile's rows of ``buf`` where valid."""
+    old = jax.lax.dynamic_slice_in_dim(buf, t.row0, rows.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(t.keep[:, None], rows, old), t.row0, 0)
+
+
+def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile):
+    """The overflow rows' SwiGLU outputs ``[O, D]`` (sorted by expert), a tile at a time: each
+    tile's rows gathered, its gate, up, hidden and output computed, only the output kept."""
+    o = layout.over_pair.shape[0]
+    tiles, read = _overflow_tiles(layout, x, None, (w_gate, w_up, w_down), k, tile)
+
+    def body(i, out):
+        t = read(i)
+        hidden = jax.nn.silu(_dot(t.x, t.w[0], 0)) * _dot(t.x, t.w[1], 0)
+        return _put(out, t, _dot(hidden, t.w[2], 0))
+
+    out = _zeros_like_vma((o + tile, x.shape[1]), x.dtype, x, w_gate, w_up, w_down, layout.over_sizes)
+    return jax.lax.fori_loop(0, tiles.used, body, out)[:o]
+
+
+def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dws):
+    """The overflow rows' input gradients ``[O, D]`` and the weight gradients ``dws`` (float32)
+    plus theirs, a tile at a time: each tile's rows and output gradients gathered, its SwiGLU
+    recomputed, its input gradient written and its expert's weight gradients added."""
+    f32 = jnp.float32
+    o = layout.over_pair.shape[0]
+    tiles, read = _overflow_tiles(layout, x, dout, (w_gate, w_up, w_down), k, tile)
+
+    def body(i, carry):
+        dx, dwg, dwu, dwd = carry
+        t = read(i)
+        xt = jnp.where(t.keep[:, None], t.x, jnp.zeros((), t.x.dtype))
+        go, uo = _dot(xt, t.w[0], 0).astype(f32), _dot(xt, t.w[1], 0).astype(f32)
+        ho = (jax.nn.silu(go) * uo).astype(x.dtype)
+        dho = _dot(t.dy, t.w[2], 1).astype(f32)
+        dgo = (dho * uo * _silu_grad(go)).astype(x.dtype)
+        duo = (dho * jax.nn.silu(go)).astype(x.dtype)
+        dxt = _dot(dgo, t.w[0], 1) + _dot(duo, t.w[1], 1)
+
+        def add(g, a, b):
+            contrib = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+            return jax.lax.dynamic_update_index_in_dim(g, jax.lax.dynamic_index_in_dim(g, t.owner, keepdims=True)
+                                                       + contrib[None], t.owner, 0)  # fmt: skip
+
+        return _put(dx, t, dxt), add(dwg, xt, dgo), add(dwu, xt, duo), add(dwd, ho, t.dy)
+
+    dx = _zeros_like_vma((o + tile, x.shape[1]), x.dtype, x, dout, w_gate, w_up, w_down, layout.over_sizes)
+    dws = tuple(_zeros_like_vma(g.shape, f32, x, dout, w_gate, w_up, w_down, layout.over_sizes) + g for g in dws)
+    dx, *dws = jax.lax.fori_loop(0, tiles.used, body, (dx, *dws))
+    return dx[:o], tuple(dws)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -169,10 +254,7 @@ def _forward(x, w_gate, w_up, w_down, layout, k, tile):
         return _per_pair(layout, yc), saved
 
     def overflow(x, w_gate, w_up, w_down, yc):
-        xo = _rows(x, layout.over_pair, layout.over_valid, k)
-        gate, up = _overflow_mlp(xo, w_gate, w_up, layout.over_sizes, tile)
-        yo = _loop_matmul(jax.nn.silu(gate) * up, w_down, layout.over_sizes, tile, transpose_rhs=False)
-        return _per_pair(layout, yc, yo)
+        return _per_pair(layout, yc, _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile))
 
     def balanced(x, w_gate, w_up, w_down, yc):
         return _per_pair(layout, yc)
@@ -218,26 +300,11 @@ def _bwd(k, tile, residuals, dout):
         stacked = jnp.stack([dgate, dup], axis=2), jnp.stack([w_gate, w_up], axis=2)
         dxc = jnp.einsum("ecjm,edjm->ecd", *stacked, preferred_element_type=f32).astype(x.dtype).reshape(e * c, -1)
 
-    # Overflow: recomputed (it is small, and usually absent), its weight gradients accumulated
-    # into the batched pass's; skipped outright when no expert overflows.
-    sizes = layout.over_sizes
-
+    # Overflow: recomputed a tile at a time (it is small, and usually absent), its weight
+    # gradients accumulated into the batched pass's; skipped outright when no expert overflows.
     def overflow(dxc, dws):
-        xo = _rows(x, layout.over_pair, layout.over_valid, k)
-        dyo = jnp.where(layout.over_valid[:, None], jnp.take(dout, layout.over_pair, axis=0), jnp.zeros((), dout.dtype))
-        go, uo = (a.astype(f32) for a in _overflow_mlp(xo, w_gate, w_up, sizes, tile))
-        ho = (jax.nn.silu(go) * uo).astype(x.dtype)
-        dho = _loop_matmul(dyo, w_down, sizes, tile, transpose_rhs=True).astype(f32)
-        dgo = (dho * uo * _silu_grad(go)).astype(x.dtype)
-        duo = (dho * jax.nn.silu(go)).astype(x.dtype)
-        dxo = _loop_matmul(dgo, w_gate, sizes, tile, transpose_rhs=True) + _loop_matmul(
-            duo, w_up, sizes, tile, transpose_rhs=True
-        )
-        dwg, dwu, dwd = dws
-        dwg = _loop_weight_grad(xo, dgo, sizes, e, tile, init=dwg)
-        dwu = _loop_weight_grad(xo, duo, sizes, e, tile, init=dwu)
-        dwd = _loop_weight_grad(ho, dyo, sizes, e, tile, init=dwd)
-        return _per_pair(layout, dxc, dxo.astype(x.dtype)), (dwg, dwu, dwd)
+        dxo, dws = _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dws)
+        return _per_pair(layout, dxc, dxo), dws
 
     def balanced(dxc, dws):
         return _per_pair(layout, dxc), dws

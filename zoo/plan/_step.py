@@ -360,12 +360,14 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
     only before the first backward scan. A pipeline's tick loop is one stack: its length is the
     stage's layer scan nested in it, its ``ticks`` the loop's. Names inside a ``while`` loop (a
     trip count that follows the data: the MoE dispatch's later rounds) are not counted: autodiff
-    saves nothing of a while loop's iterations (a custom VJP around it recomputes them)."""
+    saves nothing of a while loop's iterations (a custom VJP around it recomputes them). Names
+    in a scan inside a layer's body (the MoE layer's loop over blocks of experts) count once
+    per iteration: each iteration's are saved."""
     scans: list[list] = []  # [(ticks, length), names Counter, shapes, position]
     outside: list[tuple[int, str, SDS]] = []  # (position, name, shape)
     counter = [0]
 
-    def walk(j: Any, scan: list | None) -> None:
+    def walk(j: Any, scan: list | None, times: int = 1) -> None:
         for eqn in j.eqns:
             counter[0] += 1
             if eqn.primitive.name == "name":
@@ -374,9 +376,9 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
                 if scan is None:
                     outside.append((counter[0], eqn.params["name"], s))
                 else:
-                    scan[1][eqn.params["name"]] += 1
+                    scan[1][eqn.params["name"]] += times
                     scan[2][eqn.params["name"]] = s
-            inner = scan
+            inner, inner_times = scan, times
             if eqn.primitive.name == "while":
                 continue
             if eqn.primitive.name == "scan":
@@ -389,8 +391,10 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
                     scans.append(inner)
                 elif scan is not None and scan[0][0] > 1 and scan[0][1] == 1:
                     scan[0] = (scan[0][0], n)  # the stage's layers inside a tick
+                elif scan is not None:
+                    inner_times = times * n  # a loop inside the layer: each iteration's names
             for sub in subjaxprs(eqn):
-                walk(sub, inner)
+                walk(sub, inner, inner_times)
 
     walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr, None)
     stacks: list[Stack] = []
