@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from zoo.core.named import named, region
-from zoo.hooks.step import sum_to_varying_of
+from zoo.hooks.step import sum_to_varying_of, varying_like
 from zoo.layers.grouped_matmul import _zeros_like_vma, tile_layout
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
@@ -178,6 +178,14 @@ def _overflow_tiles(layout, x, dout, weights, k, tile):
     return tiles, read
 
 
+def _varying_like_all(a, *likes):
+    """``a`` typed as varying over every mesh axis ``likes`` vary over (no copy: a loop carry
+    initialised from ``a`` keeps one type)."""
+    for like in likes:
+        a = varying_like(a, like)
+    return a
+
+
 def _put(buf, t: _Tile, rows):
     """``rows`` written over the tile's rows of ``buf`` where valid."""
     old = jax.lax.dynamic_slice_in_dim(buf, t.row0, rows.shape[0])
@@ -226,7 +234,7 @@ def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dws):
         return _put(dx, t, dxt), add(dwg, xt, dgo), add(dwu, xt, duo), add(dwd, ho, t.dy)
 
     dx = _zeros_like_vma((o + tile, x.shape[1]), x.dtype, x, dout, w_gate, w_up, w_down, layout.over_sizes)
-    dws = tuple(_zeros_like_vma(g.shape, f32, x, dout, w_gate, w_up, w_down, layout.over_sizes) + g for g in dws)
+    dws = tuple(_varying_like_all(g, x, dout, w_gate, w_up, w_down, layout.over_sizes) for g in dws)  # one carry type
     dx, *dws = jax.lax.fori_loop(0, tiles.used, body, (dx, *dws))
     return dx[:o], tuple(dws)
 
@@ -293,12 +301,8 @@ def _bwd(k, tile, residuals, dout):
         dw_gate = jnp.einsum("ecd,ecm->edm", xc, dgate, preferred_element_type=f32)
     with region("moe_up"):
         dw_up = jnp.einsum("ecd,ecm->edm", xc, dup, preferred_element_type=f32)
-    # The slots' gradient through both projections as one contraction over (projection, M):
-    # one float32 [E, C, D] buffer, where a product per projection and their sum held three
-    # (at DeepSeek-V3 671B's 128-GB200 configuration, 7 GiB each).
     with region("moe_gate"):
-        stacked = jnp.stack([dgate, dup], axis=2), jnp.stack([w_gate, w_up], axis=2)
-        dxc = jnp.einsum("ecjm,edjm->ecd", *stacked, preferred_element_type=f32).astype(x.dtype).reshape(e * c, -1)
+        dxc = _slots_input_grad(dgate, dup, w_gate, w_up).reshape(e * c, -1)
 
     # Overflow: recomputed a tile at a time (it is small, and usually absent), its weight
     # gradients accumulated into the batched pass's; skipped outright when no expert overflows.
@@ -318,6 +322,25 @@ def _bwd(k, tile, residuals, dout):
     dx = dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(x.dtype)
     dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, (w_gate, w_up, w_down))]
     return (sum_to_varying_of(dx, x), *dws, None)
+
+
+def _slots_input_grad(dgate, dup, w_gate, w_up):
+    """The slots' gradient ``[E, C, D]`` (in ``dgate``'s dtype) through both projections, as
+    one contraction over (projection, M) a block of experts at a time (at most 8 blocks): each
+    block's float32 product is all that exists of it in float32, where the whole one was 6.6
+    GiB at DeepSeek-V3 671B's 128-GB200 configuration (a product per projection and their sum
+    held three). Each expert's product is its own, so the blocks change no bit."""
+    e = dgate.shape[0]
+    n = max(d for d in range(1, min(e, 8) + 1) if e % d == 0)
+
+    def block(ws):
+        dg, du, wg, wu = ws
+        stacked = jnp.stack([dg, du], axis=2), jnp.stack([wg, wu], axis=2)
+        return jnp.einsum("ecjm,edjm->ecd", *stacked, preferred_element_type=jnp.float32).astype(dg.dtype)
+
+    blocks = tuple(a.reshape(n, e // n, *a.shape[1:]) for a in (dgate, dup, w_gate, w_up))
+    out = jax.lax.map(block, blocks)
+    return out.reshape(e, *out.shape[2:])
 
 
 capacity_expert_mlp.defvjp(_fwd, _bwd)
