@@ -460,9 +460,10 @@ def test_the_vocabulary_is_split_over_the_stages():
 
 def test_the_recipe_trains_pipelined_across_two_processes_like_one_and_resumes_bit_for_bit(tmp_path):
     """recipes/train.py on pipeline=2,fsdp=4 with 4 micro-batches: 2 processes x 4 CPU devices
-    (pipeline outermost, so each process holds one stage and every row) log the losses of
-    1 process x 8; the one-process run, its step-4 checkpoint deleted (as if stopped after
-    step 2), resumes from step 2 and logs steps 3 and 4 bit for bit."""
+    (pipeline outermost, so each process holds one stage and every row) on the 1F1B schedule,
+    its hand-overs both ways between the processes, log the losses of 1 process x 8 on GPipe's;
+    the one-process run, its step-4 checkpoint deleted (as if stopped after step 2), resumes
+    from step 2 and logs steps 3 and 4 bit for bit."""
     text = tmp_path / "corpus.txt"  # bytes: no tokenizer
     text.write_text((ROOT / "zoo" / "train" / "loop.py").read_text() + (ROOT / "zoo" / "core" / "layout.py").read_text()
               + (ROOT / "zoo" / "parallel" / "step.py").read_text())
@@ -488,8 +489,8 @@ def test_the_recipe_trains_pipelined_across_two_processes_like_one_and_resumes_b
 
     port = free_port()
     processes = ("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2")
-    two = [subprocess.Popen(recipe("two", 4, *processes, "--process-id", str(i)), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]  # fmt: skip
+    two = [subprocess.Popen(recipe("two", 4, *processes, "--process-id", str(i), "--schedule", "1f1b"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]  # fmt: skip
     try:
         run(*recipe("one", 8))
         first = losses("one")
@@ -509,5 +510,7 @@ def test_the_recipe_trains_pipelined_across_two_processes_like_one_and_resumes_b
             if p.poll() is None:
                 p.kill()
     got = losses("two")
+    schedule = lambda run: json.loads((tmp_path / run / "run.json").read_text())["train"]["schedule"]  # noqa: E731
+    assert (schedule("two"), schedule("one")) == ("1f1b", "gpipe")
     assert [s for s, _ in got] == [1, 2, 3, 4]
     np.testing.assert_allclose([x for _, x in got], [x for _, x in first], rtol=1e-5)
