@@ -36,9 +36,13 @@ if "XLA_FLAGS" not in os.environ:
         FAST_FLAGS = "--xla_backend_optimization_level=0" if _xla_accepts("--xla_backend_optimization_level=0") else ""
     os.environ["XLA_FLAGS"] = FAST_FLAGS
 
-# Identical programs compiled by different tests (and the recipe subprocesses) compile once. A
-# fresh cache per run, as on CI's clean machine: programs loaded from an earlier run's entries
-# crashed XLA:CPU (jaxlib 0.10) late in long local runs (docs/training.md, host memory).
+# Identical programs compiled by the recipe subprocesses compile once. A fresh cache per run, as
+# on CI's clean machine: programs loaded from an earlier run's entries crashed XLA:CPU (jaxlib
+# 0.10) late in long local runs (docs/training.md, host memory). This process itself does not use
+# it (below): an 8-device program it loaded from its own cache aborted XLA:CPU ("Fatal Python
+# error: Aborted", nothing else printed) in about 1 of 15 runs of a test that trains the same
+# model four times (CI, 2026-12-04: tests/test_vocab_parallel.py; 2 of ~30 runs here with the
+# cache, 0 of 17 without).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="zoo-test-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -52,6 +56,7 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_enable_compilation_cache", False)  # this process: see above
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

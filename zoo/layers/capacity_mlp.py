@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zoo.core.named import named, region
 from zoo.hooks.step import sum_to_varying_of, varying_like
-from zoo.layers.grouped_matmul import _zeros_like_vma, tile_layout
+from zoo.layers.grouped_matmul import tile_layout
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
 CAPACITY_FACTOR = 1.25
@@ -131,12 +131,11 @@ def _overflow_any(layout) -> Array:
     return jnp.any(layout.over_sizes > 0)
 
 
-def _per_pair(layout, cap_rows, over_rows=None):
-    """Each pair's row: from the capacity rows, or (given) the overflow rows; zeros if not mine."""
+def _per_pair(layout, cap_rows):
+    """Each pair's row from the capacity rows; zeros for a pair not mine or past the capacity
+    (the overflow loop writes those)."""
     rows = jnp.take(cap_rows, layout.pair_slot, axis=0)
-    if over_rows is not None:
-        rows = jnp.where(layout.in_capacity[:, None], rows, jnp.take(over_rows, layout.pair_over, axis=0))
-    return jnp.where(layout.mine[:, None], rows, jnp.zeros((), rows.dtype))
+    return jnp.where((layout.mine & layout.in_capacity)[:, None], rows, jnp.zeros((), rows.dtype))
 
 
 def _dot(a, b, contract):
@@ -150,10 +149,10 @@ class _Tile(NamedTuple):
     zeros past its valid rows; its expert's weights; where its rows start."""
 
     keep: Array
+    pair: Array
     x: Array
     dy: Array | None
     w: tuple[Array, Array, Array]
-    row0: Array
     owner: Array
 
 
@@ -173,7 +172,7 @@ def _overflow_tiles(layout, x, dout, weights, k, tile):
         rows = lambda a, idx: jnp.where(keep[:, None], jnp.take(a, idx, axis=0), jnp.zeros((), a.dtype))  # noqa: E731
         w = tuple(jax.lax.dynamic_index_in_dim(a, tiles.owner[i], keepdims=False) for a in weights)
         dy = None if dout is None else rows(dout, p)
-        return _Tile(keep, rows(x, p // k), dy, w, tiles.first_row[i], tiles.owner[i])
+        return _Tile(keep, p, rows(x, p // k), dy, w, tiles.owner[i])
 
     return tiles, read
 
@@ -186,16 +185,17 @@ def _varying_like_all(a, *likes):
     return a
 
 
-def _put(buf, t: _Tile, rows):
-    """``rows`` written over the tile's rows of ``buf`` where valid."""
-    old = jax.lax.dynamic_slice_in_dim(buf, t.row0, rows.shape[0])
-    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(t.keep[:, None], rows, old), t.row0, 0)
+def _put(per_pair, t: _Tile, rows):
+    """The tile's valid ``rows`` written into their pairs' rows of ``per_pair`` (a scatter of
+    distinct rows, in place in the loop's carry: no ``[O, D]`` buffer of the overflow)."""
+    at = jnp.where(t.keep, t.pair, per_pair.shape[0])  # past the end: dropped
+    return per_pair.at[at].set(rows.astype(per_pair.dtype), mode="drop", unique_indices=True)
 
 
-def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile):
-    """The overflow rows' SwiGLU outputs ``[O, D]`` (sorted by expert), a tile at a time: each
-    tile's rows gathered, its gate, up, hidden and output computed, only the output kept."""
-    o = layout.over_pair.shape[0]
+def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, out):
+    """``out`` (each pair's output, ``[P, D]``) with the overflow pairs' rows written in, a tile
+    at a time: each tile's rows gathered, its gate, up, hidden and output computed, only the
+    output kept."""
     tiles, read = _overflow_tiles(layout, x, None, (w_gate, w_up, w_down), k, tile)
 
     def body(i, out):
@@ -203,16 +203,16 @@ def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile):
         hidden = jax.nn.silu(_dot(t.x, t.w[0], 0)) * _dot(t.x, t.w[1], 0)
         return _put(out, t, _dot(hidden, t.w[2], 0))
 
-    out = _zeros_like_vma((o + tile, x.shape[1]), x.dtype, x, w_gate, w_up, w_down, layout.over_sizes)
-    return jax.lax.fori_loop(0, tiles.used, body, out)[:o]
+    out = _varying_like_all(out, x, w_gate, w_up, w_down, layout.over_sizes)
+    return jax.lax.fori_loop(0, tiles.used, body, out)
 
 
-def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dws):
-    """The overflow rows' input gradients ``[O, D]`` and the weight gradients ``dws`` (float32)
-    plus theirs, a tile at a time: each tile's rows and output gradients gathered, its SwiGLU
-    recomputed, its input gradient written and its expert's weight gradients added."""
+def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dpair, dws):
+    """``dpair`` (each pair's input gradient, ``[P, D]``) with the overflow pairs' rows written
+    in, and the weight gradients ``dws`` (float32) plus theirs, a tile at a time: each tile's
+    rows and output gradients gathered, its SwiGLU recomputed, its input gradient written and its
+    expert's weight gradients added."""
     f32 = jnp.float32
-    o = layout.over_pair.shape[0]
     tiles, read = _overflow_tiles(layout, x, dout, (w_gate, w_up, w_down), k, tile)
 
     def body(i, carry):
@@ -233,10 +233,10 @@ def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dws):
 
         return _put(dx, t, dxt), add(dwg, xt, dgo), add(dwu, xt, duo), add(dwd, ho, t.dy)
 
-    dx = _zeros_like_vma((o + tile, x.shape[1]), x.dtype, x, dout, w_gate, w_up, w_down, layout.over_sizes)
-    dws = tuple(_varying_like_all(g, x, dout, w_gate, w_up, w_down, layout.over_sizes) for g in dws)  # one carry type
-    dx, *dws = jax.lax.fori_loop(0, tiles.used, body, (dx, *dws))
-    return dx[:o], tuple(dws)
+    likes = (x, dout, w_gate, w_up, w_down, layout.over_sizes)
+    dpair, *dws = (_varying_like_all(a, *likes) for a in (dpair, *dws))  # one carry type
+    dpair, *dws = jax.lax.fori_loop(0, tiles.used, body, (dpair, *dws))
+    return dpair, tuple(dws)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -262,7 +262,7 @@ def _forward(x, w_gate, w_up, w_down, layout, k, tile):
         return _per_pair(layout, yc), saved
 
     def overflow(x, w_gate, w_up, w_down, yc):
-        return _per_pair(layout, yc, _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile))
+        return _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, _per_pair(layout, yc))
 
     def balanced(x, w_gate, w_up, w_down, yc):
         return _per_pair(layout, yc)
@@ -307,8 +307,7 @@ def _bwd(k, tile, residuals, dout):
     # Overflow: recomputed a tile at a time (it is small, and usually absent), its weight
     # gradients accumulated into the batched pass's; skipped outright when no expert overflows.
     def overflow(dxc, dws):
-        dxo, dws = _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dws)
-        return _per_pair(layout, dxc, dxo), dws
+        return _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, _per_pair(layout, dxc), dws)
 
     def balanced(dxc, dws):
         return _per_pair(layout, dxc), dws
