@@ -115,8 +115,10 @@ class _Step:
     gathered: set[Any]
     vocab: VocabSplit | None = None
     pipeline: PipelineSplit | None = None
-    # Weights gather_layer left to the MoE layer: id -> (the local block, its gather's dims).
+    # Weights gather_layer left to the MoE layer: id -> (the local block, its gather's dims), and
+    # those the MoE layer took (the step refuses a model that left one ungathered).
     later: dict[int, tuple[Any, tuple[Gather, ...]]] = dataclasses.field(default_factory=dict)
+    later_taken: set[int] = dataclasses.field(default_factory=set)
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
@@ -188,7 +190,10 @@ def gathered_later(w: Array) -> tuple[Gather, ...] | None:
     ``w`` is whole (gathered, or outside the step)."""
     step = _STEP.get()
     entry = None if step is None else step.later.get(id(w))
-    return entry[1] if entry is not None and entry[0] is w else None
+    if entry is None or entry[0] is not w:
+        return None
+    step.later_taken.add(id(w))
+    return entry[1]
 
 
 def gather_fsdp(x, dims: Sequence[int | Gather]):

@@ -271,6 +271,7 @@ def expert_blocks(experts: int, gathered_bytes: int, limit: int | None = None) -
 
 
 def _experts_in_blocks(
+    impl: Callable[..., Float[Array, "T D"]],
     pair_mlp: Callable[..., Float[Array, "P D"]],
     x: Float[Array, "T D"],
     routing: Routing,
@@ -279,37 +280,44 @@ def _experts_in_blocks(
 ) -> Float[Array, "T D"]:
     """The routed experts' combined output, their weights gathered a block of experts at a time
     (:class:`zoo.hooks.step.GatherLater`; ``weights`` are this device's blocks, ``dims`` their
-    gathers). A loop over :func:`expert_blocks` blocks: each gathers its experts' weights and
-    runs its pairs (the other blocks' marked as not its own: zeros), adding their rows.
-    Checkpointed as the layer body is, so the backward pass re-gathers each block and
-    reduce-scatters its gradient before the next: one block's gathered weights and float32
-    gradients are what the layer holds, not every expert's. Each pair's row comes from its one
-    expert's block, so the sum is exact."""
+    gathers). One block (:func:`expert_blocks`): gathered whole, through ``impl`` as without
+    blocks. More: a loop over the blocks, each gathering its experts' weights, running its pairs
+    through ``pair_mlp`` (the other blocks' marked as not its own: zeros; ``moe_out`` is the
+    block's rows) and adding their combination to a float32 ``[T, D]`` sum. Checkpointed as the
+    layer body is, so the backward pass re-gathers each block and reduce-scatters its gradient
+    before the next: one block's gathered weights and float32 gradients are what the layer
+    holds, not every expert's. Combined inside the block, nothing after the loop needs the
+    blocks' rows, so the layer's recomputed forward pass leaves the loop out (two gathers of
+    each block a step, not three)."""
     step = current_step()
     t, k = routing.experts.shape
     e = weights[0].shape[0]
     gathered = sum(w.size * w.dtype.itemsize * math.prod(axis_size(step.mesh, g.axes) for g in d)
                    for w, d in zip(weights, dims))  # fmt: skip
     n = expert_blocks(e, gathered)
+    if n == 1:
+        ws = [named(GATHERED, gather_fsdp, w, d) for w, d in zip(weights, dims)]
+        x, combine = (varying_like(a, ws[0]) for a in (x, routing.weights))
+        return psum_varying(impl(x, routing._replace(weights=combine), *ws), ("tensor",))
     g = e // n
     flat = routing.experts.reshape(-1)
-    x = varying_like(x, weights[0])
+    x, combine = (varying_like(a, weights[0]) for a in (x, routing.weights))
 
     def block(out, at):
         i, local = at
         ws = [named(GATHERED, gather_fsdp, w, d) for w, d in zip(local, dims)]
         ids = flat - i * g
         ids = jnp.where((ids >= 0) & (ids < g), ids, g)  # g: another block's pair (zeros)
-        return out + pair_mlp(x, ids, k, *ws, expected_rows=-(-t * k // n)), None
+        rows = named("moe_out", pair_mlp(x, ids, k, *ws, expected_rows=-(-t * k // n)).reshape, t, k, -1)
+        mixed = jnp.einsum("tkd,tk->td", rows, combine.astype(rows.dtype), preferred_element_type=jnp.float32)
+        return out + mixed, None
 
     policy = layer_policy_now() or remat_policy(None)
     body = block if policy is None else jax.checkpoint(block, policy=policy, prevent_cse=False)
-    init = varying_like(varying_like(jnp.zeros((t * k, x.shape[-1]), x.dtype), x), weights[0])
+    init = varying_like(varying_like(jnp.zeros((t, x.shape[-1]), jnp.float32), x), weights[0])
     blocks = tuple(w.reshape(n, g, *w.shape[1:]) for w in weights)
     out, _ = jax.lax.scan(body, init, (jnp.arange(n, dtype=flat.dtype), blocks))
-    out = named("moe_out", out.reshape, t, k, -1)
-    out = jnp.einsum("tkd,tk->td", out, varying_like(routing.weights, weights[0]).astype(out.dtype))
-    return psum_varying(out, ("tensor",))
+    return psum_varying(out.astype(x.dtype), ("tensor",))
 
 
 def routed_experts(
@@ -351,7 +359,7 @@ def routed_experts(
         if any(d is not None for d in dims):
             if not all(d is not None for d in dims):
                 raise MeshError("routed_experts: some of the routed experts' weights are gathered, others not")
-            return _experts_in_blocks(pair_mlp, x, routing, (w_gate, w_up, w_down), dims), none
+            return _experts_in_blocks(impl, pair_mlp, x, routing, (w_gate, w_up, w_down), dims), none
         x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
         return psum_varying(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",)), none
     t, k = routing.experts.shape

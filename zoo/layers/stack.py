@@ -65,15 +65,22 @@ def scan_layers(
     mapped = policy is not None
     policy = remat_policy(policy)  # inside zoo.parallel's step: FSDP re-gathers instead of saving
 
-    def scoped(c: Carry, layer: Any, r: Any) -> tuple[Carry, Any]:
-        with jax.named_scope(LAYER_SCOPE), _policy(policy):
-            return body(c, layer) if rows is None else body(c, layer, r)
+    def under(checkpointed: Callable[..., Any] | None) -> Callable[..., tuple[Carry, Any]]:
+        def scoped(c: Carry, layer: Any, r: Any) -> tuple[Carry, Any]:  # announces the policy it runs under
+            with jax.named_scope(LAYER_SCOPE), _policy(checkpointed):
+                return body(c, layer) if rows is None else body(c, layer, r)
 
+        return scoped
+
+    scoped = under(policy)
     fn = scoped if policy is None else jax.checkpoint(scoped, policy=policy, prevent_cse=False)
     if (pipelined := pipeline if pipeline is not None else pipeline_of(stacked)) is not None:
+        keep = policy if mapped else _named_only
+
         def picked(c: Carry, at: tuple[Any, Any], r: Any) -> tuple[Carry, Any]:
             block, i = at
-            return scoped(c, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), block), r)
+            layer = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), block)
+            return under(keep)(c, layer, r)
 
         # The interleaved schedule runs, at each tick, the layers of a chunk the tick picks. Picked
         # outside the checkpoint, each tick's weights were a residual of the tick loop: the whole
@@ -81,7 +88,6 @@ def scan_layers(
         # block (loop-invariant: kept once) and the index; the pick is redone in the backward
         # pass. Without a map, every named tensor is kept (the `device` preset): keeping every
         # value would keep what the weights become (cast, transposed) at every tick.
-        keep = policy if mapped else _named_only
         return pipelined_scan(fn, carry, stacked, rows, *pipelined, combine=combine,
                               pick=jax.checkpoint(picked, policy=keep, prevent_cse=False))  # fmt: skip
     return jax.lax.scan(lambda c, layer: fn(c, layer, rows), carry, stacked)

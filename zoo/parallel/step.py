@@ -304,6 +304,13 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
                 missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
                 if missing:
                     raise MeshError("the model's forward never called zoo.hooks.gather_layer on a layer stack")
+                if set(ctx.later) - ctx.later_taken:
+                    shapes = sorted({tuple(w.shape) for k, (w, _) in ctx.later.items() if k not in ctx.later_taken})
+                    raise MeshError(
+                        f"routed-experts weights of local shapes {shapes} were left to the MoE layer to gather "
+                        "(zoo.hooks.step.GatherLater) but never reached zoo.layers.moe.routed_experts: pass the "
+                        "layer's w_gate/w_up/w_down to it unchanged after gather_layer"
+                    )
             aux = jax.tree.map(lambda a: _reduce_aux(a, (*axes, CONTEXT)), aux)
             out = (loss, aux) if has_aux else loss
             if not differentiate:

@@ -363,7 +363,7 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
     saves nothing of a while loop's iterations (a custom VJP around it recomputes them). Names
     in a scan inside a layer's body (the MoE layer's loop over blocks of experts) count once
     per iteration: each iteration's are saved."""
-    scans: list[list] = []  # [(ticks, length), names Counter, shapes, position]
+    scans: list[list] = []  # [(ticks, length), names Counter, shapes, position, length known]
     outside: list[tuple[int, str, SDS]] = []  # (position, name, shape)
     counter = [0]
 
@@ -384,13 +384,13 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
             if eqn.primitive.name == "scan":
                 n = eqn.params["length"]
                 if scan is None and is_tick_scan(eqn.params["jaxpr"]):
-                    inner = [(n, 1), collections.Counter(), {}, counter[0]]
+                    inner = [(n, 1), collections.Counter(), {}, counter[0], False]
                     scans.append(inner)
                 elif scan is None and n > 1:
-                    inner = [(1, n), collections.Counter(), {}, counter[0]]
+                    inner = [(1, n), collections.Counter(), {}, counter[0], True]
                     scans.append(inner)
-                elif scan is not None and scan[0][0] > 1 and scan[0][1] == 1:
-                    scan[0] = (scan[0][0], n)  # the stage's layers inside a tick
+                elif scan is not None and not scan[4]:
+                    scan[0], scan[4] = (scan[0][0], n), True  # the stage's layers inside a tick (maybe one)
                 elif scan is not None:
                     inner_times = times * n  # a loop inside the layer: each iteration's names
             for sub in subjaxprs(eqn):
@@ -410,7 +410,7 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
                 first_backward = min(first_backward, sc[3])
                 continue
             forward.append(sc)
-    for (ticks, length), names, shapes, _ in forward:
+    for (ticks, length), names, shapes, *_ in forward:
         stacks.append(Stack(length, {n: (c, shapes[n]) for n, c in names.items()}, ticks))
     block: dict[str, list] = {}
     for position, name, shape in outside:
