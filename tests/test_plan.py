@@ -81,6 +81,24 @@ def test_a_map_keeping_expert_rows_counts_every_block_of_experts(monkeypatch):
     assert plan.estimate(cfg, **kw).residuals["moe_gate"] == (layers * slots * m * 4, 0)
 
 
+def test_a_one_layer_stage_counts_its_names_whatever_loops_its_layer_runs(monkeypatch):
+    """Three MoE layers on three pipeline stages: each stage's stack is one layer, and the loop
+    over blocks of experts inside it is not the stage's length. The saved layer inputs do not
+    depend on how many blocks the experts are gathered in (with four, they were counted as four
+    layers' and one layer's ``moe_gate`` as one block's)."""
+    from zoo.layers import moe
+
+    cfg = config("deepseek_v3")
+    e, m, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    kw = {"batch_size": 12, "seq_len": 64, "placement": "remat+moe_gate=device", "mesh": "pipeline=3,fsdp=2"}
+    got = {}
+    for blocks in (1, 4):
+        monkeypatch.setattr(moe, "EXPERT_BLOCK_BYTES", 3 * e * d * m * 4 // blocks)
+        got[blocks] = plan.estimate(cfg, **kw).residuals
+    assert got[4]["layer_input"] == got[1]["layer_input"]
+    assert got[4]["moe_gate"][0] > got[1]["moe_gate"][0]  # four blocks' slots (1.25x the pairs), not one's
+
+
 def test_estimate_is_abstract_and_splits_the_model():
     """A 405B model on a 72-device mesh, from shapes alone: parameters and optimizer state per
     device are the layout's exactly, the offloaded residuals are on host, and nothing is
