@@ -132,7 +132,7 @@ def _nll_chunks(x, w, labels, weights, chunk: int, with_grads: bool):
         return (total, dw), (dxc, nll)
 
     def zeros(shape):  # a scan carry starts varying over the mesh axes it will vary over
-        return varying_like(varying_like(varying_like(jnp.zeros(shape, jnp.float32), xs), ws), w)
+        return varying_like(jnp.zeros(shape, jnp.float32), xs, ws, w)
 
     carry = (zeros(()), zeros(w.shape) if with_grads else None)
     (total, dw), per_chunk = jax.lax.scan(body, carry, (xs, ls, ws))

@@ -184,7 +184,7 @@ def gather_layer(tree: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, out)
 
 
-def gathered_later(w: Array) -> tuple[Gather, ...] | None:
+def gathered_later(w: Shaped[Array, "..."]) -> tuple[Gather, ...] | None:
     """The gather :func:`gather_layer` left undone on ``w`` (a routed-experts weight's local
     block; :class:`GatherLater`), for its one reader to run block by block; ``None`` where
     ``w`` is whole (gathered, or outside the step)."""
@@ -303,15 +303,15 @@ def varying_over(x: Shaped[Array, "*shape"] | None, axes: Sequence[str]) -> Shap
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def varying_like(x: Float[Array, "*shape"], like: Array) -> Float[Array, "*shape"]:
-    """``x`` typed as varying over the mesh axes ``like`` varies over.
+def varying_like(x: Float[Array, "*shape"], *likes: Array) -> Float[Array, "*shape"]:
+    """``x`` typed as varying over the mesh axes any of ``likes`` varies over.
 
     A scan carry that starts as a constant (a zero accumulator) and accumulates per-device
     values must start with the type it ends with; outside the step, ``x`` unchanged.
     """
     if _STEP.get() is None:
         return x
-    axes = tuple(sorted(_varying(like) - _varying(x)))
+    axes = tuple(sorted(frozenset().union(*(_varying(like) for like in likes)) - _varying(x)))
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 

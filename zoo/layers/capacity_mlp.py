@@ -145,8 +145,8 @@ def _dot(a, b, contract):
 
 
 class _Tile(NamedTuple):
-    """One tile of the overflow rows: its pairs' token rows and (backward) output gradients,
-    zeros past its valid rows; its expert's weights; where its rows start."""
+    """One tile of the overflow rows: which are valid, their pairs, the pairs' token rows and
+    (backward) output gradients, zeros past the valid rows; its expert's weights and id."""
 
     keep: Array
     pair: Array
@@ -177,14 +177,6 @@ def _overflow_tiles(layout, x, dout, weights, k, tile):
     return tiles, read
 
 
-def _varying_like_all(a, *likes):
-    """``a`` typed as varying over every mesh axis ``likes`` vary over (no copy: a loop carry
-    initialised from ``a`` keeps one type)."""
-    for like in likes:
-        a = varying_like(a, like)
-    return a
-
-
 def _put(per_pair, t: _Tile, rows):
     """The tile's valid ``rows`` written into their pairs' rows of ``per_pair`` (a scatter of
     distinct rows, in place in the loop's carry: no ``[O, D]`` buffer of the overflow)."""
@@ -203,7 +195,7 @@ def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, out):
         hidden = jax.nn.silu(_dot(t.x, t.w[0], 0)) * _dot(t.x, t.w[1], 0)
         return _put(out, t, _dot(hidden, t.w[2], 0))
 
-    out = _varying_like_all(out, x, w_gate, w_up, w_down, layout.over_sizes)
+    out = varying_like(out, x, w_gate, w_up, w_down, layout.over_sizes)  # one carry type
     return jax.lax.fori_loop(0, tiles.used, body, out)
 
 
@@ -218,7 +210,7 @@ def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dpair, dw
     def body(i, carry):
         dx, dwg, dwu, dwd = carry
         t = read(i)
-        xt = jnp.where(t.keep[:, None], t.x, jnp.zeros((), t.x.dtype))
+        xt = t.x  # zeros past the tile's valid rows: they add nothing to the weight gradients
         go, uo = _dot(xt, t.w[0], 0).astype(f32), _dot(xt, t.w[1], 0).astype(f32)
         ho = (jax.nn.silu(go) * uo).astype(x.dtype)
         dho = _dot(t.dy, t.w[2], 1).astype(f32)
@@ -234,7 +226,7 @@ def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dpair, dw
         return _put(dx, t, dxt), add(dwg, xt, dgo), add(dwu, xt, duo), add(dwd, ho, t.dy)
 
     likes = (x, dout, w_gate, w_up, w_down, layout.over_sizes)
-    dpair, *dws = (_varying_like_all(a, *likes) for a in (dpair, *dws))  # one carry type
+    dpair, *dws = (varying_like(a, *likes) for a in (dpair, *dws))  # one carry type
     dpair, *dws = jax.lax.fori_loop(0, tiles.used, body, (dpair, *dws))
     return dpair, tuple(dws)
 

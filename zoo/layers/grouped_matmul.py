@@ -61,10 +61,7 @@ def tile_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Tiles:
 def _zeros_like_vma(shape, dtype, *likes) -> Array:
     """Zeros typed as varying over every mesh axis ``likes`` vary over (a loop carry inside
     ``shard_map`` must keep one type)."""
-    z = jnp.zeros(shape, dtype)
-    for a in likes:
-        z = varying_like(z, a)
-    return z
+    return varying_like(jnp.zeros(shape, dtype), *likes)
 
 
 def _loop_matmul(lhs, rhs, group_sizes, tile: int, transpose_rhs: bool):

@@ -27,6 +27,7 @@ from zoo.core.named import named
 from zoo.errors import MeshError
 from zoo.hooks.step import (
     GATHERED,
+    Gather,
     current_step,
     gather_fsdp,
     gathered_later,
@@ -276,7 +277,7 @@ def _experts_in_blocks(
     x: Float[Array, "T D"],
     routing: Routing,
     weights: tuple[Float[Array, "E Dw Mw"], Float[Array, "E Dw Mw"], Float[Array, "E Mw Dw"]],
-    dims: list,
+    dims: list[tuple[Gather, ...]],
 ) -> Float[Array, "T D"]:
     """The routed experts' combined output, their weights gathered a block of experts at a time
     (:class:`zoo.hooks.step.GatherLater`; ``weights`` are this device's blocks, ``dims`` their
@@ -314,7 +315,7 @@ def _experts_in_blocks(
 
     policy = layer_policy_now() or remat_policy(None)
     body = block if policy is None else jax.checkpoint(block, policy=policy, prevent_cse=False)
-    init = varying_like(varying_like(jnp.zeros((t, x.shape[-1]), jnp.float32), x), weights[0])
+    init = varying_like(jnp.zeros((t, x.shape[-1]), jnp.float32), x, weights[0])
     blocks = tuple(w.reshape(n, g, *w.shape[1:]) for w in weights)
     out, _ = jax.lax.scan(body, init, (jnp.arange(n, dtype=flat.dtype), blocks))
     return psum_varying(out.astype(x.dtype), ("tensor",))

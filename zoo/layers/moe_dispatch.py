@@ -132,8 +132,7 @@ def _later_rounds(pair_mlp, x, weights, layout, k, slot):
 
 
 def _zeros_like_out(x, weights, pairs):
-    zero = varying_like(jnp.zeros((pairs, x.shape[-1]), x.dtype), x)
-    return varying_like(varying_like(zero, weights[0]), weights[-1])
+    return varying_like(jnp.zeros((pairs, x.shape[-1]), x.dtype), x, weights[0], weights[-1])
 
 
 def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot):
