@@ -841,15 +841,16 @@ def test_a_block_of_experts_is_gathered_twice_a_step(monkeypatch):
     """Under full remat, each block of a layer's routed experts is all-gathered twice a step:
     once going forward and once going backward (which recomputes the block). Combined inside the
     block, the blocks' rows are not needed after the loop, so the layer's recomputed forward pass
-    leaves the loop out: it had gathered every block a third time."""
+    leaves the loop out: it had gathered every block a third time. The MTP block's experts are
+    gathered as a layer's (they were gathered whole at the step's start, held all step)."""
     from zoo.layers import moe
 
-    model = zoo.DeepseekV3(deepseek_preset("tiny", mtp=False), key=jax.random.key(0))
+    model = zoo.DeepseekV3(deepseek_preset("tiny", mtp=True), key=jax.random.key(0))
     experts, d, m = model.moe_layers.moe.w_gate.shape[1:]
     monkeypatch.setattr(moe, "EXPERT_BLOCK_BYTES", 3 * experts * d * m * 4 // 4)  # four blocks
     mesh = parallel.make_mesh("fsdp=8")
     step = parallel.value_and_grad(functools.partial(deepseek_v3_loss, placement="remat"), mesh, has_aux=True)
     hlo = jax.jit(step).lower(parallel.shard(model, mesh), batch(model)).compile().as_text()
-    g = experts // 4
-    block = re.compile(rf"= f32\[({g},{d},{m}|{g},{m},{d})\]\{{[0-9,]+\}} all-gather\(")
-    assert len(block.findall(hlo)) == 2 * 3  # w_gate, w_up, w_down: forward and backward
+    gathers = {g: re.compile(rf"= f32\[({g},{d},{m}|{g},{m},{d})\]\{{[0-9,]+\}} all-gather\(") for g in (experts, experts // 4)}
+    assert len(gathers[experts].findall(hlo)) == 0  # no layer's experts whole
+    assert len(gathers[experts // 4].findall(hlo)) == 2 * 3 * 2  # w_gate, w_up, w_down: forward and backward, stack and MTP

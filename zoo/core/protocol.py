@@ -145,6 +145,11 @@ class CausalLM(eqx.Module):
     # Keyword options its generation cache takes (init_cache, prefill, zoo.generate's cache_options):
     # name -> (choices, the first the default; what they do, for a recipe's flag). Default: none.
     cache_options: ClassVar[Mapping[str, tuple[tuple[str, ...], str]]] = {}
+    # Dotted paths of sub-modules that are one layer run on its own, shaped like a layer of one
+    # of its stacks (DeepSeek-V3's MTP block): under zoo.parallel the model gathers each with
+    # zoo.hooks.gather_layer where it runs it, as a stack's layer, instead of the step
+    # gathering it whole at its start (its routed experts then a block at a time). Default: none.
+    layer_blocks: ClassVar[tuple[str, ...]] = ()
 
     # -- parameters --------------------------------------------------------------------
     @classmethod

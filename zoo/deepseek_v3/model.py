@@ -40,7 +40,7 @@ from zoo.layers import embed, rms_norm, rope_cos_sin, unembed
 from zoo.layers.embed import positions_for
 from zoo.layers.fp8 import matmul
 from zoo.layers.moe import resolve_expert_impl
-from zoo.layers.stack import scan_layers
+from zoo.layers.stack import checkpoint_layer, scan_layers
 from zoo.loss import shifted_targets
 from zoo.placement import layer_policy
 
@@ -167,6 +167,7 @@ class DeepseekV3(CausalLM):
     placement_map: ClassVar[type] = DeepseekV3Placement
     precision_map: ClassVar[type] = DeepseekV3Precision
     training_options: ClassVar[type] = DeepseekV3Training
+    layer_blocks: ClassVar[tuple[str, ...]] = ("mtp.block",)
     cache_options: ClassVar[Mapping[str, tuple[tuple[str, ...], str]]] = {
         "mla": (decode.MLA_DECODES, ("DeepSeek-V3 decoding: compressed cache with weight absorption (default), the same "
                               "cache re-expanded every step, or an expanded per-head cache")),
@@ -258,13 +259,13 @@ class DeepseekV3(CausalLM):
         h = rms_norm(last, m.hnorm, eps)
         x = matmul("mtp_proj", "bsi,id->bsd", jnp.concatenate([e, h], axis=-1), m.proj.astype(dtype))
 
-        def block(x, layer):
-            x, _, _, dropped = moe_layer(self.config, layer, x, cos, sin, segment_ids, self.expert_impl)
+        def block(x, layer):  # gathered as a MoE layer of the stack is (layer_blocks)
+            x, _, _, dropped = moe_layer(self.config, gather_layer(layer), x, cos, sin, segment_ids, self.expert_impl)
             return x, dropped
 
-        if policy is not None:  # the placement map places the MTP block's tensors as a layer's
-            block = jax.checkpoint(block, policy=policy, prevent_cse=False)
-        x, dropped = block(x, cast_moe(m.block, dtype))
+        # The placement map places the MTP block's tensors as a layer's, and the step re-gathers
+        # its weights for the backward pass as a layer's.
+        x, dropped = checkpoint_layer(block, policy)(x, cast_moe(m.block, dtype))
         x = rms_norm(x, m.final_norm, eps)
         return (x if head is None else unembed(x, head, vocab_size=self.config.vocab_size)), dropped
 

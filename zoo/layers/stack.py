@@ -33,6 +33,21 @@ def _policy(policy: Callable[..., Any] | None) -> Iterator[None]:
         _POLICY.reset(token)
 
 
+def checkpoint_layer(fn: Callable[..., Any], policy: Callable[..., Any] | None) -> Callable[..., Any]:
+    """``fn`` checkpointed as :func:`scan_layers` checkpoints a layer's body, for one layer run
+    outside a stack (DeepSeek-V3's MTP block): under the map's ``policy`` after
+    :func:`zoo.hooks.remat_policy` (inside zoo.parallel's step FSDP re-gathers instead of
+    saving, with or without a map), announced to the loops inside it
+    (:func:`layer_policy_now`)."""
+    policy = remat_policy(policy)
+
+    def announced(*args: Any) -> Any:
+        with _policy(policy):
+            return fn(*args)
+
+    return announced if policy is None else jax.checkpoint(announced, policy=policy, prevent_cse=False)
+
+
 def scan_layers(
     body: Callable[..., tuple[Carry, Any]],
     carry: Carry,

@@ -58,7 +58,9 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     model leaf, the dims a non-layer leaf is gathered on at the start of the step (none for
     layer-stack leaves: they are gathered layer by layer). A layer's routed-experts weight,
     where no mesh axis splits its experts, is :class:`GatherLater`: the MoE layer gathers it
-    a block of experts at a time."""
+    a block of experts at a time. A sub-module the model declares a layer run on its own
+    (``layer_blocks``) is gathered by the model like the stack's layer it is shaped as (its
+    leaves: none at the start)."""
 
     specs, rules, sizes = model_specs(model), rules_of(model), model.config.sizes
     stacks: dict[str, bool] = {}
@@ -75,9 +77,9 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
         return tuple(Gather(i - drop, axes, tuple(a for a in axes if a not in batch_axes))
                      for i, axes in enumerate(gathered) if axes and not (vocab and p.names[i] == VOCAB))  # fmt: skip
 
-    def layer_dims(path: str) -> tuple[Gather, ...] | GatherLater:
-        d, names = dims(path, 1), specs[path].names
-        rule = rules.get(names[1]) if len(names) > 1 else None
+    def layer_dims(path: str, stacked: int = 1) -> tuple[Gather, ...] | GatherLater:
+        d, names = dims(path, stacked), specs[path].names
+        rule = rules.get(names[stacked]) if len(names) > stacked else None
         experts = rule is not None and rule.mesh_axis == "expert" and axis_size(mesh, "expert") == 1
         return GatherLater(d) if experts and d and all(g.dim > 0 for g in d) else d
 
@@ -87,7 +89,28 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
         if is_stack and sub is not None:
             plan = map_params(lambda path, x, root=root: layer_dims(f"{root}.{path}"), sub)
             plans[jax.tree.structure(sub)] = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
-    rest = map_params(lambda path, x: () if stacks[path.split(".")[0]] else dims(path, 0), model)
+    blocks = tuple(getattr(type(model), "layer_blocks", ()))
+    for block in blocks:
+        sub = model
+        for name in block.split("."):
+            sub = getattr(sub, name, None)
+        if sub is None:
+            continue
+        plan = map_params(lambda path, x, block=block: layer_dims(f"{block}.{path}", 0), sub)
+        plan = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
+        known = plans.setdefault(jax.tree.structure(sub), plan)
+        if known != plan:
+            raise MeshError(
+                f"{type(model).__name__}.layer_blocks: {block!r} has the structure of a layer stack of the model "
+                "but not its layer's gathers (it must be shaped and split as that stack's layer)"
+            )
+
+    def start(path: str) -> tuple[Gather, ...]:  # gathered at the step's start: neither stacked nor a block
+        if stacks[path.split(".")[0]] or any(path.startswith(f"{b}.") for b in blocks):
+            return ()
+        return dims(path, 0)
+
+    rest = map_params(lambda path, x: start(path), model)
     return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
 
 
