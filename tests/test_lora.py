@@ -300,8 +300,33 @@ def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
     assert run["lora"]["r"] == 4 and run["model"] == "Llama"
     with pytest.raises(ConfigError, match="one device"):  # not laid out on a mesh yet: refused before it is used
         ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "c", mesh=_TwoDevices())
-    with pytest.raises(ConfigError, match="without a placement map"):
-        ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "c", param_memory="pinned_host")
+
+
+@pytest.mark.parametrize("where", [{"placement": "offload_attn"}, {"param_memory": "pinned_host", "opt_memory": "pinned_host"}])
+def test_a_lora_run_with_a_map_or_host_memory_trains_as_on_device(tmp_path, where):
+    """A placement map places the base model's tensors (the adapted model runs the base's
+    layers under the base's map); host memory holds base, adapters and their moments between
+    steps. Either trains the adapters as the plain run does (they were refused)."""
+    from zoo import train as ztrain
+    from zoo.data import stdlib_corpus
+    from zoo.llama import preset
+
+    corpus = stdlib_corpus(max_bytes=2**20)
+
+    def make():
+        base = zoo.Llama(preset("tiny"), key=jr.key(0))
+        return lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")), key=jr.key(1))
+
+    cfg = ztrain.TrainConfig(steps=3, batch_size=4, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=100,
+                             eval_batches=1, checkpoint_every=100)  # fmt: skip
+    plain, _ = ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "a")
+    placed, _ = ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "b", **where)
+    for path, adapter in plain.adapters.items():
+        for x, y in ((adapter.a, placed.adapters[path].a), (adapter.b, placed.adapters[path].b)):
+            assert float(jnp.abs(y).max()) > 0
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=path)
+    for x, y in zip(jax.tree.leaves(plain.base), jax.tree.leaves(placed.base), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the base is frozen either way
 
 
 class _TwoDevices:

@@ -127,9 +127,10 @@ def layer_input_slot() -> Any:
 
 
 def placement_map_for(model: Any) -> type[PlacementMap]:
-    """The placement map class of ``model``'s family (an instance or class): its ``placement_map``."""
+    """The placement map class of ``model``'s family (an instance or class): its ``placement_map``
+    (an instance's own, where a wrapper takes its base model's: ``zoo.lora.LoraModel``)."""
     cls = model if isinstance(model, type) else type(model)
-    found = getattr(cls, "placement_map", None)
+    found = getattr(model, "placement_map", None)
     if isinstance(found, type) and issubclass(found, PlacementMap):
         return found
     for t in cls.__mro__:  # a map declared with model=<class> for a class outside the registry

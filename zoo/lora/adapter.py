@@ -167,6 +167,11 @@ class LoraModel(eqx.Module):
     def compute_dtype(self) -> Any:
         return self.base.compute_dtype
 
+    @property
+    def placement_map(self) -> type:
+        """The base model's (the adapted model's layers run the base's code, under its map)."""
+        return type(self.base).placement_map
+
     def _with_deltas(self, frozen: bool) -> CausalLM:
         specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
 
@@ -274,13 +279,11 @@ def trainable_labels(model: LoraModel) -> LoraModel:
 def check_trainable(config: LoraConfig, *, mesh: Any = None, placement: Any = None, param_memory: str = "device",
                     opt_memory: str = "device") -> None:  # fmt: skip
     """Refuse what training cannot honour yet: dropout (the adapters are merged into the
-    weights, so there is no adapter input of its own to drop), and a mesh, a placement map or
-    host memory (what the adapters are not yet laid out or placed for)."""
+    weights, so there is no adapter input of its own to drop), and a mesh (what the adapters are
+    not yet laid out for). A placement map places the base model's named tensors; host memory
+    holds the whole tree (base and adapters, and the adapters' moments) between steps."""
     if config.dropout:
         raise ConfigError(f"LoRA dropout {config.dropout} is not implemented for training (the adapters are merged "
                           "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
     if mesh is not None and mesh.size > 1:
         raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {mesh.size}")
-    if placement is not None or param_memory != "device" or opt_memory != "device":
-        raise ConfigError("LoRA adapters train without a placement map and with parameters and optimizer "
-                          "state on the device for now")  # fmt: skip
