@@ -398,9 +398,10 @@ def flatten(module: eqx.Module) -> dict[str, Array]:
 
 def is_param(x: object) -> bool:
     """A parameter leaf: a floating array, or its ``ShapeDtypeStruct`` (an abstract model's)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
+    if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+        # (not eqx.is_inexact_array: NumPy's own subdtype test calls a bfloat16 array not floating)
         return jnp.issubdtype(x.dtype, jnp.inexact)
-    return eqx.is_inexact_array(x)
+    return False
 
 
 def map_params(fn: Callable[[str, Array], object], module: eqx.Module) -> eqx.Module:

@@ -25,7 +25,8 @@ from jax._src import core
 
 from zoo.layers import precision as zoo_precision
 from zoo.layers.attention import NAMES as ATTENTION_NAMES
-from zoo.placement import subjaxprs
+from zoo.lora import base_model
+from zoo.placement import placement_map_for, subjaxprs
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds
 
 ATTENTION_SCOPE = ATTENTION_NAMES[0]  # the named scope causal_attention runs in (zoo.layers.attention)
@@ -174,7 +175,9 @@ def _loop_flops(eqn: core.JaxprEqn, seq_len: int) -> float:
 
 
 def counting_model(model: Any) -> Any:
-    """The model spelled for counting: dense attention, experts as ``ragged_dot`` (abstract)."""
+    """The model spelled for counting: dense attention, experts as ``ragged_dot`` (abstract); a
+    LoRA model's base (its step is priced as the base's training)."""
+    model = base_model(model)
     config = model.config
     if any(f.name == "attention" for f in dataclasses.fields(config)):
         config = dataclasses.replace(config, attention="xla")
@@ -202,7 +205,7 @@ def layer_bodies(model: Any, seq_len: int, precision: Any = None) -> list[Body]:
     scans), from one trace of one sequence's loss under the all-``device`` map and the precision
     map ``precision`` (its tensorwise matmuls are FP8 products: :meth:`Body.fp8_flops`)."""
     counting = counting_model(model)
-    cls = type(model).placement_map
+    cls = placement_map_for(model)
     everything = cls.preset("device")
     ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
 

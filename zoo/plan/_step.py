@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from zoo import parallel, train
+from zoo import lora, parallel, train
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 from zoo.layers import precision as zoo_precision
@@ -69,7 +69,7 @@ def _is_sds(x: Any) -> bool:
 def abstract_model(model_or_config: Any, compute_dtype: Any = None) -> eqx.Module:
     """The model as shapes only: a config is built under ``jax.eval_shape`` (its weights never
     exist); a model has its arrays replaced by their shapes."""
-    if is_model(model_or_config):
+    if is_model(model_or_config) or isinstance(model_or_config, lora.LoraModel):
         model = model_or_config
         if compute_dtype is not None and jnp.dtype(compute_dtype) != model.compute_dtype:
             raise ConfigError(
@@ -109,6 +109,8 @@ class Step:
         memory_space(self.param_memory, "parameters")
         memory_space(self.opt_memory, "optimizer state")
         self.config = self.model.config
+        if isinstance(self.model, lora.LoraModel) and self.devices > 1:  # as training refuses it
+            raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {self.devices}")
         self.mesh = abstract_mesh(self.sizes)
         parallel.validate_mesh(self.mesh, self.config)
         # As laid out on the mesh: dimensions it does not divide padded (zoo.parallel.layout_sizes).
@@ -160,8 +162,7 @@ class Step:
     def specs(self, tree: Any) -> Any:
         """A ``PartitionSpec`` per array leaf of ``tree`` (a model, or a tree holding models:
         the optimizer's moments), from the parameter description; other leaves replicated."""
-        cls = type(self.model)
-        described = cls.param_specs(self.config)
+        described = family_of(self.config).param_specs(self.config)  # (a LoRA model's base: its adapters replicated)
         rules = type(self.config).axis_rules
 
         def of_model(m: Any) -> Any:

@@ -37,7 +37,7 @@ from zoo.core.mesh import PIPELINE
 from zoo.errors import ConfigError
 from zoo.hardware import Hardware
 from zoo.hooks.pipeline import bubble
-from zoo.placement import PlacementMap
+from zoo.placement import PlacementMap, placement_map_for
 from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
 from zoo.plan.estimate import Estimate
@@ -130,7 +130,7 @@ class CostModel:
         three = None if third is None else (third[0], collectives.traced(third[1], base.sizes))
         self.traffic = collectives.Traffic.of(one, two, b2 if jaxpr2 is not None else 2, base.sizes, hw, three)
         self.peak = hw.peak_for(base.model.compute_dtype)
-        self.map_cls = type(base.model).placement_map
+        self.map_cls = placement_map_for(base.model)
         self.shards = base.batch_size // base.local_batch
         self.params, self.opt = e1.params, e1.optimizer
         self.batch_bytes = seq_len * 4

@@ -13,6 +13,8 @@ from jax.sharding import PartitionSpec
 
 from zoo import hooks, parallel
 from zoo.loss import chunked_cross_entropy
+from zoo.lora import base_model
+from zoo.placement import placement_map_for
 from zoo.plan import _liveness
 from zoo.plan._step import SDS, Step, StepOptions, layer_stacks, make_step, mesh_spec, stack_bytes
 
@@ -125,7 +127,7 @@ def _loss_peak(step: Step, unified: bool) -> int:
     """The chunked loss head's own peak, traced on the per-device features (zoo/loss.py): with
     the vocabulary split over the mesh, inside ``shard_map`` as the step runs it (the head
     streamed a block of rows at a time, zoo/vocab_parallel.py)."""
-    model = step.model
+    model = base_model(step.model)  # a LoRA model's head is its base's
     dtype, vocab = model.compute_dtype, model.config.vocab_size
     d = model.config.sizes["D"]
     b, s = step.local_batch, step.seq_len - 1
@@ -165,7 +167,7 @@ def _from_step(step: Step, *, unified: bool, jaxpr: Any = None) -> Estimate:
     opt = step.per_device(step.opt)
     batch = step.local_batch * step.seq_len * 4 + 64  # int32 ids, the index and a few metrics
     named = stack_bytes(layer_stacks(jaxpr))
-    fields = set(type(step.model).placement_map.names())
+    fields = set(placement_map_for(step.model).names())
     residuals: dict[str, tuple[int, int]] = {}
     for name, nbytes in named.items():
         if name not in fields:
