@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from zoo import hooks, parallel
-from zoo.loss import chunked_cross_entropy
 from zoo.lora import base_model
+from zoo.loss import chunked_cross_entropy
 from zoo.placement import placement_map_for
 from zoo.plan import _liveness
 from zoo.plan._step import SDS, Step, StepOptions, layer_stacks, make_step, mesh_spec, stack_bytes
