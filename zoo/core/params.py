@@ -396,6 +396,23 @@ def flatten(module: eqx.Module) -> dict[str, Array]:
     return out
 
 
+class Deferred(eqx.Module):
+    """A stacked weight given as what computes it (a weight and its LoRA adapter): its leaves
+    are stacked as the weight is, and :func:`zoo.layers.stack.scan_layers` computes the value
+    of each layer's slice inside the layer's body, so only one layer's value exists at a time
+    (and the backward pass's cotangent of it)."""
+
+    def value(self) -> Array:
+        """The weight of one layer (called on a layer's slice)."""
+        raise NotImplementedError
+
+
+def with_values(tree: object) -> object:
+    """``tree`` with each :class:`Deferred` replaced by its value."""
+    return jax.tree.map(lambda x: x.value() if isinstance(x, Deferred) else x, tree,
+                        is_leaf=lambda x: isinstance(x, Deferred))  # fmt: skip
+
+
 def is_param(x: object) -> bool:
     """A parameter leaf: a floating array, or its ``ShapeDtypeStruct`` (an abstract model's)."""
     if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):

@@ -5,6 +5,7 @@ adapters, the adapted model, merge) and :mod:`zoo.lora.peft` (``adapter_config.j
 from zoo.lora.adapter import (
     ALL_LINEAR,
     Adapter,
+    LayerUpdate,
     LoraConfig,
     LoraModel,
     base_model,
@@ -21,7 +22,7 @@ from zoo.lora.adapter import (
 from zoo.lora.peft import adapter_config, load_adapter, read_adapter_config, save_adapter
 
 __all__ = [
-    "ALL_LINEAR", "Adapter", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "init", "linear_weights",
+    "ALL_LINEAR", "Adapter", "LayerUpdate", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "init", "linear_weights",
     "load_adapter", "merge", "param_specs", "read_adapter_config", "resolve_targets", "save_adapter", "trainable_labels",
     "valid_targets",
 ]  # fmt: skip

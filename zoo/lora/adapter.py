@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.core.params import Param, map_params
+from zoo.core.layout import is_layer_stack
+from zoo.core.params import Deferred, Param, map_params
 from zoo.core.protocol import VOCAB, CausalLM
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
@@ -140,13 +141,43 @@ class Adapter(eqx.Module):
     b: Float[Array, "*S o r"]
 
 
-def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float) -> Float[Array, "*dims"]:
-    """``scale · B A`` in the family's layout of ``p`` (its axes, stacked ones included), float32."""
+def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, lead: tuple[int, ...] | None = None
+          ) -> Float[Array, "*dims"]:  # fmt: skip
+    """``scale · B A`` in the family's layout of ``p`` (its axes, stacked ones included), float32.
+    ``lead``: of one layer's slice of the adapter instead (the layer axis gone), led by these
+    sizes (none; or a view's, where the scan runs the stack reshaped)."""
     d = scale * jnp.einsum("...or,...ri->...oi", adapter.b.astype(jnp.float32), adapter.a.astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)  # fmt: skip
-    order = list(p.stacked) + [a for g in p.hf_groups() for a in g]
-    d = d.reshape([sizes[a] for a in order])
-    return d.transpose([order.index(a) for a in p.names])
+    names, lead = (p.names, ()) if lead is None else (p.names[1:], lead)
+    order = [a for a in p.stacked if a in names] + [a for g in p.hf_groups() for a in g]
+    d = d.reshape([*lead, *(sizes[a] for a in order)])
+    return d.transpose([*range(len(lead)), *(len(lead) + order.index(a) for a in names)])
+
+
+def _merged(path: str, w: Array, d: Array, frozen: bool) -> Array:
+    if d.shape != w.shape:
+        raise ConfigError(f"LoRA on {path}: the weight has shape {w.shape}, its adapter's update "
+                          f"{d.shape} (a padded or pipelined layout is not supported yet)")  # fmt: skip
+    w0 = jax.lax.stop_gradient(w) if frozen else w
+    return (w0.astype(jnp.float32) + d).astype(w.dtype)
+
+
+class LayerUpdate(Deferred):
+    """A layer stack's weight and its adapter, merged a layer at a time where the layer scan
+    reads them (:class:`zoo.core.params.Deferred`): one layer's merged weight, and in the
+    backward pass one layer's gradient of it, exist at a time."""
+
+    w: Float[Array, "*dims"]
+    adapter: Adapter
+    path: str = eqx.field(static=True)
+    param: Param = eqx.field(static=True)
+    sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+
+    def value(self) -> Float[Array, "*dims"]:
+        lead = self.w.shape[: self.w.ndim - (len(self.param.names) - 1)]
+        d = delta(self.param, dict(self.sizes), self.adapter, self.scale, lead=lead)
+        return _merged(self.path, self.w, d, frozen=True)
 
 
 class LoraModel(eqx.Module):
@@ -172,20 +203,18 @@ class LoraModel(eqx.Module):
         """The base model's (the adapted model's layers run the base's code, under its map)."""
         return type(self.base).placement_map
 
-    def _with_deltas(self, frozen: bool) -> CausalLM:
+    def _with_deltas(self, frozen: bool, per_layer: bool = False) -> CausalLM:
         specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
 
         def leaf(path: str, w):
             if not eqx.is_inexact_array(w):
                 return w
-            w0 = jax.lax.stop_gradient(w) if frozen else w
             if path not in self.adapters:
-                return w0
-            d = delta(specs[path], sizes, self.adapters[path], scale)
-            if d.shape != w.shape:
-                raise ConfigError(f"LoRA on {path}: the weight has shape {w.shape}, its adapter's update "
-                                  f"{d.shape} (a padded or pipelined layout is not supported yet)")  # fmt: skip
-            return (w0.astype(jnp.float32) + d).astype(w.dtype)
+                return jax.lax.stop_gradient(w) if frozen else w
+            p = specs[path]
+            if per_layer and frozen and is_layer_stack(p):  # merged by the layer scan, a layer at a time
+                return LayerUpdate(w, self.adapters[path], path, p, tuple(sorted(sizes.items())), scale)
+            return _merged(path, w, delta(p, sizes, self.adapters[path], scale), frozen)
 
         return map_params(leaf, self.base)
 
@@ -193,14 +222,19 @@ class LoraModel(eqx.Module):
         """The base model with the adapters merged, its own weights frozen (``stop_gradient``)."""
         return self._with_deltas(frozen=True)
 
+    def _scanned(self) -> CausalLM:
+        """The base model for a forward pass: the layer stacks' adapted weights merged inside the
+        layer scan, a layer at a time (:class:`LayerUpdate`), the others merged here."""
+        return self._with_deltas(frozen=True, per_layer=True)
+
     def __call__(self, input_ids: Int[Array, "B S"], **kw: Any) -> Float[Array, "B S V"]:
-        return self.adapted()(input_ids, **kw)
+        return self._scanned()(input_ids, **kw)
 
     def forward(self, input_ids: Int[Array, "B S"], **kw: Any) -> tuple[Any, ...]:
-        return self.adapted().forward(input_ids, **kw)
+        return self._scanned().forward(input_ids, **kw)
 
     def loss(self, input_ids: Int[Array, "B S"], **kw: Any) -> tuple[Float[Array, ""], dict[str, Array]]:
-        return self.adapted().loss(input_ids, **kw)
+        return self._scanned().loss(input_ids, **kw)
 
     def unembedding(self) -> Float[Array, "V D"]:
         return self.adapted().unembedding()
