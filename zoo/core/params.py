@@ -406,6 +406,10 @@ class Deferred(eqx.Module):
         """The weight of one layer (called on a layer's slice)."""
         raise NotImplementedError
 
+    def stacked_value(self) -> Array:
+        """The whole stack's weight (every layer's value)."""
+        return jax.vmap(lambda one: one.value())(self)
+
 
 def with_values(tree: object) -> object:
     """``tree`` with each :class:`Deferred` replaced by its value."""

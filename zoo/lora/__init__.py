@@ -1,6 +1,7 @@
 """LoRA fine-tuning adapters (PEFT's format) for every family: :mod:`zoo.lora.adapter` (the
-adapters, the adapted model, merge) and :mod:`zoo.lora.peft` (``adapter_config.json`` and
-``adapter_model.safetensors`` in and out)."""
+adapters, the adapted model, merge), :mod:`zoo.lora.peft` (``adapter_config.json`` and
+``adapter_model.safetensors`` in and out) and :mod:`zoo.lora.nf4` (QLoRA's NF4 base, as
+bitsandbytes stores it)."""
 
 from zoo.lora.adapter import (
     ALL_LINEAR,

@@ -28,7 +28,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.core.layout import is_layer_stack
-from zoo.core.params import Deferred, Param, map_params
+from zoo.core.params import Deferred, Param
 from zoo.core.protocol import VOCAB, CausalLM
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
@@ -167,7 +167,7 @@ class LayerUpdate(Deferred):
     reads them (:class:`zoo.core.params.Deferred`): one layer's merged weight, and in the
     backward pass one layer's gradient of it, exist at a time."""
 
-    w: Float[Array, "*dims"]
+    w: Float[Array, "*dims"] | Deferred  # a frozen weight, or what computes it (QLoRA's NF4 base)
     adapter: Adapter
     path: str = eqx.field(static=True)
     param: Param = eqx.field(static=True)
@@ -175,9 +175,10 @@ class LayerUpdate(Deferred):
     scale: float = eqx.field(static=True)
 
     def value(self) -> Float[Array, "*dims"]:
-        lead = self.w.shape[: self.w.ndim - (len(self.param.names) - 1)]
+        w = self.w.value() if isinstance(self.w, Deferred) else self.w
+        lead = w.shape[: w.ndim - (len(self.param.names) - 1)]
         d = delta(self.param, dict(self.sizes), self.adapter, self.scale, lead=lead)
-        return _merged(self.path, self.w, d, frozen=True)
+        return _merged(self.path, w, d, frozen=True)
 
 
 class LoraModel(eqx.Module):
@@ -206,17 +207,23 @@ class LoraModel(eqx.Module):
     def _with_deltas(self, frozen: bool, per_layer: bool = False) -> CausalLM:
         specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
 
-        def leaf(path: str, w):
-            if not eqx.is_inexact_array(w):
+        def leaf(at, w):
+            path = ".".join(str(getattr(k, "name", k)) for k in at)
+            deferred = isinstance(w, Deferred)  # a frozen weight given as what computes it (zoo.lora.nf4)
+            if not deferred and not eqx.is_inexact_array(w):
                 return w
+            lazy = per_layer and frozen and is_layer_stack(specs[path]) if path in specs else False
             if path not in self.adapters:
+                if deferred:
+                    return w if lazy else w.stacked_value()
                 return jax.lax.stop_gradient(w) if frozen else w
             p = specs[path]
-            if per_layer and frozen and is_layer_stack(p):  # merged by the layer scan, a layer at a time
+            if lazy:  # merged by the layer scan, a layer at a time
                 return LayerUpdate(w, self.adapters[path], path, p, tuple(sorted(sizes.items())), scale)
+            w = w.stacked_value() if deferred else w
             return _merged(path, w, delta(p, sizes, self.adapters[path], scale), frozen)
 
-        return map_params(leaf, self.base)
+        return jax.tree_util.tree_map_with_path(leaf, self.base, is_leaf=lambda x: isinstance(x, Deferred))
 
     def adapted(self) -> CausalLM:
         """The base model with the adapters merged, its own weights frozen (``stop_gradient``)."""
@@ -311,13 +318,19 @@ def trainable_labels(model: LoraModel) -> LoraModel:
 
 
 def check_trainable(config: LoraConfig, *, mesh: Any = None, placement: Any = None, param_memory: str = "device",
-                    opt_memory: str = "device") -> None:  # fmt: skip
+                    opt_memory: str = "device", base: Any = None) -> None:  # fmt: skip
     """Refuse what training cannot honour yet: dropout (the adapters are merged into the
     weights, so there is no adapter input of its own to drop), and a mesh (what the adapters are
-    not yet laid out for). A placement map places the base model's named tensors; host memory
-    holds the whole tree (base and adapters, and the adapters' moments) between steps."""
+    not yet laid out for), and a ``base`` with NF4 weights (:mod:`zoo.lora.nf4`: zoo.train's run
+    state holds floating parameters only). A placement map places the base model's named
+    tensors; host memory holds the whole tree (base and adapters, and the adapters' moments)
+    between steps."""
     if config.dropout:
         raise ConfigError(f"LoRA dropout {config.dropout} is not implemented for training (the adapters are merged "
                           "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
     if mesh is not None and mesh.size > 1:
         raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {mesh.size}")
+    if any(isinstance(x, Deferred) for x in jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, Deferred))):
+        raise ConfigError("zoo.train does not train LoRA on an NF4 base (zoo.lora.nf4) yet: its run state holds "
+                          "floating parameters only. Train the adapters with eqx.filter_value_and_grad and optax "
+                          "(tests/test_qlora.py), or on zoo.lora.nf4.dequantized(base)")  # fmt: skip

@@ -77,7 +77,7 @@ def train(
     """
     if isinstance(model, lora.LoraModel):
         lora.check_trainable(model.lora, mesh=mesh, placement=placement, param_memory=param_memory,
-                             opt_memory=opt_memory)  # fmt: skip
+                             opt_memory=opt_memory, base=model.base)  # fmt: skip
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
