@@ -32,6 +32,7 @@ from zoo.core.params import Deferred, Param, map_params
 from zoo.core.protocol import CausalLM
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
+from zoo.lora.adapter import linear_weights
 
 BLOCK = 64  # values per absmax (bitsandbytes' blocksize for 4-bit)
 STATS_BLOCK = 256  # absmax per second-level absmax (bitsandbytes' double quantization)
@@ -134,8 +135,6 @@ def quantize_model(model: CausalLM) -> CausalLM:
     """``model`` with every linear weight of its layer stacks (those a LoRA target may name:
     :func:`zoo.lora.linear_weights`) in NF4 (:class:`NF4Weight`); the embedding, the head, norms,
     routers and weights outside the stacks as they were."""
-    from zoo.lora.adapter import linear_weights
-
     specs = family_of(model).param_specs(model.config)
     sizes = tuple(sorted(model.config.sizes.items()))
     targets = {path for path, p in linear_weights(specs).items() if is_layer_stack(p)}
