@@ -392,7 +392,7 @@ def flatten(module: eqx.Module) -> dict[str, Array]:
     leaves = jax.tree_util.tree_flatten_with_path(module, is_leaf=lambda x: x is None)[0]
     for path, leaf in leaves:
         if isinstance(leaf, (jax.Array, np.ndarray)):
-            out[".".join(str(getattr(p, "name", p)) for p in path)] = leaf
+            out[path_name(path)] = leaf
     return out
 
 
@@ -409,6 +409,12 @@ class Deferred(eqx.Module):
     def stacked_value(self) -> Array:
         """The whole stack's weight (every layer's value)."""
         return jax.vmap(lambda one: one.value())(self)
+
+
+def path_name(keys: tuple) -> str:
+    """A pytree key path as a parameter path (``"layers.attn.wq"``): the keys of
+    ``jax.tree_util.tree_map_with_path`` joined by dots."""
+    return ".".join(str(getattr(k, "name", k)) for k in keys)
 
 
 def with_values(tree: object) -> object:
@@ -431,7 +437,7 @@ def map_params(fn: Callable[[str, Array], object], module: eqx.Module) -> eqx.Mo
 
     def leaf(path, x):
         if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-            return fn(".".join(str(getattr(p, "name", p)) for p in path), x)
+            return fn(path_name(path), x)
         return x
 
     return jax.tree_util.tree_map_with_path(leaf, module)

@@ -28,7 +28,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.core.layout import is_layer_stack
-from zoo.core.params import Deferred, Param
+from zoo.core.params import Deferred, Param, path_name
 from zoo.core.protocol import VOCAB, CausalLM
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
@@ -208,7 +208,7 @@ class LoraModel(eqx.Module):
         specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
 
         def leaf(at, w):
-            path = ".".join(str(getattr(k, "name", k)) for k in at)
+            path = path_name(at)
             deferred = isinstance(w, Deferred)  # a frozen weight given as what computes it (zoo.lora.nf4)
             if not deferred and not eqx.is_inexact_array(w):
                 return w

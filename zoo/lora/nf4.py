@@ -19,7 +19,6 @@ over two (bytes), ``b`` its blocks of 64, ``c`` their blocks of 256.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 
 import equinox as eqx
 import jax
@@ -164,6 +163,6 @@ def dequantized(model: CausalLM) -> CausalLM:
                         is_leaf=lambda x: isinstance(x, NF4Weight))  # fmt: skip
 
 
-def nbytes(tree: Mapping | object) -> int:
+def nbytes(tree: object) -> int:
     """Bytes of a tree's arrays (a quantized model's: its codes and scales)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from zoo import lora, parallel, train
+from zoo.core.params import path_name
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 from zoo.layers import precision as zoo_precision
@@ -169,7 +170,7 @@ class Step:
             def leaf(path, x):
                 if not _is_sds(x):
                     return x
-                name = ".".join(str(getattr(p, "name", p)) for p in path)
+                name = path_name(path)
                 return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules,
                                                            sizes=self.config.sizes))
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec
 
 from zoo import parallel
 from zoo.core.mesh import PIPELINE
+from zoo.core.params import path_name
 from zoo.errors import ConfigError
 from zoo.hardware import Hardware
 from zoo.hooks.pipeline import bubble
@@ -466,7 +467,7 @@ def _stage_weights(step: Step) -> tuple[float, float]:
     compute = jnp.dtype(step.model.compute_dtype).itemsize
     stored = gathered = 0.0
     for path, x in jax.tree_util.tree_leaves_with_path(step.params, is_leaf=lambda x: isinstance(x, SDS)):
-        p = described[".".join(str(getattr(k, "name", k)) for k in path)]
+        p = described[path_name(path)]
         axes = parallel.param_axes(p, step.mesh, rules=rules, sizes=step.config.sizes)
         if not (p.names and p.names[0] in p.stacked and axes and axes[0] == PIPELINE):
             continue
