@@ -351,3 +351,11 @@ def test_a_lora_step_merges_a_layer_at_a_time():
     kw = {"batch_size": 4, "seq_len": 128, "placement": "remat", "compiler_options": FAST}
     full, adapted = plan.measure(base, **kw), plan.measure(model, **kw)
     assert adapted.temporaries < full.temporaries - full.params // 2, (adapted.temporaries, full.temporaries)
+
+
+def test_a_rank_larger_than_a_weight_is_refused_naming_it():
+    base = zoo.from_pretrained(FIXTURES / "llama3_1-tiny")
+    s = base.config.sizes
+    n = min(s["D"], s["G"] * s["K"])  # wk: [G K, D] as stored
+    with pytest.raises(ConfigError, match=rf"r={n + 1} is larger than layers.attn.wk's weight"):
+        lora.init(base, lora.LoraConfig(r=n + 1, alpha=8, targets=("k_proj",)), key=jr.key(0))

@@ -289,6 +289,9 @@ def init(model: CausalLM, config: LoraConfig, *, key: PRNGKeyArray, dtype=jnp.fl
     adapters = {}
     for k, (path, p) in zip(keys, chosen.items()):
         stacked, n_out, n_in = dims(p, sizes)
+        if config.r > min(n_out, n_in):  # B A would not be low-rank: a full update with extra parameters
+            raise ConfigError(f"LoRA r={config.r} is larger than {path}'s weight ({n_out} out x {n_in} in features): "
+                              f"use r <= {min(n_out, n_in)} or leave it out of the targets")  # fmt: skip
         a = _kaiming_uniform(k, (*stacked, config.r, n_in), n_in).astype(dtype)
         adapters[path] = Adapter(a=a, b=jnp.zeros((*stacked, n_out, config.r), dtype))
     return LoraModel(base=model, adapters=adapters, lora=config)
