@@ -29,6 +29,7 @@ from zoo.cli import Help, positive
 from zoo.core import registry
 from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf.load import read_generation_config
+from zoo.lora import nf4
 from zoo.placement import PlacementError
 from zoo.plan import auto
 from zoo.train import setup
@@ -154,6 +155,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--save-adapter", default=None, metavar="DIR",
                    help="with --lora: also write the adapters here in PEFT's format (adapter_config.json, "
                         "adapter_model.safetensors)")  # fmt: skip
+    r.add_argument("--qlora", default=None, choices=["nf4"],
+                   help="with --lora: QLoRA, the frozen model's layer stacks stored in NF4 with double quantization "
+                        "(as bitsandbytes stores them), dequantized a layer at a time in the step")  # fmt: skip
     r.add_argument("--overwrite-hf", action="store_true",
                    help="--save-hf may replace what the directory holds (another run's export)")
     r.add_argument("--wandb", metavar="PROJECT", default=None,
@@ -191,8 +195,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.lora = None if args.lora is None else parse_lora(args.lora)
-        if args.save_adapter and args.lora is None:
-            raise ConfigError("--save-adapter needs --lora")
+        for flag in ("save_adapter", "qlora"):
+            if getattr(args, flag) and args.lora is None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --lora")
         setup.complete(args)
     except ConfigError as e:
         p.error(str(e))
@@ -264,6 +269,13 @@ def main(argv: list[str] | None = None) -> None:
         print(cycled, flush=True)
     setup.copy_tokenizer(args.checkpoint, args.run_dir)  # eval.py and generate.py on the run dir tokenize as training did
     if args.lora is not None:  # the adapters on the built model; the same seed on a resume: the same tree
+        if args.qlora:
+            try:
+                full, model = nf4.nbytes(model), nf4.quantize_model(model)
+            except ConfigError as e:
+                parser().error(f"--qlora nf4: {e}")
+            print(f"QLoRA: the layer stacks in NF4, the model {nf4.nbytes(model) / 2**20:,.1f} MiB "
+                  f"(from {full / 2**20:,.1f})", flush=True)  # fmt: skip
         try:
             model = lora.init(model, args.lora, key=jr.fold_in(jr.key(args.seed), 41))
         except ConfigError as e:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size
-from zoo.core.params import Param, flatten, init_with_stacks, map_params
+from zoo.core.params import Param, flatten, init_with_stacks, is_deferred, map_params, path_name
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 
@@ -203,7 +203,13 @@ def _resized(model_or_tree: PyTree, sizes_of: Callable[[Any], Mapping[str, int]]
         if not is_model(m):
             return m
         specs, sizes = model_specs(m), sizes_of(m)
-        return map_params(lambda path, x: _resize(x, specs[path].shape(sizes)), m)
+
+        def leaf(at, x):  # a Deferred weight (an NF4 base's codes) kept whole: it is one device's
+            if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+                return _resize(x, specs[path_name(at)].shape(sizes))
+            return x
+
+        return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=is_deferred)
 
     return jax.tree.map(sub, model_or_tree, is_leaf=is_model)
 

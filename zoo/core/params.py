@@ -410,6 +410,22 @@ class Deferred(eqx.Module):
         """The whole stack's weight (every layer's value)."""
         return jax.vmap(lambda one: one.value())(self)
 
+    def field_params(self) -> dict[str, Param]:
+        """The description of the arrays it holds, by field name (a frozen base's: untrained)."""
+        raise NotImplementedError(f"{type(self).__name__} is not held in a model between steps")
+
+
+def is_deferred(x: object) -> bool:
+    return isinstance(x, Deferred)
+
+
+def run_state(model: eqx.Module) -> tuple[eqx.Module, eqx.Module]:
+    """``(state, static)``: what a training run carries from step to step (the floating
+    arrays, and each :class:`Deferred` weight whole: a quantized base's integer codes with their
+    scales) and the rest, ``eqx.partition``'s halves (``eqx.combine`` joins them)."""
+    whole = lambda x: jax.tree.map(lambda _: True, x) if is_deferred(x) else eqx.is_inexact_array(x)  # noqa: E731
+    return eqx.partition(model, jax.tree.map(whole, model, is_leaf=is_deferred))
+
 
 def path_name(keys: tuple) -> str:
     """A pytree key path as a parameter path (``"layers.attn.wq"``): the keys of

@@ -28,7 +28,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo.core.layout import is_layer_stack
-from zoo.core.params import Deferred, Param, path_name
+from zoo.core.params import Deferred, Param, is_deferred, path_name
 from zoo.core.protocol import VOCAB, CausalLM
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
@@ -303,9 +303,18 @@ def param_specs(model: LoraModel) -> dict[str, Param]:
     optimizer state), the adapters' trainable weight matrices (``init="normal"``: decayed as
     weight matrices are; :func:`init` makes them, not ``init_params``). Not in checkpoints
     (``hf=None``: :mod:`zoo.lora.peft` writes them) and not laid out on a mesh yet: their
-    letters ``r``, ``i``, ``o`` (rank, in and out features) have no sizes or rules."""
+    letters ``r``, ``i``, ``o`` (rank, in and out features) have no sizes or rules. A weight
+    the base holds as what computes it (QLoRA's NF4 codes and scales: :mod:`zoo.lora.nf4`) is
+    described by its fields' frozen parameters (``base.<path>.packed``, ...)."""
     base = family_of(model.base).param_specs(model.base.config)
-    out = {f"base.{k}": dataclasses.replace(p, trainable=False) for k, p in base.items()}
+    held = jax.tree_util.tree_flatten_with_path(model.base, is_leaf=is_deferred)[0]
+    deferred = {path_name(at): x for at, x in held if is_deferred(x)}
+    out = {}
+    for k, p in base.items():
+        if k in deferred:
+            out.update({f"base.{k}.{f}": q for f, q in deferred[k].field_params().items()})
+        else:
+            out[f"base.{k}"] = dataclasses.replace(p, trainable=False)
     for name in model.adapters:
         stacked = " ".join(base[name].stacked)
         out[f"adapters.{jax.tree_util.DictKey(name)}.a"] = Param(axes=f"{stacked} r i".strip(), hf=None)
@@ -320,20 +329,20 @@ def trainable_labels(model: LoraModel) -> LoraModel:
                      adapters=jax.tree.map(lambda _: "train", model.adapters), lora=model.lora)  # fmt: skip
 
 
-def check_trainable(config: LoraConfig, *, mesh: Any = None, placement: Any = None, param_memory: str = "device",
-                    opt_memory: str = "device", base: Any = None) -> None:  # fmt: skip
-    """Refuse what training cannot honour yet: dropout (the adapters are merged into the
-    weights, so there is no adapter input of its own to drop), and a mesh (what the adapters are
-    not yet laid out for), and a ``base`` with NF4 weights (:mod:`zoo.lora.nf4`: zoo.train's run
-    state holds floating parameters only). A placement map places the base model's named
-    tensors; host memory holds the whole tree (base and adapters, and the adapters' moments)
-    between steps."""
+def check_trainable(model: Any, *, mesh: Any = None) -> None:
+    """Refuse what zoo.train cannot honour yet: a model with NF4 weights but no adapters
+    (its base is frozen: only adapters train on it), LoRA dropout (the adapters are merged into
+    the weights, so there is no adapter input of its own to drop), and a mesh (what the adapters
+    are not yet laid out for). A placement map places the base model's named tensors; host memory
+    holds the whole tree (base, NF4 codes too, adapters and their moments) between steps."""
+    if not isinstance(model, LoraModel):
+        if any(is_deferred(x) for x in jax.tree.leaves(model, is_leaf=is_deferred)):
+            raise ConfigError("the model holds NF4 weights (zoo.lora.nf4.quantize_model), which are frozen: train LoRA "
+                              "adapters on it (zoo.lora.init), or train zoo.lora.nf4.dequantized(model)")  # fmt: skip
+        return
+    config = model.lora
     if config.dropout:
         raise ConfigError(f"LoRA dropout {config.dropout} is not implemented for training (the adapters are merged "
                           "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
     if mesh is not None and mesh.size > 1:
         raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {mesh.size}")
-    if any(isinstance(x, Deferred) for x in jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, Deferred))):
-        raise ConfigError("zoo.train does not train LoRA on an NF4 base (zoo.lora.nf4) yet: its run state holds "
-                          "floating parameters only. Train the adapters with eqx.filter_value_and_grad and optax "
-                          "(tests/test_qlora.py), or on zoo.lora.nf4.dequantized(base)")  # fmt: skip

@@ -19,6 +19,7 @@ over two (bytes), ``b`` its blocks of 64, ``c`` their blocks of 256.
 from __future__ import annotations
 
 import functools
+import math
 
 import equinox as eqx
 import jax
@@ -129,11 +130,18 @@ class NF4Weight(Deferred):
         w = w.transpose([*range(len(lead)), *(len(lead) + order.index(a) for a in names)])
         return w.astype(self.dtype)
 
+    def field_params(self) -> dict[str, Param]:
+        """Frozen, and not in checkpoints (a quantized base is made from one: :func:`quantize_model`)."""
+        s = " ".join(self.param.stacked)
+        letters = {"packed": "n", "absmax": "b", "absmax2": "c", "offset": ""}
+        return {k: Param(axes=f"{s} {x}".strip(), hf=None, init="zeros", trainable=False) for k, x in letters.items()}
+
 
 def quantize_model(model: CausalLM) -> CausalLM:
     """``model`` with every linear weight of its layer stacks (those a LoRA target may name:
     :func:`zoo.lora.linear_weights`) in NF4 (:class:`NF4Weight`); the embedding, the head, norms,
-    routers and weights outside the stacks as they were."""
+    routers and weights outside the stacks as they were. An abstract model's (its arrays
+    ``jax.ShapeDtypeStruct``, as the planner holds one) gets the shapes of its codes."""
     specs = family_of(model).param_specs(model.config)
     sizes = tuple(sorted(model.config.sizes.items()))
     targets = {path for path, p in linear_weights(specs).items() if is_layer_stack(p)}
@@ -143,6 +151,9 @@ def quantize_model(model: CausalLM) -> CausalLM:
             return w
         p = specs[path]
         stacked_shape = w.shape[: len(p.stacked)]
+        if isinstance(w, jax.ShapeDtypeStruct):
+            return jax.eval_shape(lambda: _zeros(p, stacked_shape, math.prod(w.shape) // math.prod(stacked_shape),
+                                                 sizes, str(w.dtype), path))  # fmt: skip
         per = [quantize(np.asarray(w[idx]).transpose(_to_hf(p)), f"{path}[{idx}]") for idx in np.ndindex(*stacked_shape)]
         arrays = {k: np.stack([q[k] for q in per]).reshape(*stacked_shape, *np.shape(per[0][k])) for k in per[0]}
         return NF4Weight(**{k: jnp.asarray(v) for k, v in arrays.items()}, param=p, sizes=sizes, dtype=str(w.dtype))
@@ -150,11 +161,26 @@ def quantize_model(model: CausalLM) -> CausalLM:
     return map_params(leaf, model)
 
 
+def _zeros(p: Param, stacked: tuple[int, ...], size: int, sizes: tuple, dtype: str, path: str) -> NF4Weight:
+    """An NF4 weight of zeros: ``stacked`` matrices of ``size`` values (the shapes of its codes)."""
+    if size % BLOCK:
+        raise ConfigError(f"NF4: {path} has {size} values a matrix, not a multiple of the block of {BLOCK}")
+    n = size // BLOCK
+    shapes = {"packed": (size // 2,), "absmax": (n,), "absmax2": (-(-n // STATS_BLOCK),), "offset": ()}
+    arrays = {k: jnp.zeros((*stacked, *s), jnp.uint8 if k in ("packed", "absmax") else jnp.float32) for k, s in shapes.items()}
+    return NF4Weight(**arrays, param=p, sizes=sizes, dtype=dtype)
+
+
 def _to_hf(p: Param) -> list[int]:
     """The transposition of one stored matrix from the family's layout (stacked axes gone) to
     its checkpoint's letters' order (then reshaped: ``[out, in]``)."""
     inner = [a for a in p.names if a not in p.stacked]
     return [inner.index(a) for g in p.hf_groups() for a in g]
+
+
+def is_quantized(model: object) -> bool:
+    """Whether ``model`` (or an adapted model's base) holds NF4 weights."""
+    return any(isinstance(x, NF4Weight) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, NF4Weight)))
 
 
 def dequantized(model: CausalLM) -> CausalLM:

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from zoo import lora, parallel, train
-from zoo.core.params import path_name
+from zoo.core.params import is_deferred, is_param, path_name
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 from zoo.layers import precision as zoo_precision
@@ -153,7 +153,7 @@ class Step:
                                     schedule=self.schedule)  # fmt: skip
         self.tx = train.optimizer(self.tc, self.skeleton)
         self.params = eqx.filter(self.model, _is_sds, is_leaf=_is_sds)
-        self.opt = jax.eval_shape(self.tx.init, self.params)
+        self.opt = jax.eval_shape(self.tx.init, eqx.filter(self.params, is_param))  # (not an NF4 base's codes)
 
     @property
     def devices(self) -> int:
@@ -168,13 +168,15 @@ class Step:
 
         def of_model(m: Any) -> Any:
             def leaf(path, x):
+                if is_deferred(x):  # an NF4 base's codes and scales: one device's (LoRA refuses a mesh)
+                    return jax.tree.map(lambda _: PartitionSpec(), x, is_leaf=_is_sds)
                 if not _is_sds(x):
                     return x
                 name = path_name(path)
                 return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules,
                                                            sizes=self.config.sizes))
 
-            return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=_is_sds)
+            return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=lambda x: _is_sds(x) or is_deferred(x))
 
         def sub(x: Any) -> Any:
             if is_model(x):

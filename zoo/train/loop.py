@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from zoo import lora, parallel
+from zoo.core.params import run_state
 from zoo.errors import ConfigError
 from zoo.placement import tree_placement
 from zoo.train import checkpoints, restore
@@ -75,9 +76,7 @@ def train(
     compiled program before step 1 (:mod:`zoo.train.verify`). ``profile``: ``"START:STOP"``, steps
     START..STOP-1 traced into ``run_dir/profile`` (:class:`zoo.train.profile.CheckedStep`).
     """
-    if isinstance(model, lora.LoraModel):
-        lora.check_trainable(model.lora, mesh=mesh, placement=placement, param_memory=param_memory,
-                             opt_memory=opt_memory, base=model.base)  # fmt: skip
+    lora.check_trainable(model, mesh=mesh)  # adapters where the model needs them (an NF4 base), and what they allow
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
@@ -135,10 +134,9 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
 
     model, cfg, run_dir = run.model, run.cfg, run.run_dir
     tx = optimizer(cfg, model)
-    params = eqx.filter(model, eqx.is_inexact_array)
+    params, static = run_state(model)  # the floating arrays (and an NF4 base's codes) and the rest
     if not run.consume:  # the steps donate their inputs
         params = jax.tree.map(jnp.copy, params)
-    static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
     if run.mesh is not None and run.mesh.size > 1:
         # A no-op for a model made or loaded on the mesh (Family(..., mesh=), from_pretrained(mesh=)).
         params = parallel.shard(params, run.mesh)
@@ -146,7 +144,7 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
         params = parallel.reorder_stacks(params, run.mesh, cfg.virtual_stages)
         opt_state = parallel.init_optimizer(tx, params, run.mesh)
     else:
-        opt_state = tx.init(params)
+        opt_state = tx.init(eqx.filter(params, eqx.is_inexact_array))
     start = 0
     previous: list[dict[str, Any]] = []  # the resumed run's metric records, for the loss curve
     manager = checkpoints.open_manager(run_dir, cfg.keep_checkpoints) if run_dir is not None else None

@@ -15,6 +15,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from zoo import lora, parallel
+from zoo.core.params import run_state
 from zoo.core.protocol import options_or_default
 from zoo.hooks.pipeline import stacks_in_stage_order
 from zoo.layers import fp8, precision
@@ -72,7 +73,7 @@ def make_train_step(
 
     memory_space(param_memory, "parameters")  # a clear error now, not at the first step's trace
     memory_space(opt_memory, "optimizer state")
-    static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+    static = run_state(model)[1]
     schedule = learning_rate(cfg)
     stages = 1 if mesh is None else int(mesh.shape.get("pipeline", 1))
 
@@ -116,11 +117,11 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / n, grads)
         # optax raises Python floats to int32 step counts, which strict promotion rejects.
         with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state = tx.update(grads, opt_state, eqx.filter(params, eqx.is_inexact_array))
             lr = schedule(index)
         params = eqx.apply_updates(params, updates)
         with stacks_in_stage_order(stages, cfg.virtual_stages):  # the run's stacks' layout
-            params = eqx.filter(eqx.combine(params, static).after_step(metrics, cfg.model_options), eqx.is_inexact_array)
+            params = run_state(eqx.combine(params, static).after_step(metrics, cfg.model_options))[0]
         out = {"loss": loss, "grad_norm": global_norm(grads), "lr": jnp.asarray(lr, jnp.float32), **metrics}
         if param_memory != "device":
             params = tree_placement(params, param_memory)
@@ -140,7 +141,7 @@ def make_eval(model: eqx.Module, *, placement: Any = None, mesh: Any = None, mic
     chunks of them, the stacks then in stage order), not as XLA would lay
     out a plain jit of it (which gathers a pipelined layer stack whole on every device).
     ``precision``: the training step's precision map (``TrainConfig.precision``)."""
-    static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+    static = run_state(model)[1]
     recipes = matmul_recipes(model, precision)
     if mesh is not None and mesh.size > 1:
         loss = parallel.value(lm_loss, mesh, microbatches=microbatches, virtual_stages=virtual_stages)
