@@ -1,6 +1,7 @@
 """zoo.lora: adapters chosen by the parameter description, PEFT's format, parity with PEFT.
 
-The ``*-lora*`` fixtures were written by ``transformers`` + ``peft`` (tests/fixtures/make_lora_fixtures.py):
+The ``*-lora*`` fixtures were written by ``transformers`` + ``peft`` (tests/fixtures/make_lora_fixtures.py),
+the ``*-zoo-lora`` ones by ``zoo.lora.save_adapter`` and then read by ``peft`` (make_zoo_lora_fixtures.py):
 a PEFT adapter directory on a base checkpoint of this folder and ``peft_reference.npz``, the
 float32 logits of the adapted model (PEFT's unmerged forward) and after ``merge_and_unload``.
 """
@@ -31,6 +32,9 @@ ADAPTERS = {
     "llama3_1-tiny-lora-rslora": "llama3_1-tiny",
     "qwen3_moe-tiny-lora": "qwen3_moe-tiny",
     "deepseek_v3-tiny-lora": "deepseek_v3-tiny",
+    # written by zoo (tests/fixtures/make_zoo_lora_fixtures.py), the reference what peft computes reading them
+    "llama3_1-tiny-zoo-lora": "llama3_1-tiny",
+    "deepseek_v3-tiny-zoo-lora": "deepseek_v3-tiny",
 }
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -41,7 +45,8 @@ def _specs(model):
 
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
 def test_peft_adapter_reproduces_peft_logits(name):
-    """zoo loads the base + PEFT's adapter and gives PEFT's float32 logits; its merged model too."""
+    """zoo loads the base + PEFT's adapter and gives PEFT's float32 logits; its merged model too.
+    For an adapter zoo wrote (``*-zoo-lora``), the logits are what ``peft`` computes reading it."""
     ref = np.load(FIXTURES / name / "peft_reference.npz")
     base = zoo.from_pretrained(FIXTURES / ADAPTERS[name])
     model = lora.load_adapter(base, FIXTURES / name)
