@@ -364,3 +364,19 @@ def test_a_rank_larger_than_a_weight_is_refused_naming_it():
     n = min(s["D"], s["G"] * s["K"])  # wk: [G K, D] as stored
     with pytest.raises(ConfigError, match=rf"r={n + 1} is larger than layers.attn.wk's weight"):
         lora.init(base, lora.LoraConfig(r=n + 1, alpha=8, targets=("k_proj",)), key=jr.key(0))
+
+
+def test_generate_takes_an_adapted_model():
+    """Issue 41: ``zoo.generate`` with an adapter, merged or not: an adapted model generates the
+    merged model's tokens (it was refused: not a CausalLM), streamed the same."""
+    from zoo.generate import generate, stream
+
+    model = lora.load_adapter(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), FIXTURES / "llama3_1-tiny-lora")
+    ids = jnp.arange(16).reshape(2, 8) % model.config.vocab_size
+    merged = generate(lora.merge(model), ids, max_new_tokens=6, eos_token_id=())
+    adapted = generate(model, ids, max_new_tokens=6, eos_token_id=())
+    np.testing.assert_array_equal(np.asarray(adapted.tokens), np.asarray(merged.tokens))
+    streamed = np.stack(list(stream(model, ids, max_new_tokens=6, eos_token_id=())), axis=1)
+    np.testing.assert_array_equal(streamed, np.asarray(merged.tokens))
+    base = generate(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), ids, max_new_tokens=6, eos_token_id=())
+    assert not np.array_equal(np.asarray(base.tokens), np.asarray(merged.tokens))  # the adapter changes them

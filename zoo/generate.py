@@ -29,8 +29,17 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.core.protocol import CausalLM
+from zoo.core.protocol import CausalLM, Mergeable
 from zoo.layers.kv_cache import KVCache, cached_attention  # noqa: F401  (re-exported)
+
+
+def _generating(model: object) -> CausalLM:
+    """The model that generates: ``model``, or an adapted one's weights merged once
+    (:class:`zoo.lora.LoraModel`'s ``merged()``: merging inside each decode step would repeat it)."""
+    if isinstance(model, Mergeable) and not isinstance(model, CausalLM):
+        model = model.merged()
+    _check_model(model)
+    return model
 
 
 def _check_model(model: object) -> None:
@@ -270,7 +279,7 @@ def _generate(model, input_ids, lengths, key, eos_ids, sampling: Sampling, pad_i
 
 
 def generate(
-    model: CausalLM,
+    model: CausalLM | Mergeable,
     input_ids: Int[Array, "B S"],
     lengths: Int[Array, " B"] | Sequence[int] | None = None,
     *,
@@ -290,9 +299,10 @@ def generate(
     see :func:`pad_prompts`). Sampling: see :func:`sample`; step ``i`` samples with
     ``jax.random.fold_in(key, i)``. A row stops after an ``eos_token_id`` (default: the
     model config's ``eos_token_id``; ``()`` never stops). Prompt plus new tokens must fit
-    ``config.max_position_embeddings``. ``cache_options`` go to ``model.init_cache``.
+    ``config.max_position_embeddings``. ``cache_options`` go to ``model.init_cache``. A model
+    with LoRA adapters (:class:`zoo.lora.LoraModel`) generates with them merged.
     """
-    _check_model(model)
+    model = _generating(model)
     options = _cache_options(model, cache_options)
     sampling = Sampling.of(temperature, top_k, top_p)
     lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens, pad_id)
@@ -323,7 +333,7 @@ def _kw(sampling: Sampling) -> dict[str, Array]:
 
 
 def stream(
-    model: CausalLM,
+    model: CausalLM | Mergeable,
     input_ids: Int[Array, "B S"],
     lengths: Int[Array, " B"] | Sequence[int] | None = None,
     *,
@@ -339,7 +349,7 @@ def stream(
     """:func:`generate`, one step at a time: yields each step's ``[B]`` tokens (``pad_id``
     for rows already stopped) as soon as they are sampled, the same tokens ``generate``
     returns. The first step is the prefill; each later one a compiled decode step."""
-    _check_model(model)
+    model = _generating(model)
     options = _cache_options(model, cache_options)
     sampling = Sampling.of(temperature, top_k, top_p)
     lengths, max_len = _plan(model, input_ids, lengths, max_new_tokens, pad_id)

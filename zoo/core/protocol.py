@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int
@@ -266,3 +266,11 @@ def options_or_default(model: CausalLM, options: Any) -> Any:
             f"fields: {[f.name for f in dataclasses.fields(cls)]}"
         )
     return options
+
+
+@runtime_checkable
+class Mergeable(Protocol):
+    """A model with adapters that fold into a family's model (:class:`zoo.lora.LoraModel`):
+    what generic code that runs a family's model (``zoo.generate``) takes as that model."""
+
+    def merged(self) -> CausalLM: ...

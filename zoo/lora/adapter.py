@@ -246,6 +246,10 @@ class LoraModel(eqx.Module):
     def unembedding(self) -> Float[Array, "V D"]:
         return self.adapted().unembedding()
 
+    def merged(self) -> CausalLM:
+        """The base model with the adapters folded in (:func:`merge`): what ``zoo.generate`` runs."""
+        return merge(self)
+
     def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> LoraModel:
         return eqx.tree_at(lambda m: m.base, self, self.base.after_step(metrics, options))
 
