@@ -26,6 +26,7 @@ GiB and the priced tokens/s, or the smallest peak when nothing fits.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -117,13 +118,17 @@ def measured(args: argparse.Namespace) -> list[str]:
          f"{available / GIB:.1f} GiB available to run steps in, a step that needs more is compiled only: nan). "
          "The peer is full fine-tuning, compiled (and run, where it fits) in the same invocation."),
         "",
-        "| run | run state GiB | XLA GiB | / full fine-tuning | planner GiB | planner vs XLA | s / step | / full fine-tuning |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ("| run | run state GiB | XLA GiB | / full fine-tuning | planner GiB | planner vs XLA | s / step | "
+         "/ full fine-tuning | / LoRA |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    full_time = rows[0][4]
+    full_time, lora_time = rows[0][4], rows[1][4]
     for name, xla, est, state, seconds in rows:
         lines.append(f"| {name} | {state / GIB:.2f} | {xla / GIB:.2f} | {xla / peer:.3f} | {est / GIB:.2f} | "
-                     f"{est / xla - 1:+.1%} | {seconds:.2f} | {seconds / full_time:.2f} |")  # fmt: skip
+                     f"{est / xla - 1:+.1%} | {seconds:.2f} | {seconds / full_time:.2f} | {seconds / lora_time:.2f} |")  # fmt: skip
+    if math.isnan(full_time) and args.time:
+        lines += ["", (f"Full fine-tuning's step needs {rows[0][1] / GIB:.1f} GiB, more than the {available / GIB:.1f} "
+                       "available: compiled, not run (the time peer of the QLoRA rows is LoRA).")]  # fmt: skip
     return lines
 
 

@@ -119,13 +119,15 @@ def test_a_model_with_bfloat16_parameters_plans():
 
 def test_a_lora_step_is_estimated_within_10_percent_of_xla():
     """An adapted model (``zoo.lora``) plans as its base does: optimizer state for the adapters
-    only, the step's peak within the tolerance of XLA:CPU's."""
+    only, the step's peak within the tolerance of XLA:CPU's. With a head of 32,768 rows, as
+    large as the layers (the frozen head and embedding were counted as copies behind their
+    ``stop_gradient``, and the step kept the frozen model's zero gradients: +21%)."""
     import jax.random as jr
 
     import zoo
     from zoo import lora
 
-    base = zoo.Llama(config("llama"), key=jr.key(0))
+    base = zoo.Llama(dataclasses.replace(config("llama"), vocab_size=32768), key=jr.key(0))
     model = lora.init(base, lora.LoraConfig(r=8, alpha=16, targets=("all-linear",)), key=jr.key(1))
     got = plan.measure(model, batch_size=4, seq_len=128, placement="remat", compiler_options=FAST)
     est = got.predicted

@@ -102,9 +102,10 @@ def _chunk_tokens(n: int, vocab: int, chunk_tokens: int | None) -> int:
     return max(1, min(c, n))
 
 
-def _nll_chunks(x, w, labels, weights, chunk: int, with_grads: bool):
+def _nll_chunks(x, w, labels, weights, chunk: int, with_grads: bool, head_grad: bool = True):
     """Sum of ``weights · nll`` over tokens, a chunk at a time; with ``with_grads`` also its
-    gradients with respect to ``x`` and ``w`` and the per-token nll."""
+    gradient with respect to ``x``, with respect to ``w`` where ``head_grad`` (else ``None``:
+    a frozen head, LoRA's), and the per-token nll."""
     n, d = x.shape
     pad = -n % chunk
     if pad:
@@ -128,18 +129,19 @@ def _nll_chunks(x, w, labels, weights, chunk: int, with_grads: bool):
         dlogits = (probs - jax.nn.one_hot(lc, w.shape[0], dtype=jnp.float32)) * wc[:, None]
         dlogits = dlogits.astype(x.dtype)
         dxc = jnp.einsum("cv,vd->cd", dlogits, w, preferred_element_type=jnp.float32).astype(x.dtype)
-        dw = dw + jnp.einsum("cv,cd->vd", dlogits, xc, preferred_element_type=jnp.float32)
+        if head_grad:
+            dw = dw + jnp.einsum("cv,cd->vd", dlogits, xc, preferred_element_type=jnp.float32)
         return (total, dw), (dxc, nll)
 
     def zeros(shape):  # a scan carry starts varying over the mesh axes it will vary over
         return varying_like(jnp.zeros(shape, jnp.float32), xs, ws, w)
 
-    carry = (zeros(()), zeros(w.shape) if with_grads else None)
+    carry = (zeros(()), zeros(w.shape) if with_grads and head_grad else None)
     (total, dw), per_chunk = jax.lax.scan(body, carry, (xs, ls, ws))
     if not with_grads:
         return total
     dx, nll = per_chunk
-    return total, dx.reshape(-1, d)[:n], dw.astype(w.dtype), nll.reshape(-1)[:n]
+    return total, dx.reshape(-1, d)[:n], None if dw is None else dw.astype(w.dtype), nll.reshape(-1)[:n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -148,7 +150,11 @@ def _weighted_nll_sum(x, w, labels, weights, chunk):
 
 
 def _weighted_nll_sum_fwd(x, w, labels, weights, chunk):
-    total, dx, dw, nll = _nll_chunks(x, w, labels, weights, chunk, with_grads=True)
+    # (symbolic zeros: each argument says whether it is differentiated; a frozen head's gradient,
+    # a [V, D] float32 sum, is then neither computed nor kept)
+    head_grad = w.perturbed
+    x, w, labels, weights = x.value, w.value, labels.value, weights.value
+    total, dx, dw, nll = _nll_chunks(x, w, labels, weights, chunk, with_grads=True, head_grad=head_grad)
     return total, (dx, dw, nll, w, weights)
 
 
@@ -157,11 +163,12 @@ def _weighted_nll_sum_bwd(chunk, residuals, g):
     dx = (g * dx.astype(jnp.float32)).astype(dx.dtype)
     # Inside the parallel step each device holds its tokens' share of the head's gradient;
     # the head itself is replicated over the batch axes, so its cotangent is their sum.
-    dw = sum_to_varying_of(g * dw.astype(jnp.float32), w).astype(dw.dtype)
+    if dw is not None:
+        dw = sum_to_varying_of(g * dw.astype(jnp.float32), w).astype(dw.dtype)
     return dx, dw, None, sum_to_varying_of(g * nll, weights)
 
 
-_weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
+_weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd, symbolic_zeros=True)
 
 
 def chunked_cross_entropy(

@@ -51,8 +51,10 @@ FUSIBLE = frozenset({
 })  # fmt: skip
 # Recomputed inside each consumer rather than stored (cheap to duplicate).
 DUPLICATED = frozenset({"iota", "broadcast_in_dim"})
-# Views of their first operand: no new buffer.
-VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "name", "reduce_precision", "copy", "copy_p", "pvary"})
+# Views of their first operand: no new buffer. (``stop_gradient`` lowers to nothing: a frozen
+# LoRA base's weights pass through it to the matmuls that read them.)
+VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "name", "reduce_precision", "copy", "copy_p", "pvary",
+                   "stop_gradient"})
 # A reduction's output is a fusion root: materialised.
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                         "reduce_xor", "argmax", "argmin"})  # fmt: skip

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
+import jax
 import optax
 
 from zoo import lora
-from zoo.core.params import Param, is_param, map_params
+from zoo.core.params import Param, is_param, map_params, path_name
 from zoo.core.registry import family_of
 
 
@@ -101,6 +102,14 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, max(cfg.warmup, 1), max(end, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
     )
+
+
+def trained(model: eqx.Module) -> eqx.Module:
+    """``True`` on each parameter the optimizer trains, ``False`` on every other leaf (frozen
+    parameters: a LoRA base, the router's correction bias; what is not a parameter): the filter
+    that splits the model into what is differentiated and what is not."""
+    specs = param_specs(model)
+    return jax.tree_util.tree_map_with_path(lambda at, x: is_param(x) and specs[path_name(at)].trainable, model)
 
 
 def optimizer(cfg: TrainConfig, model: eqx.Module) -> optax.GradientTransformation:

@@ -22,7 +22,7 @@ from zoo.layers import fp8, precision
 from zoo.loss import lm_loss
 from zoo.placement import memory_space, tree_placement
 from zoo.train.batch import as_batch
-from zoo.train.config import TrainConfig, learning_rate
+from zoo.train.config import TrainConfig, learning_rate, trained
 
 
 def loss_and_metrics(model: eqx.Module, input_ids: Int[Array, "B S"], *, cfg: TrainConfig, placement: Any = None,
@@ -84,7 +84,13 @@ def make_train_step(
         grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True, microbatches=cfg.microbatches,
                                           virtual_stages=cfg.virtual_stages, schedule=cfg.schedule)  # fmt: skip
     else:
-        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+        # Differentiated: the trained parameters only. A frozen one's gradient would be zeros
+        # carried through the accumulation and the update (a LoRA base's: the model's size).
+        split = trained(model)
+
+        def grad_fn(m, ids, **fields):
+            train, frozen = eqx.partition(m, split)
+            return eqx.filter_value_and_grad(lambda t: loss_fn(eqx.combine(t, frozen), ids, **fields), has_aux=True)(train)
 
     def step(params, opt_state, batch, index):
         if param_memory != "device":
@@ -116,9 +122,16 @@ def make_train_step(
         metrics = {k: (v if jnp.issubdtype(v.dtype, jnp.integer) else v / n) for k, v in metrics.items()}
         grads = jax.tree.map(lambda g: g / n, grads)
         # optax raises Python floats to int32 step counts, which strict promotion rejects.
+        floating = eqx.filter(params, eqx.is_inexact_array)
+        # The optimizer's tree has every parameter: a frozen one's gradient (never computed) is
+        # zero to it, and its update (zero) is not applied.
+        none = lambda x: x is None  # noqa: E731
+        everything = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None and p is not None else g, grads, floating,
+                                  is_leaf=none)  # fmt: skip
         with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = tx.update(grads, opt_state, eqx.filter(params, eqx.is_inexact_array))
+            updates, opt_state = tx.update(everything, opt_state, floating)
             lr = schedule(index)
+        updates = jax.tree.map(lambda g, u: None if g is None else u, grads, updates, is_leaf=none)
         params = eqx.apply_updates(params, updates)
         with stacks_in_stage_order(stages, cfg.virtual_stages):  # the run's stacks' layout
             params = run_state(eqx.combine(params, static).after_step(metrics, cfg.model_options))[0]
