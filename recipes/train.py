@@ -29,11 +29,13 @@ from zoo.cli import Help, positive
 from zoo.core import registry
 from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf.load import read_generation_config
-from zoo.lora import nf4
+from zoo.lora import int8, nf4, quantized
 from zoo.placement import PlacementError
 from zoo.plan import auto
 from zoo.train import setup
 from zoo.train.setup import FINE_TUNING, PRETRAINING
+
+QUANTIZED = {"nf4": nf4, "int8": int8}  # --qlora: the frozen base's formats (zoo.lora.quantized)
 
 MODELS = tuple(registry.model_types())
 
@@ -155,9 +157,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--save-adapter", default=None, metavar="DIR",
                    help="with --lora: also write the adapters here in PEFT's format (adapter_config.json, "
                         "adapter_model.safetensors)")  # fmt: skip
-    r.add_argument("--qlora", default=None, choices=["nf4"],
-                   help="with --lora: QLoRA, the frozen model's layer stacks stored in NF4 with double quantization "
-                        "(as bitsandbytes stores them), dequantized a layer at a time in the step")  # fmt: skip
+    r.add_argument("--qlora", default=None, choices=sorted(QUANTIZED),
+                   help="with --lora: QLoRA, the frozen model's layer stacks stored quantized as bitsandbytes stores "
+                        "them (nf4: 4-bit NormalFloat with double quantization; int8: row-wise absmax, LLM.int8), "
+                        "dequantized a layer at a time in the step")  # fmt: skip
     r.add_argument("--overwrite-hf", action="store_true",
                    help="--save-hf may replace what the directory holds (another run's export)")
     r.add_argument("--wandb", metavar="PROJECT", default=None,
@@ -271,10 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.lora is not None:  # the adapters on the built model; the same seed on a resume: the same tree
         if args.qlora:
             try:
-                full, model = nf4.nbytes(model), nf4.quantize_model(model)
+                full, model = quantized.nbytes(model), QUANTIZED[args.qlora].quantize_model(model)
             except ConfigError as e:
-                parser().error(f"--qlora nf4: {e}")
-            print(f"QLoRA: the layer stacks in NF4, the model {nf4.nbytes(model) / 2**20:,.1f} MiB "
+                parser().error(f"--qlora {args.qlora}: {e}")
+            print(f"QLoRA: the layer stacks in {args.qlora}, the model {quantized.nbytes(model) / 2**20:,.1f} MiB "
                   f"(from {full / 2**20:,.1f})", flush=True)  # fmt: skip
         try:
             model = lora.init(model, args.lora, key=jr.fold_in(jr.key(args.seed), 41))

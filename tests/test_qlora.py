@@ -17,9 +17,11 @@ from conftest import FIXTURES
 import zoo
 from zoo import lora
 from zoo.errors import ConfigError
-from zoo.lora import nf4
+from zoo.lora import int8, nf4
+from zoo.lora.quantized import QuantizedWeight
 
 BNB = np.load(FIXTURES / "nf4" / "bitsandbytes.npz")
+BNB_INT8 = np.load(FIXTURES / "int8" / "bitsandbytes.npz")
 WEIGHTS = range(3)
 
 
@@ -33,6 +35,17 @@ def test_dequantization_is_bitsandbytes_bit_for_bit(i):
     """bitsandbytes' quantized weight dequantized here: its float32 values exactly."""
     out = nf4.dequantize(*(jnp.asarray(BNB[k]) for k in (f"packed{i}", f"absmax{i}", f"absmax2_{i}", f"offset{i}")))
     np.testing.assert_array_equal(np.asarray(out).reshape(BNB[f"w{i}"].shape), BNB[f"out{i}"])
+
+
+@pytest.mark.parametrize("i", WEIGHTS)
+def test_int8_is_bitsandbytes_bit_for_bit(i):
+    """Row-wise int8 (LLM.int8's weights): bitsandbytes' codes and row absmax from the same
+    float32 weight (ties rounded to even, weight 2's last row), and its dequantized values."""
+    q = int8.quantize(BNB_INT8[f"w{i}"])
+    np.testing.assert_array_equal(q["codes"], BNB_INT8[f"codes{i}"])
+    np.testing.assert_array_equal(q["stats"], BNB_INT8[f"stats{i}"])
+    out = int8.dequantize(jnp.asarray(BNB_INT8[f"codes{i}"]), jnp.asarray(BNB_INT8[f"stats{i}"]))
+    np.testing.assert_array_equal(np.asarray(out).reshape(BNB_INT8[f"w{i}"].shape), BNB_INT8[f"out{i}"])
 
 
 @pytest.mark.parametrize("i", WEIGHTS)
@@ -59,20 +72,22 @@ def test_a_weight_not_in_whole_blocks_is_refused():
         nf4.quantize(np.zeros((3, 7), np.float32), "layers.attn.wq")
 
 
-@pytest.mark.parametrize("name", ["llama3_1-tiny", "qwen3_moe-tiny", "deepseek_v3-tiny"])
-def test_lora_on_an_nf4_base_is_lora_on_its_dequantized_weights(name):
-    """Every linear weight of the layer stacks in NF4 (about a quarter of float32's bytes with
-    its scales): the model runs its dequantized weights, a layer at a time; LoRA on it has the
-    loss and adapter gradients of LoRA on those weights, and merges into the same checkpoint."""
+@pytest.mark.parametrize("name, fmt", [("llama3_1-tiny", nf4), ("qwen3_moe-tiny", nf4), ("deepseek_v3-tiny", nf4),
+                                       ("llama3_1-tiny", int8), ("deepseek_v3-tiny", int8)])  # fmt: skip
+def test_lora_on_a_quantized_base_is_lora_on_its_dequantized_weights(name, fmt):
+    """Every linear weight of the layer stacks in NF4 or int8 (about a quarter of float32's
+    bytes with their scales, NF4 a little less at real sizes): the model runs its dequantized
+    weights, a layer at a time; LoRA on it has the loss and adapter gradients of LoRA on those
+    weights, and merges into the same checkpoint."""
     base = zoo.from_pretrained(FIXTURES / name)
-    quantized = nf4.quantize_model(base)
-    plain = nf4.dequantized(quantized)
+    quantized = fmt.quantize_model(base)
+    plain = fmt.dequantized(quantized)
     ids = jnp.arange(32).reshape(2, 16) % base.config.vocab_size
     np.testing.assert_allclose(np.asarray(quantized(ids)), np.asarray(plain(ids)), atol=1e-5, rtol=0)
-    assert float(jnp.abs(quantized(ids) - base(ids)).max()) > 1e-2  # NF4 changed the weights
-    stacks = [x for x in jax.tree.leaves(quantized, is_leaf=lambda x: isinstance(x, nf4.NF4Weight))
-              if isinstance(x, nf4.NF4Weight)]  # fmt: skip
-    assert stacks and nf4.nbytes(stacks) < 0.3 * sum(x.stacked_value().nbytes for x in stacks)
+    assert float(jnp.abs(quantized(ids) - base(ids)).max()) > 1e-2  # quantizing changed the weights
+    held = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    stacks = [x for x in jax.tree.leaves(quantized, is_leaf=held) if held(x)]
+    assert stacks and fmt.nbytes(stacks) < 0.3 * sum(x.stacked_value().nbytes for x in stacks)
 
     model = lora.init(quantized, lora.LoraConfig(r=4, alpha=8, targets=("all-linear",)), key=jr.key(1))
     model = eqx.tree_at(lambda m: m.adapters, model, jax.tree.map(lambda x: x + 0.01, model.adapters))  # B != 0
@@ -141,9 +156,10 @@ def _train_recipe():
     return module
 
 
-def test_recipe_qlora_nf4_trains_adapters_on_the_quantized_checkpoint(tmp_path, capsys):
-    """`recipes/train.py --checkpoint DIR --lora r=8,alpha=16 --qlora nf4`: the held-out loss
-    falls; the saved adapters on the checkpoint's NF4 weights (quantized again, as the run did)
+@pytest.mark.parametrize("fmt", [nf4, int8], ids=["nf4", "int8"])
+def test_recipe_qlora_trains_adapters_on_the_quantized_checkpoint(tmp_path, capsys, fmt):
+    """`recipes/train.py --checkpoint DIR --lora r=8,alpha=16 --qlora nf4|int8`: the held-out loss
+    falls; the saved adapters on the checkpoint's quantized weights (quantized again, as the run did)
     are the merged export (`--save-hf`: the dequantized weights plus the adapters);
     `--qlora` without `--lora` is refused naming both flags."""
     records = [{"text": (nf4.__doc__ or "") + f" {i}"} for i in range(40)]
@@ -153,13 +169,14 @@ def test_recipe_qlora_nf4_trains_adapters_on_the_quantized_checkpoint(tmp_path, 
     recipe = _train_recipe()
     flags = ["--checkpoint", str(tiny), "--data", str(data), "--data-cache", str(tmp_path / "c"), "--steps", "20",
              "--batch-size", "4", "--seq-len", "64", "--eval-every", "20", "--lr", "3e-3", "--peak-tflops", "1"]  # fmt: skip
-    recipe.main([*flags, "--run-dir", str(tmp_path / "run"), "--lora", "r=8,alpha=16", "--qlora", "nf4",
+    name = fmt.__name__.rsplit(".", 1)[1]
+    recipe.main([*flags, "--run-dir", str(tmp_path / "run"), "--lora", "r=8,alpha=16", "--qlora", name,
                  "--save-adapter", str(tmp_path / "adapter"), "--save-hf", str(tmp_path / "merged")])  # fmt: skip
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert vals[-1] < vals[0] - 0.1, vals
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["quantized_base"] == "nf4"
-    adapted = lora.load_adapter(nf4.quantize_model(zoo.from_pretrained(tiny)), tmp_path / "adapter")
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["quantized_base"] == name
+    adapted = lora.load_adapter(fmt.quantize_model(zoo.from_pretrained(tiny)), tmp_path / "adapter")
     ids = jnp.arange(32).reshape(2, 16) % adapted.config.vocab_size
     merged = zoo.from_pretrained(tmp_path / "merged")
     np.testing.assert_allclose(np.asarray(merged(ids)), np.asarray(adapted(ids)), atol=1e-5, rtol=0)

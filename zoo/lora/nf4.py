@@ -1,5 +1,5 @@
-"""QLoRA's frozen base: linear weights stored in NF4 with double quantization, as bitsandbytes
-stores them, and dequantized a layer at a time inside the layer scan.
+"""QLoRA's frozen base in NF4 with double quantization, as bitsandbytes stores it
+(:mod:`zoo.lora.quantized`: dequantized a layer at a time inside the layer scan).
 
 NF4 (QLoRA, Dettmers et al. 2023): each block of ``BLOCK`` (64) consecutive values of a stored
 ``[out, in]`` matrix (row-major, as ``nn.Linear`` holds it) is scaled by its absolute maximum
@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Float32, UInt8
+from jaxtyping import Array, Float32, UInt8
 
-from zoo.core.layout import is_layer_stack
-from zoo.core.params import Deferred, Param, map_params
+from zoo.core.params import Param
 from zoo.core.protocol import CausalLM
-from zoo.core.registry import family_of
 from zoo.errors import ConfigError
-from zoo.lora.adapter import linear_weights
+from zoo.lora.quantized import QuantizedWeight, dequantized, formats, nbytes, quantize_stacks
+
+__all__ = ["BLOCK", "NF4", "STATS_BLOCK", "NF4Weight", "dequantize", "dequantized", "dynamic_map", "is_quantized",
+           "nbytes", "quantize", "quantize_model"]  # fmt: skip
 
 BLOCK = 64  # values per absmax (bitsandbytes' blocksize for 4-bit)
 STATS_BLOCK = 256  # absmax per second-level absmax (bitsandbytes' double quantization)
@@ -103,11 +104,10 @@ def dequantize(packed: UInt8[Array, "*S n"], absmax: UInt8[Array, "*S b"], absma
     return values.reshape(*lead, -1)
 
 
-class NF4Weight(Deferred):
+class NF4Weight(QuantizedWeight):
     """A layer stack's linear weight stored in NF4 (one quantized matrix per stacked index, in
     its checkpoint's ``[out, in]`` layout), dequantized where the layer scan reads a layer of it
-    (:class:`zoo.core.params.Deferred`) into the family's layout and ``dtype``. Frozen: nothing
-    in it is trained."""
+    into the family's layout and ``dtype``. Frozen: nothing in it is trained."""
 
     packed: UInt8[Array, "*S n"]
     absmax: UInt8[Array, "*S b"]
@@ -116,79 +116,28 @@ class NF4Weight(Deferred):
     param: Param = eqx.field(static=True)
     sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
+    format: ClassVar[str] = "nf4"
 
-    def value(self) -> Float[Array, "*dims"]:
-        """One layer's weight (the layer axis gone; any view's leading axes kept)."""
-        q = jax.lax.stop_gradient(self)
-        flat = dequantize(q.packed, q.absmax, q.absmax2, q.offset)
-        sizes, p = dict(self.sizes), self.param
-        names = p.names[1:]
-        stacked = [a for a in p.stacked if a in names]
-        order = stacked + [a for g in p.hf_groups() for a in g]
-        lead = flat.shape[: flat.ndim - 1 - len(stacked)]
-        w = flat.reshape(*lead, *(sizes[a] for a in order))
-        w = w.transpose([*range(len(lead)), *(len(lead) + order.index(a) for a in names)])
-        return w.astype(self.dtype)
+    def stored_values(self) -> Float32[Array, "*S v"]:
+        return dequantize(self.packed, self.absmax, self.absmax2, self.offset)
 
-    def field_params(self) -> dict[str, Param]:
-        """Frozen, and not in checkpoints (a quantized base is made from one: :func:`quantize_model`)."""
-        s = " ".join(self.param.stacked)
-        letters = {"packed": "n", "absmax": "b", "absmax2": "c", "offset": ""}
-        return {k: Param(axes=f"{s} {x}".strip(), hf=None, init="zeros", trainable=False) for k, x in letters.items()}
+
+def _shapes(out_in: tuple[int, int], what: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    """The shapes of one ``[out, in]`` matrix's codes and scales."""
+    size = math.prod(out_in)
+    if size % BLOCK:
+        raise ConfigError(f"NF4: {what} has {size} values a matrix, not a multiple of the block of {BLOCK}")
+    n = size // BLOCK
+    return {"packed": ((size // 2,), jnp.uint8), "absmax": ((n,), jnp.uint8),
+            "absmax2": ((-(-n // STATS_BLOCK),), jnp.float32), "offset": ((), jnp.float32)}  # fmt: skip
 
 
 def quantize_model(model: CausalLM) -> CausalLM:
-    """``model`` with every linear weight of its layer stacks (those a LoRA target may name:
-    :func:`zoo.lora.linear_weights`) in NF4 (:class:`NF4Weight`); the embedding, the head, norms,
-    routers and weights outside the stacks as they were. An abstract model's (its arrays
-    ``jax.ShapeDtypeStruct``, as the planner holds one) gets the shapes of its codes."""
-    specs = family_of(model).param_specs(model.config)
-    sizes = tuple(sorted(model.config.sizes.items()))
-    targets = {path for path, p in linear_weights(specs).items() if is_layer_stack(p)}
-
-    def leaf(path: str, w):
-        if path not in targets:
-            return w
-        p = specs[path]
-        stacked_shape = w.shape[: len(p.stacked)]
-        if isinstance(w, jax.ShapeDtypeStruct):
-            return jax.eval_shape(lambda: _zeros(p, stacked_shape, math.prod(w.shape) // math.prod(stacked_shape),
-                                                 sizes, str(w.dtype), path))  # fmt: skip
-        per = [quantize(np.asarray(w[idx]).transpose(_to_hf(p)), f"{path}[{idx}]") for idx in np.ndindex(*stacked_shape)]
-        arrays = {k: np.stack([q[k] for q in per]).reshape(*stacked_shape, *np.shape(per[0][k])) for k in per[0]}
-        return NF4Weight(**{k: jnp.asarray(v) for k, v in arrays.items()}, param=p, sizes=sizes, dtype=str(w.dtype))
-
-    return map_params(leaf, model)
-
-
-def _zeros(p: Param, stacked: tuple[int, ...], size: int, sizes: tuple, dtype: str, path: str) -> NF4Weight:
-    """An NF4 weight of zeros: ``stacked`` matrices of ``size`` values (the shapes of its codes)."""
-    if size % BLOCK:
-        raise ConfigError(f"NF4: {path} has {size} values a matrix, not a multiple of the block of {BLOCK}")
-    n = size // BLOCK
-    shapes = {"packed": (size // 2,), "absmax": (n,), "absmax2": (-(-n // STATS_BLOCK),), "offset": ()}
-    arrays = {k: jnp.zeros((*stacked, *s), jnp.uint8 if k in ("packed", "absmax") else jnp.float32) for k, s in shapes.items()}
-    return NF4Weight(**arrays, param=p, sizes=sizes, dtype=dtype)
-
-
-def _to_hf(p: Param) -> list[int]:
-    """The transposition of one stored matrix from the family's layout (stacked axes gone) to
-    its checkpoint's letters' order (then reshaped: ``[out, in]``)."""
-    inner = [a for a in p.names if a not in p.stacked]
-    return [inner.index(a) for g in p.hf_groups() for a in g]
+    """``model`` with every linear weight of its layer stacks in NF4 (:class:`NF4Weight`):
+    :func:`zoo.lora.quantized.quantize_stacks`."""
+    return quantize_stacks(model, quantize, _shapes, NF4Weight)
 
 
 def is_quantized(model: object) -> bool:
     """Whether ``model`` (or an adapted model's base) holds NF4 weights."""
-    return any(isinstance(x, NF4Weight) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, NF4Weight)))
-
-
-def dequantized(model: CausalLM) -> CausalLM:
-    """``model`` with its NF4 weights dequantized (a plain model of the family)."""
-    return jax.tree.map(lambda x: x.stacked_value() if isinstance(x, NF4Weight) else x, model,
-                        is_leaf=lambda x: isinstance(x, NF4Weight))  # fmt: skip
-
-
-def nbytes(tree: object) -> int:
-    """Bytes of a tree's arrays (a quantized model's: its codes and scales)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+    return "nf4" in formats(model)

@@ -21,7 +21,7 @@ import numpy as np
 from zoo import lora
 from zoo.errors import ConfigError
 from zoo.hardware import HARDWARE, for_device
-from zoo.lora import nf4
+from zoo.lora import quantized
 from zoo.placement import resolve
 
 
@@ -123,8 +123,8 @@ def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memor
     else:
         where = resolve(placement, model).spec()
     extra = {"lora": dataclasses.asdict(adapted.lora)} if isinstance(adapted, lora.LoraModel) else {}
-    if nf4.is_quantized(model):  # QLoRA: the base's layer stacks in NF4 (a resume must quantize it too)
-        extra["quantized_base"] = "nf4"
+    if fmts := quantized.formats(model):  # QLoRA: the base's layer stacks in NF4 or int8 (a resume must match)
+        extra["quantized_base"] = ",".join(sorted(fmts))
     return {
         **extra,
         "model": type(model).__name__,

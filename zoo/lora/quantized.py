@@ -1,0 +1,123 @@
+"""QLoRA's frozen base: the layer stacks' linear weights stored quantized, one stored matrix
+per stacked index in its checkpoint's ``[out, in]`` layout, dequantized a layer at a time where
+the layer scan reads them (:class:`zoo.core.params.Deferred`). The formats:
+:mod:`zoo.lora.nf4` (NF4 with double quantization, as bitsandbytes' 4-bit) and
+:mod:`zoo.lora.int8` (row-wise absmax int8, as bitsandbytes' LLM.int8).
+
+Dimension letters: ``S`` a weight's stacked axes (layers, experts), ``v`` its stored values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Float32
+
+from zoo.core.layout import is_layer_stack
+from zoo.core.params import Deferred, Param, map_params
+from zoo.core.protocol import CausalLM
+from zoo.core.registry import family_of
+from zoo.lora.adapter import linear_weights
+
+
+class QuantizedWeight(Deferred):
+    """A layer stack's frozen linear weight in a quantized format: its arrays (codes and
+    scales, stacked as the weight is) and what lays the dequantized values out as the family
+    holds the weight. A format implements :meth:`stored_values`."""
+
+    param: eqx.AbstractVar[Param]
+    sizes: eqx.AbstractVar[tuple[tuple[str, int], ...]]
+    dtype: eqx.AbstractVar[str]
+    format: ClassVar[str]
+
+    def stored_values(self) -> Float32[Array, "*S v"]:
+        """The dequantized values of each stored matrix, row-major, stacked axes first."""
+        raise NotImplementedError
+
+    def value(self) -> Float[Array, "*dims"]:
+        """One layer's weight (the layer axis gone; any view's leading axes kept)."""
+        flat = jax.lax.stop_gradient(self).stored_values()
+        sizes, p = dict(self.sizes), self.param
+        names = p.names[1:]
+        stacked = [a for a in p.stacked if a in names]
+        order = stacked + [a for g in p.hf_groups() for a in g]
+        lead = flat.shape[: flat.ndim - 1 - len(stacked)]
+        w = flat.reshape(*lead, *(sizes[a] for a in order))
+        w = w.transpose([*range(len(lead)), *(len(lead) + order.index(a) for a in names)])
+        return w.astype(self.dtype)
+
+    def field_params(self) -> dict[str, Param]:
+        """Frozen, and not in checkpoints (a quantized base is made from one)."""
+        s, out = " ".join(self.param.stacked), {}
+        for f in (f.name for f in dataclasses.fields(self) if not f.metadata.get("static")):
+            inner = max(np.ndim(getattr(self, f)) - len(self.param.stacked), 0)  # (a planner's skeleton: scalars)
+            out[f] = Param(axes=" ".join([s, *(f"{f}{i}" for i in range(inner))]).strip(), hf=None, init="zeros",
+                           trainable=False)  # fmt: skip
+        return out
+
+
+# A format: (quantize one stored matrix [out, in] -> its arrays, the arrays' shapes and dtypes
+# for one of [out, in], and its weight class).
+Quantize = Callable[[np.ndarray, str], dict[str, np.ndarray]]
+Shapes = Callable[[tuple[int, int], str], dict[str, tuple[tuple[int, ...], object]]]
+
+
+def quantize_stacks(model: CausalLM, quantize: Quantize, shapes: Shapes, weight: type[QuantizedWeight]) -> CausalLM:
+    """``model`` with every linear weight of its layer stacks (those a LoRA target may name:
+    :func:`zoo.lora.linear_weights`) quantized, a stored matrix at a time; the embedding, the
+    head, norms, routers and weights outside the stacks as they were. An abstract model's (its
+    arrays ``jax.ShapeDtypeStruct``, as the planner holds one) gets the shapes of its codes."""
+    specs = family_of(model).param_specs(model.config)
+    sizes = tuple(sorted(model.config.sizes.items()))
+    targets = {path for path, p in linear_weights(specs).items() if is_layer_stack(p)}
+
+    def leaf(path: str, w):
+        if path not in targets:
+            return w
+        p = specs[path]
+        stacked = w.shape[: len(p.stacked)]
+        out_in = p.hf_shape(dict(sizes))
+        static = {"param": p, "sizes": sizes, "dtype": str(w.dtype)}
+        if isinstance(w, jax.ShapeDtypeStruct):
+            fields = shapes(out_in, path)
+            return jax.eval_shape(lambda: weight(**{k: jnp.zeros((*stacked, *s), d) for k, (s, d) in fields.items()}, **static))
+        per = [quantize(np.asarray(w[idx]).transpose(_to_hf(p)).reshape(out_in), f"{path}[{idx}]")
+               for idx in np.ndindex(*stacked)]  # fmt: skip
+        arrays = {k: np.stack([q[k] for q in per]).reshape(*stacked, *np.shape(per[0][k])) for k in per[0]}
+        return weight(**{k: jnp.asarray(v) for k, v in arrays.items()}, **static)
+
+    return map_params(leaf, model)
+
+
+def _to_hf(p: Param) -> list[int]:
+    """The transposition of one stored matrix from the family's layout (stacked axes gone) to
+    its checkpoint's letters' order (then reshaped: ``[out, in]``)."""
+    inner = [a for a in p.names if a not in p.stacked]
+    return [inner.index(a) for g in p.hf_groups() for a in g]
+
+
+def _quantized(x: object) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def formats(model: object) -> set[str]:
+    """The quantized formats ``model`` (or an adapted model's base) holds weights in."""
+    return {x.format for x in jax.tree.leaves(model, is_leaf=_quantized) if _quantized(x)}
+
+
+def dequantized(model: CausalLM) -> CausalLM:
+    """``model`` with its quantized weights dequantized (a plain model of the family)."""
+    return jax.tree.map(lambda x: x.stacked_value() if _quantized(x) else x, model, is_leaf=_quantized)
+
+
+def nbytes(tree: object) -> int:
+    """Bytes of a tree's arrays (a quantized model's: its codes and scales)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
