@@ -17,12 +17,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float32, Int8
 
-from zoo.core.params import Param
 from zoo.core.protocol import CausalLM
 from zoo.lora.quantized import QuantizedWeight, dequantized, nbytes, quantize_stacks
 
@@ -57,9 +55,6 @@ class Int8Weight(QuantizedWeight):
 
     codes: Int8[Array, "*S o i"]
     stats: Float32[Array, "*S o"]
-    param: Param = eqx.field(static=True)
-    sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)
-    dtype: str = eqx.field(static=True)
     format: ClassVar[str] = "int8"
 
     def stored_values(self) -> Float32[Array, "*S v"]:

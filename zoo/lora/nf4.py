@@ -22,12 +22,10 @@ import functools
 import math
 from typing import ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float32, UInt8
 
-from zoo.core.params import Param
 from zoo.core.protocol import CausalLM
 from zoo.errors import ConfigError
 from zoo.lora.quantized import QuantizedWeight, dequantized, formats, nbytes, quantize_stacks
@@ -113,9 +111,6 @@ class NF4Weight(QuantizedWeight):
     absmax: UInt8[Array, "*S b"]
     absmax2: Float32[Array, "*S c"]
     offset: Float32[Array, "*S"]
-    param: Param = eqx.field(static=True)
-    sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)
-    dtype: str = eqx.field(static=True)
     format: ClassVar[str] = "nf4"
 
     def stored_values(self) -> Float32[Array, "*S v"]:

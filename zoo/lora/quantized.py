@@ -32,9 +32,9 @@ class QuantizedWeight(Deferred):
     scales, stacked as the weight is) and what lays the dequantized values out as the family
     holds the weight. A format implements :meth:`stored_values`."""
 
-    param: eqx.AbstractVar[Param]
-    sizes: eqx.AbstractVar[tuple[tuple[str, int], ...]]
-    dtype: eqx.AbstractVar[str]
+    param: Param = eqx.field(static=True)  # the weight's description (its layout and checkpoint letters)
+    sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)  # the config's dimension sizes
+    dtype: str = eqx.field(static=True)  # the weight's dtype, dequantized
     format: ClassVar[str]
 
     def stored_values(self) -> Float32[Array, "*S v"]:
