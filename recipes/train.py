@@ -251,27 +251,11 @@ def main(argv: list[str] | None = None) -> None:
                           virtual_stages=args.virtual_stages, precision=args.precision)  # fmt: skip
     except (CheckpointError, ConfigError) as e:
         parser().error(str(e))
-    if args.placement == "auto":
-        try:
-            result = auto.plan_placement(model, mesh, seq_len=args.seq_len, batch_size=args.batch_size,
-                                         virtual_stages=args.virtual_stages, hardware=args.hardware,
-                                         device_budget_gib=args.device_budget_gib)  # fmt: skip
-        except (ConfigError, MeshError) as e:
-            parser().error(f"--placement auto: {e}")
-        args.placement, args.param_memory, args.opt_memory = result.placement, result.param_memory, result.opt_memory
-    try:
-        data = setup.load_training_data(args.data, model.config.vocab_size, checkpoint=args.checkpoint,
-                                        seq_len=args.seq_len, text_field=args.text_field,
-                                        data_format=args.data_format, cache_dir=args.data_cache)  # fmt: skip
-    except ConfigError as e:
-        parser().error(str(e))
-    cfg = setup.train_config(args, model)
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else ztrain.matmul_peak_flops(dtype[args.compute_dtype])
-    print(setup.describe(model, args.checkpoint_id or args.checkpoint or args.preset, data, peak), flush=True)
-    if cycled := setup.epochs(data, cfg):  # a small set is repeated: said, with how often
-        print(cycled, flush=True)
-    setup.copy_tokenizer(args.checkpoint, args.run_dir)  # eval.py and generate.py on the run dir tokenize as training did
     if args.lora is not None:  # the adapters on the built model; the same seed on a resume: the same tree
+        try:  # before quantizing: what LoRA cannot run on (a mesh), named
+            lora.check_trainable(lora.LoraModel(base=model, adapters={}, lora=args.lora), mesh=mesh)
+        except ConfigError as e:
+            parser().error(f"--lora: {e}")
         if args.qlora:
             try:
                 full, model = quantized.nbytes(model), QUANTIZED[args.qlora].quantize_model(model)
@@ -286,6 +270,27 @@ def main(argv: list[str] | None = None) -> None:
         n = sum(x.size for x in jax.tree.leaves(model.adapters))
         print(f"LoRA: r={args.lora.r} alpha={args.lora.alpha:g} scale={args.lora.scale:g} on {len(model.adapters)} "
               f"weights ({', '.join(model.adapters)}): {n:,} trainable parameters", flush=True)  # fmt: skip
+    if args.placement == "auto":
+        try:
+            result = auto.plan_placement(model, mesh, seq_len=args.seq_len, batch_size=args.batch_size,
+                                         virtual_stages=args.virtual_stages, hardware=args.hardware,
+                                         device_budget_gib=args.device_budget_gib)  # fmt: skip
+        except (ConfigError, MeshError) as e:
+            parser().error(f"--placement auto: {e}")
+        args.placement, args.param_memory, args.opt_memory = result.placement, result.param_memory, result.opt_memory
+    try:
+        data = setup.load_training_data(args.data, model.config.vocab_size, checkpoint=args.checkpoint,
+                                        seq_len=args.seq_len, text_field=args.text_field,
+                                        data_format=args.data_format, cache_dir=args.data_cache)  # fmt: skip
+    except ConfigError as e:
+        parser().error(str(e))
+    cfg = setup.train_config(args, lora.base_model(model))
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else ztrain.matmul_peak_flops(dtype[args.compute_dtype])
+    name = args.checkpoint_id or args.checkpoint or args.preset
+    print(setup.describe(lora.base_model(model), name, data, peak), flush=True)
+    if cycled := setup.epochs(data, cfg):  # a small set is repeated: said, with how often
+        print(cycled, flush=True)
+    setup.copy_tokenizer(args.checkpoint, args.run_dir)  # eval.py and generate.py on the run dir tokenize as training did
     try:
         model, history = ztrain.train(
             model, data, cfg, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite,

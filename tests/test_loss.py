@@ -57,6 +57,21 @@ def test_chunked_loss_in_bfloat16_computes_float32_logits():
     assert g.dtype == jnp.bfloat16
 
 
+def test_a_frozen_head_gets_no_gradient_and_x_the_plain_one():
+    """A head the loss is not differentiated by (LoRA's frozen head): ``x``'s gradient is the
+    plain loss's, and the traced gradient pass holds no [V, D] float32 sum (it was computed and
+    dropped)."""
+    x, w, labels, mask = _problem()
+
+    def frozen(x):
+        return chunked_cross_entropy(x, jax.lax.stop_gradient(w), labels, mask, chunk_tokens=8)
+
+    want = jax.grad(lambda x: cross_entropy(unembed(x, w), labels, mask))(x)
+    np.testing.assert_allclose(np.asarray(jax.grad(frozen)(x)), np.asarray(want), rtol=1e-6, atol=1e-7)
+    text = str(jax.make_jaxpr(jax.grad(frozen))(x))
+    assert f"f32[{w.shape[0]},{w.shape[1]}] = broadcast_in_dim" not in text  # the sum's zeros: none
+
+
 def test_the_gradient_pass_never_holds_the_full_logits():
     """128 tokens and a 4096 vocabulary: the plain loss's temporaries hold [128, 4096] float32
     logits and their gradient (2 MiB each); the chunked loss one 16-token chunk's."""

@@ -16,7 +16,7 @@ from conftest import FIXTURES
 
 import zoo
 from zoo import lora
-from zoo.errors import ConfigError
+from zoo.errors import CheckpointError, ConfigError
 from zoo.lora import int8, nf4
 from zoo.lora.quantized import QuantizedWeight
 
@@ -143,8 +143,11 @@ def test_zoo_train_trains_lora_on_an_nf4_base_as_on_its_dequantized_weights(tmp_
     state = ztrain.optimizer(cfg, full).init(eqx.filter(run_state(full)[0], eqx.is_inexact_array))
     moments = [x for x in jax.tree.leaves(state) if eqx.is_inexact_array(x) and x.ndim > 0]
     assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(full.adapters))
-    with pytest.raises(ConfigError, match=r"NF4 weights.*zoo\.lora\.init"):
+    with pytest.raises(ConfigError, match=r"quantized weights.*zoo\.lora\.init"):
         ztrain.train(quantized, corpus, cfg)
+    with pytest.raises(CheckpointError, match="base.layers.attn.wq"):  # resumed without the run's quantization
+        ztrain.train(lora.init(nf4.dequantized(quantized), config, key=jr.key(1)), corpus, cfg, run_dir=tmp_path / "b",
+                     resume=True)  # fmt: skip
 
 
 def _train_recipe():

@@ -160,6 +160,8 @@ def _weighted_nll_sum_fwd(x, w, labels, weights, chunk):
 
 def _weighted_nll_sum_bwd(chunk, residuals, g):
     dx, dw, nll, w, weights = residuals
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):  # (symbolic zeros: the loss not differentiated)
+        g = jnp.zeros(g.aval.shape, g.aval.dtype)
     dx = (g * dx.astype(jnp.float32)).astype(dx.dtype)
     # Inside the parallel step each device holds its tokens' share of the head's gradient;
     # the head itself is replicated over the batch axes, so its cotangent is their sum.

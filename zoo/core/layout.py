@@ -204,7 +204,7 @@ def _resized(model_or_tree: PyTree, sizes_of: Callable[[Any], Mapping[str, int]]
             return m
         specs, sizes = model_specs(m), sizes_of(m)
 
-        def leaf(at, x):  # a Deferred weight (an NF4 base's codes) kept whole: it is one device's
+        def leaf(at, x):  # a Deferred weight (a quantized base's codes) kept whole: it is one device's
             if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
                 return _resize(x, specs[path_name(at)].shape(sizes))
             return x

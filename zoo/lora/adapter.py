@@ -334,15 +334,18 @@ def trainable_labels(model: LoraModel) -> LoraModel:
 
 
 def check_trainable(model: Any, *, mesh: Any = None) -> None:
-    """Refuse what zoo.train cannot honour yet: a model with NF4 weights but no adapters
+    """Refuse what zoo.train cannot honour yet: a model with quantized weights but no adapters
     (its base is frozen: only adapters train on it), LoRA dropout (the adapters are merged into
     the weights, so there is no adapter input of its own to drop), and a mesh (what the adapters
     are not yet laid out for). A placement map places the base model's named tensors; host memory
-    holds the whole tree (base, NF4 codes too, adapters and their moments) between steps."""
+    holds the whole tree (base, quantized codes too, adapters and their moments) between steps."""
+    if isinstance(model, LoraConfig):  # its first argument was the config until 2026-12-05
+        raise TypeError("zoo.lora.check_trainable takes the model (a LoraModel, or a model without adapters), "
+                        "not its LoraConfig")  # fmt: skip
     if not isinstance(model, LoraModel):
         if any(is_deferred(x) for x in jax.tree.leaves(model, is_leaf=is_deferred)):
-            raise ConfigError("the model holds NF4 weights (zoo.lora.nf4.quantize_model), which are frozen: train LoRA "
-                              "adapters on it (zoo.lora.init), or train zoo.lora.nf4.dequantized(model)")  # fmt: skip
+            raise ConfigError("the model holds quantized weights (zoo.lora.nf4 / zoo.lora.int8), which are frozen: "
+                              "train LoRA adapters on it (zoo.lora.init), or train zoo.lora.quantized.dequantized(model)")  # fmt: skip
         return
     config = model.lora
     if config.dropout:

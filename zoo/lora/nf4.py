@@ -28,10 +28,10 @@ from jaxtyping import Array, Float32, UInt8
 
 from zoo.core.protocol import CausalLM
 from zoo.errors import ConfigError
-from zoo.lora.quantized import QuantizedWeight, dequantized, formats, nbytes, quantize_stacks
+from zoo.lora.quantized import QuantizedWeight, dequantized, nbytes, quantize_stacks
 
-__all__ = ["BLOCK", "NF4", "STATS_BLOCK", "NF4Weight", "dequantize", "dequantized", "dynamic_map", "is_quantized",
-           "nbytes", "quantize", "quantize_model"]  # fmt: skip
+__all__ = ["BLOCK", "NF4", "STATS_BLOCK", "NF4Weight", "dequantize", "dequantized", "dynamic_map", "nbytes",
+           "quantize", "quantize_model"]  # fmt: skip
 
 BLOCK = 64  # values per absmax (bitsandbytes' blocksize for 4-bit)
 STATS_BLOCK = 256  # absmax per second-level absmax (bitsandbytes' double quantization)
@@ -132,7 +132,3 @@ def quantize_model(model: CausalLM) -> CausalLM:
     :func:`zoo.lora.quantized.quantize_stacks`."""
     return quantize_stacks(model, quantize, _shapes, NF4Weight)
 
-
-def is_quantized(model: object) -> bool:
-    """Whether ``model`` (or an adapted model's base) holds NF4 weights."""
-    return "nf4" in formats(model)

@@ -110,9 +110,8 @@ class Step:
         memory_space(self.param_memory, "parameters")
         memory_space(self.opt_memory, "optimizer state")
         self.config = self.model.config
-        if isinstance(self.model, lora.LoraModel) and self.devices > 1:  # as training refuses it
-            raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {self.devices}")
         self.mesh = abstract_mesh(self.sizes)
+        lora.check_trainable(self.model, mesh=self.mesh)  # as training refuses it (LoRA on a mesh, say)
         parallel.validate_mesh(self.mesh, self.config)
         # As laid out on the mesh: dimensions it does not divide padded (zoo.parallel.layout_sizes).
         self.model = parallel.pad(self.model, self.mesh)
@@ -153,7 +152,7 @@ class Step:
                                     schedule=self.schedule)  # fmt: skip
         self.tx = train.optimizer(self.tc, self.skeleton)
         self.params = eqx.filter(self.model, _is_sds, is_leaf=_is_sds)
-        self.opt = jax.eval_shape(self.tx.init, eqx.filter(self.params, is_param))  # (not an NF4 base's codes)
+        self.opt = jax.eval_shape(self.tx.init, eqx.filter(self.params, is_param))  # (not a quantized base's codes)
 
     @property
     def devices(self) -> int:
@@ -168,7 +167,7 @@ class Step:
 
         def of_model(m: Any) -> Any:
             def leaf(path, x):
-                if is_deferred(x):  # an NF4 base's codes and scales: one device's (LoRA refuses a mesh)
+                if is_deferred(x):  # a quantized base's codes and scales: one device's (LoRA refuses a mesh)
                     return jax.tree.map(lambda _: PartitionSpec(), x, is_leaf=_is_sds)
                 if not _is_sds(x):
                     return x

@@ -76,7 +76,7 @@ def train(
     compiled program before step 1 (:mod:`zoo.train.verify`). ``profile``: ``"START:STOP"``, steps
     START..STOP-1 traced into ``run_dir/profile`` (:class:`zoo.train.profile.CheckedStep`).
     """
-    lora.check_trainable(model, mesh=mesh)  # adapters where the model needs them (an NF4 base), and what they allow
+    lora.check_trainable(model, mesh=mesh)  # adapters where the model needs them (a quantized base), and what they allow
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len {cfg.seq_len} is beyond the model's max_position_embeddings {limit}")
@@ -134,7 +134,7 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
 
     model, cfg, run_dir = run.model, run.cfg, run.run_dir
     tx = optimizer(cfg, model)
-    params, static = run_state(model)  # the floating arrays (and an NF4 base's codes) and the rest
+    params, static = run_state(model)  # the floating arrays (and a quantized base's codes) and the rest
     if not run.consume:  # the steps donate their inputs
         params = jax.tree.map(jnp.copy, params)
     if run.mesh is not None and run.mesh.size > 1:

@@ -123,8 +123,8 @@ def run_settings(model: Any, cfg: Any, *, placement: Any, mesh: Any, param_memor
     else:
         where = resolve(placement, model).spec()
     extra = {"lora": dataclasses.asdict(adapted.lora)} if isinstance(adapted, lora.LoraModel) else {}
-    if fmts := quantized.formats(model):  # QLoRA: the base's layer stacks in NF4 or int8 (a resume must match)
-        extra["quantized_base"] = ",".join(sorted(fmts))
+    if isinstance(adapted, lora.LoraModel):  # QLoRA: the base's layer stacks in NF4 or int8 (a resume must match)
+        extra["quantized_base"] = ",".join(sorted(quantized.formats(model))) or None
     return {
         **extra,
         "model": type(model).__name__,

@@ -124,7 +124,7 @@ def make_train_step(
         # optax raises Python floats to int32 step counts, which strict promotion rejects.
         floating = eqx.filter(params, eqx.is_inexact_array)
         # The optimizer's tree has every parameter: a frozen one's gradient (never computed) is
-        # zero to it, and its update (zero) is not applied.
+        # zeros to it, which only its set_to_zero reads (XLA removes them), and its update is not applied.
         none = lambda x: x is None  # noqa: E731
         everything = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None and p is not None else g, grads, floating,
                                   is_leaf=none)  # fmt: skip
