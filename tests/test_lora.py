@@ -207,11 +207,10 @@ def _train_recipe():
 
 
 def test_recipe_trains_only_the_adapters_and_saves_them_as_peft(tmp_path):
-    """`recipes/train.py --checkpoint DIR --lora r=8,alpha=16 --save-adapter A --save-hf M`: the held-out
-    loss falls, the adapters load back onto the untouched base, the merged checkpoint equals them."""
-    records = [{"text": (lora.LoraModel.__doc__ or "") + f" {i}"} for i in range(40)]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    """`recipes/train.py --checkpoint DIR --data chats.jsonl --lora r=8,alpha=16 --save-adapter A
+    --save-hf M` (issue 41: chats, the loss on the assistant's tokens): the held-out loss falls,
+    the adapters load back onto the untouched base, the merged checkpoint equals them."""
+    data = FIXTURES / "chats.jsonl"
     tiny = FIXTURES / "tokenizer-tiny"
     recipe = _train_recipe()
     recipe.main(["--checkpoint", str(tiny), "--data", str(data), "--data-cache", str(tmp_path / "c"), "--steps", "20",
