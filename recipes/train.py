@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         before = runtime.reset_resident_peak()
         model = setup.build_model(checkpoint=args.checkpoint, model_type=args.model, preset=args.preset,
                                   attention=args.attention, seed=args.seed, mesh=mesh, moe=setup.moe_settings(args),
-                                  param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype])  # fmt: skip
+                                  param_dtype=dtype[args.param_dtype], compute_dtype=dtype[args.compute_dtype],
+                                  quantized=args.qlora if args.lora is not None else None)  # fmt: skip
     except MeshError as e:  # a dimension the mesh does not divide, named
         parser().error(f"--mesh {args.mesh}: {e}")
     except (CheckpointError, ConfigError) as e:
@@ -257,12 +258,12 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as e:
             parser().error(f"--lora: {e}")
         if args.qlora:
-            try:
-                full, model = quantized.nbytes(model), QUANTIZED[args.qlora].quantize_model(model)
+            try:  # (a checkpoint was quantized as it was read: build_model)
+                model = model if quantized.formats(model) else QUANTIZED[args.qlora].quantize_model(model)
             except ConfigError as e:
                 parser().error(f"--qlora {args.qlora}: {e}")
-            print(f"QLoRA: the layer stacks in {args.qlora}, the model {quantized.nbytes(model) / 2**20:,.1f} MiB "
-                  f"(from {full / 2**20:,.1f})", flush=True)  # fmt: skip
+            print(f"QLoRA: the layer stacks in {args.qlora}, the model {quantized.nbytes(model) / 2**20:,.1f} MiB",
+                  flush=True)  # fmt: skip
         try:
             model = lora.init(model, args.lora, key=jr.fold_in(jr.key(args.seed), 41))
         except ConfigError as e:

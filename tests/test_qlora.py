@@ -104,6 +104,21 @@ def test_lora_on_a_quantized_base_is_lora_on_its_dequantized_weights(name, fmt):
     np.testing.assert_array_equal(np.asarray(lora.merge(model)(ids)), np.asarray(lora.merge(ref)(ids)))
 
 
+@pytest.mark.parametrize("name, fmt", [("llama3_1-tiny", nf4), ("deepseek_v3-tiny", int8)])
+def test_a_checkpoint_loads_quantized_as_read(name, fmt):
+    """``nf4.from_pretrained`` / ``int8.from_pretrained`` quantize each layer stack's weights on
+    the host as the checkpoint is read (the device never holds them unquantized): the model is
+    the loaded model quantized, leaf for leaf; a mesh is refused by name."""
+    loaded = fmt.from_pretrained(FIXTURES / name)
+    want = fmt.quantize_model(zoo.from_pretrained(FIXTURES / name))
+    assert jax.tree.structure(loaded) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(want), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(TypeError, match="convert= is for one device"):
+        fmt.from_pretrained(FIXTURES / name, mesh=jax.make_mesh((1,), ("data",)))
+
+
 def test_zoo_train_trains_lora_on_an_nf4_base_as_on_its_dequantized_weights(tmp_path):
     """QLoRA through zoo.train (it was refused: the run state held floating arrays only): the
     run carries the NF4 codes unchanged, keeps moments for the adapters only, resumes (with the

@@ -13,17 +13,18 @@ import itertools
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from zoo.core.layout import layout_sizes, param_shardings, validate_mesh
-from zoo.core.params import Param
+from zoo.core.params import Param, map_params
 from zoo.core.registry import by_model_type
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.atomic import recover
@@ -292,13 +293,15 @@ def load_arrays(
     skipped: set[str] = frozenset(),
     shardings: Mapping[str, jax.sharding.NamedSharding] | None = None,
     padded: Mapping[str, int] | None = None,
+    convert: Convert | None = None,
 ) -> dict[str, jax.Array]:
     """Read every parameter, stacking per-layer / per-expert tensors into one array each.
 
     Each parameter is assembled in one host buffer and moved to the device before the next
     is read, so the host never holds more than one parameter beyond the memory-mapped files.
     With ``shardings`` (path -> ``NamedSharding``), each process reads only its devices' shards
-    (:func:`_load_sharded`), into the letters' ``padded`` sizes where given.
+    (:func:`_load_sharded`), into the letters' ``padded`` sizes where given. ``convert``: what a
+    parameter becomes instead of a device array, made from its host buffer (``None``: the array).
     """
     files = source.files
     expected = {key for p in specs.values() if p.hf for _, key in p.hf_keys(sizes)}
@@ -335,13 +338,19 @@ def load_arrays(
         buf = np.empty(p.shape(sizes), np_dtype)
         for idx, key in p.hf_keys(sizes):
             buf[idx] = p.from_hf(source.get(key), sizes)
-        out[path] = jax.device_put(buf)
+        converted = None if convert is None else convert(path, p, sizes, buf)
+        out[path] = jax.device_put(buf) if converted is None else converted
         del buf
     return out
 
 
+# ``(path, parameter, sizes, host buffer) -> leaf or None``: a parameter made other than as a
+# device array of its values (zoo.lora.quantized: a layer stack's weight quantized on the host).
+Convert = Callable[[str, Param, Mapping[str, int], np.ndarray], Any]
+
+
 def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attention: str | None = None, mesh=None,
-                    memory_kind: str | None = None, **options):  # fmt: skip
+                    memory_kind: str | None = None, convert: Convert | None = None, **options):  # fmt: skip
     """Load a Hugging Face checkpoint directory (``config.json`` + safetensors) as a zoo model;
     ``path`` may be a hub id (``"org/name"``, no local folder), fetched into the hub cache by
     ``huggingface_hub`` (the ``hf`` extra; ``HF_HUB_OFFLINE=1``: from the cache only).
@@ -358,8 +367,13 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attenti
     compute_dtype: activations' dtype; default ``dtype``.
     attention: the attention path (``zoo.layers.attention``: "auto", "xla", "blockwise", "cudnn",
         "splash", "pallas_gpu").
+    convert: what a parameter becomes instead of a device array, from its host buffer (one at a
+        time, as loaded; ``None`` for the array): ``zoo.lora.quantized.from_pretrained`` quantizes
+        the layer stacks' weights so, and they never reach the device unquantized. Not with a mesh.
     options: model-specific, e.g. ``mtp=True`` for DeepSeek-V3's multi-token-prediction layers.
     """
+    if convert is not None and mesh is not None:
+        raise TypeError("from_pretrained: convert= is for one device (each parameter made whole on the host), not mesh=")
     path = Path(path)
     recover(path)
     path = resolve(path)  # a hub id ("org/name") that is no local folder: its snapshot in the hub cache
@@ -391,5 +405,10 @@ def from_pretrained(path: str | Path, *, dtype=None, compute_dtype=None, attenti
         padded = layout_sizes(config, mesh)
     elif memory_kind is not None:
         raise TypeError("from_pretrained: memory_kind= goes with mesh= (without one, use zoo.placement.tree_placement)")
-    arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies, shardings, padded)
-    return family(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
+    arrays = load_arrays(source, specs, config.sizes, dtype, skipped | copies, shardings, padded, convert)
+    if all(isinstance(a, jax.Array) for a in arrays.values()):
+        return family(config, arrays=arrays, param_dtype=dtype, compute_dtype=compute_dtype)
+    # Some parameters converted: the model built from their shapes, then each leaf put in place.
+    shapes = {k: jax.ShapeDtypeStruct(specs[k].shape(config.sizes), jnp.dtype(dtype)) for k in arrays}
+    shell = eqx.filter_eval_shape(lambda a: family(config, arrays=a, param_dtype=dtype, compute_dtype=compute_dtype), shapes)
+    return map_params(lambda name, _: arrays[name], shell)

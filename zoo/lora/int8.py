@@ -15,16 +15,17 @@ matrix's out and in features.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float32, Int8
 
 from zoo.core.protocol import CausalLM
-from zoo.lora.quantized import QuantizedWeight, dequantized, nbytes, quantize_stacks
+from zoo.lora.quantized import QuantizedWeight, dequantized, load_quantized, nbytes, quantize_stacks
 
-__all__ = ["INV_127", "Int8Weight", "dequantize", "dequantized", "nbytes", "quantize", "quantize_model"]
+__all__ = ["INV_127", "Int8Weight", "dequantize", "dequantized", "from_pretrained", "nbytes", "quantize", "quantize_model"]
 
 # bitsandbytes' 1 / 127 (a Python float there, applied to a float32 tensor: in float32)
 INV_127 = np.float32(7.874015718698502e-3)
@@ -69,3 +70,10 @@ def quantize_model(model: CausalLM) -> CausalLM:
     """``model`` with every linear weight of its layer stacks in row-wise int8
     (:class:`Int8Weight`): :func:`zoo.lora.quantized.quantize_stacks`."""
     return quantize_stacks(model, quantize, _shapes, Int8Weight)
+
+
+def from_pretrained(path: str | Path, **options: Any) -> CausalLM:
+    """A Hugging Face checkpoint with its layer stacks' linear weights in row-wise int8, quantized on
+    the host as they are read (:func:`zoo.lora.quantized.load_quantized`; ``options``: those of
+    :func:`zoo.from_pretrained`, one device)."""
+    return load_quantized(path, quantize, _shapes, Int8Weight, **options)

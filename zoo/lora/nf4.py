@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,10 +29,21 @@ from jaxtyping import Array, Float32, UInt8
 
 from zoo.core.protocol import CausalLM
 from zoo.errors import ConfigError
-from zoo.lora.quantized import QuantizedWeight, dequantized, nbytes, quantize_stacks
+from zoo.lora.quantized import QuantizedWeight, dequantized, load_quantized, nbytes, quantize_stacks
 
-__all__ = ["BLOCK", "NF4", "STATS_BLOCK", "NF4Weight", "dequantize", "dequantized", "dynamic_map", "nbytes",
-           "quantize", "quantize_model"]  # fmt: skip
+__all__ = [
+    "BLOCK",
+    "NF4",
+    "STATS_BLOCK",
+    "NF4Weight",
+    "dequantize",
+    "dequantized",
+    "dynamic_map",
+    "from_pretrained",
+    "nbytes",
+    "quantize",
+    "quantize_model",
+]  # fmt: skip
 
 BLOCK = 64  # values per absmax (bitsandbytes' blocksize for 4-bit)
 STATS_BLOCK = 256  # absmax per second-level absmax (bitsandbytes' double quantization)
@@ -132,3 +144,9 @@ def quantize_model(model: CausalLM) -> CausalLM:
     :func:`zoo.lora.quantized.quantize_stacks`."""
     return quantize_stacks(model, quantize, _shapes, NF4Weight)
 
+
+def from_pretrained(path: str | Path, **options: Any) -> CausalLM:
+    """A Hugging Face checkpoint with its layer stacks' linear weights in NF4, quantized on
+    the host as they are read (:func:`zoo.lora.quantized.load_quantized`; ``options``: those of
+    :func:`zoo.from_pretrained`, one device)."""
+    return load_quantized(path, quantize, _shapes, NF4Weight, **options)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -24,6 +25,7 @@ from zoo.core.layout import is_layer_stack
 from zoo.core.params import Deferred, Param, map_params
 from zoo.core.protocol import CausalLM
 from zoo.core.registry import family_of
+from zoo.hf.load import from_pretrained
 from zoo.lora.adapter import linear_weights
 
 
@@ -79,21 +81,39 @@ def quantize_stacks(model: CausalLM, quantize: Quantize, shapes: Shapes, weight:
     targets = {path for path, p in linear_weights(specs).items() if is_layer_stack(p)}
 
     def leaf(path: str, w):
-        if path not in targets:
-            return w
-        p = specs[path]
-        stacked = w.shape[: len(p.stacked)]
-        out_in = p.hf_shape(dict(sizes))
-        static = {"param": p, "sizes": sizes, "dtype": str(w.dtype)}
-        if isinstance(w, jax.ShapeDtypeStruct):
-            fields = shapes(out_in, path)
-            return jax.eval_shape(lambda: weight(**{k: jnp.zeros((*stacked, *s), d) for k, (s, d) in fields.items()}, **static))
-        per = [quantize(np.asarray(w[idx]).transpose(_to_hf(p)).reshape(out_in), f"{path}[{idx}]")
-               for idx in np.ndindex(*stacked)]  # fmt: skip
-        arrays = {k: np.stack([q[k] for q in per]).reshape(*stacked, *np.shape(per[0][k])) for k in per[0]}
-        return weight(**{k: jnp.asarray(v) for k, v in arrays.items()}, **static)
+        return quantize_stack(path, specs[path], sizes, w, quantize, shapes, weight) if path in targets else w
 
     return map_params(leaf, model)
+
+
+def quantize_stack(path: str, p: Param, sizes: tuple[tuple[str, int], ...], w: object, quantize: Quantize,
+                   shapes: Shapes, weight: type[QuantizedWeight]) -> QuantizedWeight:  # fmt: skip
+    """One layer stack's weight ``w`` (in the family's layout: an array, a host buffer, or its
+    ``ShapeDtypeStruct`` for the shapes only) quantized a stored matrix at a time."""
+    stacked = w.shape[: len(p.stacked)]
+    out_in = p.hf_shape(dict(sizes))
+    static = {"param": p, "sizes": sizes, "dtype": str(w.dtype)}
+    if isinstance(w, jax.ShapeDtypeStruct):
+        fields = shapes(out_in, path)
+        return jax.eval_shape(lambda: weight(**{k: jnp.zeros((*stacked, *s), d) for k, (s, d) in fields.items()}, **static))
+    per = [quantize(np.asarray(w[idx], np.float32).transpose(_to_hf(p)).reshape(out_in), f"{path}[{idx}]")
+           for idx in np.ndindex(*stacked)]  # fmt: skip
+    arrays = {k: np.stack([q[k] for q in per]).reshape(*stacked, *np.shape(per[0][k])) for k in per[0]}
+    return weight(**{k: jnp.asarray(v) for k, v in arrays.items()}, **static)
+
+
+def load_quantized(path: str | Path, quantize: Quantize, shapes: Shapes, weight: type[QuantizedWeight],
+                   **options: Any) -> CausalLM:  # fmt: skip
+    """A Hugging Face checkpoint loaded as :func:`zoo.from_pretrained` loads it (``options``: its
+    keywords, one device), each layer stack's linear weight quantized on the host as it is
+    read: the device never holds one unquantized (70B's bfloat16 weights need not fit it)."""
+
+    def convert(name: str, p: Param, sizes: Mapping[str, int], host: np.ndarray) -> QuantizedWeight | None:
+        if name not in linear_weights({name: p}) or not is_layer_stack(p):
+            return None
+        return quantize_stack(name, p, tuple(sorted(sizes.items())), host, quantize, shapes, weight)
+
+    return from_pretrained(path, convert=convert, **options)
 
 
 def _to_hf(p: Param) -> list[int]:

@@ -28,6 +28,7 @@ from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf import hub
 from zoo.hf.load import from_pretrained, read_config
 from zoo.layers import precision as zoo_precision
+from zoo.lora import int8, nf4
 from zoo.placement import PlacementError, resolve
 from zoo.runtime import parse_xla_option, resident_memory
 from zoo.train.batch import check_batch_layout
@@ -160,17 +161,23 @@ def moe_settings(flags: Any) -> dict[str, Any]:
 
 
 def build_model(*, checkpoint: str | None, model_type: str, preset: str, attention: str, seed: int, mesh: Any,
-                param_dtype: Any, compute_dtype: Any, moe: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+                param_dtype: Any, compute_dtype: Any, moe: Mapping[str, Any] | None = None,
+                quantized: str | None = None) -> Any:  # fmt: skip
     """The model of ``checkpoint`` or of ``model_type``'s ``preset``, made in place on ``mesh``
     where there is one: each process reads or initialises only its devices' shards. A preset
     with one multi-token-prediction layer (DeepSeek-V3's) trains it. ``moe``: the dispatch
-    settings (:func:`moe_settings`), refused for a model without routed experts."""
+    settings (:func:`moe_settings`), refused for a model without routed experts. ``quantized``
+    (``--qlora``: ``"nf4"``, ``"int8"``): a checkpoint's layer stacks quantized on the host as
+    they are read, on one device (:func:`zoo.lora.quantized.load_quantized`)."""
     moe = dict(moe or {})
     if moe:
         family = read_config(hub.resolve(checkpoint))[0] if checkpoint else registry.by_model_type(model_type, "--model")
         if not set(moe) <= {f.name for f in dataclasses.fields(family.config_cls)}:
             flags = " and ".join(MOE_FLAGS[f] for f in moe)
             raise ConfigError(f"{flags}: {family.__name__} has no routed experts to dispatch")
+    if checkpoint and quantized and mesh is None:
+        load = {"nf4": nf4.from_pretrained, "int8": int8.from_pretrained}[quantized]
+        return load(checkpoint, dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, **moe)
     if checkpoint:
         return from_pretrained(checkpoint, dtype=param_dtype, compute_dtype=compute_dtype, attention=attention,
                                mesh=mesh, **moe)  # fmt: skip
