@@ -45,7 +45,7 @@ class QuantizedWeight(Deferred):
 
     def value(self) -> Float[Array, "*dims"]:
         """One layer's weight (the layer axis gone; any view's leading axes kept)."""
-        flat = jax.lax.stop_gradient(self).stored_values()
+        flat = jax.lax.stop_gradient(_on_device(self)).stored_values()
         sizes, p = dict(self.sizes), self.param
         names = p.names[1:]
         stacked = [a for a in p.stacked if a in names]
@@ -121,6 +121,18 @@ def _to_hf(p: Param) -> list[int]:
     its checkpoint's letters' order (then reshaped: ``[out, in]``)."""
     inner = [a for a in p.names if a not in p.stacked]
     return [inner.index(a) for g in p.hf_groups() for a in g]
+
+
+def _on_device(tree: QuantizedWeight) -> QuantizedWeight:
+    """A layer's codes in device memory: those a run keeps in pinned host memory
+    (``param_memory="pinned_host"``, which leaves a quantized base there through the step)
+    come over a layer at a time, where the layer scan reads them."""
+
+    def move(x):
+        host = "host" in str(getattr(jax.typeof(x), "memory_space", "")).lower()
+        return jax.device_put(x, jax.memory.Space.Device) if host else x
+
+    return jax.tree.map(move, tree)
 
 
 def _quantized(x: object) -> bool:
