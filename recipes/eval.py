@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, as train.py "
                         "--save-adapter or peft writes it) merged into the checkpoint first")
+    p.add_argument("--qlora", default=None, choices=["int8", "nf4"],
+                   help="with --adapter: merge it into the checkpoint's layer stacks quantized so, as its QLoRA run "
+                        "(train.py --qlora) trained it")  # fmt: skip
     p.add_argument("--data", default="stdlib", help="as recipes/train.py's --data (default: the embedded corpus)")
     p.add_argument("--text-field", default="text", help="the field of a record that holds its text")
     p.add_argument("--data-format", choices=["auto", "text", "chat", "completion"], default="auto",
@@ -103,13 +106,15 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.compute_dtype]
     model, settings = load_model(args.checkpoint, dtype, p)
     if args.adapter is not None:
-        from zoo import lora
         from zoo.errors import ConfigError
+        from zoo.lora.formats import merged_adapter
 
         try:
-            model = lora.merge(lora.load_adapter(model, args.adapter))
+            model = merged_adapter(model, args.adapter, quantized=args.qlora)
         except (CheckpointError, ConfigError, OSError) as e:
             p.error(f"--adapter {args.adapter}: {e}")
+    elif args.qlora is not None:
+        p.error("--qlora goes with --adapter")
     if args.seq_len is None:
         args.seq_len = int(settings.get("train", {}).get("seq_len", 512))
     for name in ("seq_len", "batch_size"):

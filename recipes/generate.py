@@ -97,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, as train.py "
                         "--save-adapter or peft writes it) merged into the checkpoint first")
+    p.add_argument("--qlora", default=None, choices=["int8", "nf4"],
+                   help="with --adapter: merge it into the checkpoint's layer stacks quantized so, as its QLoRA run "
+                        "(train.py --qlora) trained it")  # fmt: skip
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The quick brown fox')")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -196,14 +199,17 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--chat and --prompt exclude each other: a chat renders its own prompt")
     if args.system is not None and args.chat is None:
         p.error("--system goes with --chat")
+    if args.qlora is not None and args.adapter is None:
+        p.error("--qlora goes with --adapter")
     prompts = args.prompt or ["The quick brown fox"]
 
-    from zoo import lora, train
+    from zoo import train
+    from zoo.lora.formats import merged_adapter
 
     try:
         model, _ = train.load_model(path, compute_dtype=None if args.dtype is None else jnp.dtype(args.dtype))
         if args.adapter is not None:
-            model = lora.merge(lora.load_adapter(model, args.adapter))
+            model = merged_adapter(model, args.adapter, quantized=args.qlora)
     except (zoo.CheckpointError, zoo.ConfigError) as e:
         p.error(str(e) if args.adapter is None else f"--adapter {args.adapter}: {e}")
     vocab = model.config.vocab_size

@@ -29,13 +29,11 @@ from zoo.cli import Help, positive
 from zoo.core import registry
 from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf.load import read_generation_config
-from zoo.lora import int8, nf4, quantized
+from zoo.lora import formats, quantized
 from zoo.placement import PlacementError
 from zoo.plan import auto
 from zoo.train import setup
 from zoo.train.setup import FINE_TUNING, PRETRAINING
-
-QUANTIZED = {"nf4": nf4, "int8": int8}  # --qlora: the frozen base's formats (zoo.lora.quantized)
 
 MODELS = tuple(registry.model_types())
 
@@ -157,7 +155,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--save-adapter", default=None, metavar="DIR",
                    help="with --lora: also write the adapters here in PEFT's format (adapter_config.json, "
                         "adapter_model.safetensors)")  # fmt: skip
-    r.add_argument("--qlora", default=None, choices=sorted(QUANTIZED),
+    r.add_argument("--qlora", default=None, choices=sorted(formats.QUANTIZED),
                    help="with --lora: QLoRA, the frozen model's layer stacks stored quantized as bitsandbytes stores "
                         "them (nf4: 4-bit NormalFloat with double quantization; int8: row-wise absmax, LLM.int8), "
                         "dequantized a layer at a time in the step")  # fmt: skip
@@ -259,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             parser().error(f"--lora: {e}")
         if args.qlora:
             try:  # (a checkpoint was quantized as it was read: build_model)
-                model = model if quantized.formats(model) else QUANTIZED[args.qlora].quantize_model(model)
+                model = model if quantized.formats(model) else formats.QUANTIZED[args.qlora].quantize_model(model)
             except ConfigError as e:
                 parser().error(f"--qlora {args.qlora}: {e}")
             print(f"QLoRA: the layer stacks in {args.qlora}, the model {quantized.nbytes(model) / 2**20:,.1f} MiB",

@@ -165,13 +165,17 @@ def test_zoo_train_trains_lora_on_an_nf4_base_as_on_its_dequantized_weights(tmp_
                      resume=True)  # fmt: skip
 
 
-def _train_recipe():
+def _recipe(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_recipe_qlora", FIXTURES.parents[1] / "recipes" / "train.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe_qlora", FIXTURES.parents[1] / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _train_recipe():
+    return _recipe("train")
 
 
 @pytest.mark.parametrize("fmt", [nf4, int8], ids=["nf4", "int8"])
@@ -201,6 +205,16 @@ def test_recipe_qlora_trains_adapters_on_the_quantized_checkpoint(tmp_path, caps
     with pytest.raises(SystemExit):
         recipe.parse_args([*flags, "--qlora", "nf4"])
     assert "--qlora needs --lora" in capsys.readouterr().err
+    # recipes/eval.py --adapter A --qlora: the adapter on the base quantized as it was trained,
+    # which is the merged export; without --qlora, the full-precision base (another loss)
+    evaluate = _recipe("eval")
+    ev = ["--max-rows", "4", "--seq-len", "32", "--data-cache", str(tmp_path / "ec")]
+    as_trained = evaluate.main([str(tiny), "--adapter", str(tmp_path / "adapter"), "--qlora", name, *ev])["loss"]
+    np.testing.assert_allclose(as_trained, evaluate.main([str(tmp_path / "merged"), *ev])["loss"], rtol=1e-6)
+    assert as_trained != evaluate.main([str(tiny), "--adapter", str(tmp_path / "adapter"), *ev])["loss"]
+    with pytest.raises(SystemExit):
+        _recipe("generate").main([str(tiny), "--qlora", name, "--prompt", "def "])
+    assert "--qlora goes with --adapter" in capsys.readouterr().err
 
 
 def test_a_qlora_step_is_planned_within_10_percent_of_xla():

@@ -28,7 +28,7 @@ from zoo.errors import CheckpointError, ConfigError, MeshError
 from zoo.hf import hub
 from zoo.hf.load import from_pretrained, read_config
 from zoo.layers import precision as zoo_precision
-from zoo.lora import int8, nf4
+from zoo.lora import formats
 from zoo.placement import PlacementError, resolve
 from zoo.runtime import parse_xla_option, resident_memory
 from zoo.train.batch import check_batch_layout
@@ -176,7 +176,7 @@ def build_model(*, checkpoint: str | None, model_type: str, preset: str, attenti
             flags = " and ".join(MOE_FLAGS[f] for f in moe)
             raise ConfigError(f"{flags}: {family.__name__} has no routed experts to dispatch")
     if checkpoint and quantized and mesh is None:
-        load = {"nf4": nf4.from_pretrained, "int8": int8.from_pretrained}[quantized]
+        load = formats.format_module(quantized).from_pretrained
         return load(checkpoint, dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, **moe)
     if checkpoint:
         return from_pretrained(checkpoint, dtype=param_dtype, compute_dtype=compute_dtype, attention=attention,
