@@ -102,3 +102,13 @@ def train_on_a_mesh_like_one_device(model, mesh, tmp_path: Path, **settings):
     np.testing.assert_allclose(losses(full), losses(one), rtol=1e-5)
     np.testing.assert_array_equal(losses(full)[2:], losses(rest))
     return ztrain.load_run(tmp_path / "cut")
+
+
+def load_recipe(name: str, tag: str = "") -> object:
+    """``recipes/<name>.py`` imported as a module (``<name>_recipe<tag>``: a test file's own copy)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe{tag}", Path(__file__).parents[1] / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import FIXTURES
+from helpers import load_recipe
 
 import zoo
 from zoo import lora
@@ -194,12 +195,7 @@ def test_merged_model_saves_as_a_plain_checkpoint(tmp_path):
 
 
 def _recipe(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe_lora", FIXTURES.parents[1] / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(name, "_lora")
 
 
 def _train_recipe():

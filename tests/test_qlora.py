@@ -13,6 +13,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from helpers import load_recipe
 
 import zoo
 from zoo import lora
@@ -166,12 +167,7 @@ def test_zoo_train_trains_lora_on_an_nf4_base_as_on_its_dequantized_weights(tmp_
 
 
 def _recipe(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe_qlora", FIXTURES.parents[1] / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(name, "_qlora")
 
 
 def _train_recipe():

@@ -78,12 +78,17 @@ def quantize_stacks(model: CausalLM, quantize: Quantize, shapes: Shapes, weight:
     arrays ``jax.ShapeDtypeStruct``, as the planner holds one) gets the shapes of its codes."""
     specs = family_of(model).param_specs(model.config)
     sizes = tuple(sorted(model.config.sizes.items()))
-    targets = {path for path, p in linear_weights(specs).items() if is_layer_stack(p)}
 
     def leaf(path: str, w):
-        return quantize_stack(path, specs[path], sizes, w, quantize, shapes, weight) if path in targets else w
+        return quantize_stack(path, specs[path], sizes, w, quantize, shapes, weight) if quantized_here(path, specs[path]) else w
 
     return map_params(leaf, model)
+
+
+def quantized_here(path: str, p: Param) -> bool:
+    """Whether a quantized base holds this parameter quantized: a layer stack's linear weight
+    (one a LoRA target may name, :func:`zoo.lora.linear_weights`)."""
+    return path in linear_weights({path: p}) and is_layer_stack(p)
 
 
 def quantize_stack(path: str, p: Param, sizes: tuple[tuple[str, int], ...], w: object, quantize: Quantize,
@@ -109,7 +114,7 @@ def load_quantized(path: str | Path, quantize: Quantize, shapes: Shapes, weight:
     read: the device never holds one unquantized (70B's bfloat16 weights need not fit it)."""
 
     def convert(name: str, p: Param, sizes: Mapping[str, int], host: np.ndarray) -> QuantizedWeight | None:
-        if name not in linear_weights({name: p}) or not is_layer_stack(p):
+        if not quantized_here(name, p):
             return None
         return quantize_stack(name, p, tuple(sorted(sizes.items())), host, quantize, shapes, weight)
 
