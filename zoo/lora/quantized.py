@@ -80,7 +80,9 @@ def quantize_stacks(model: CausalLM, quantize: Quantize, shapes: Shapes, weight:
     sizes = tuple(sorted(model.config.sizes.items()))
 
     def leaf(path: str, w):
-        return quantize_stack(path, specs[path], sizes, w, quantize, shapes, weight) if quantized_here(path, specs[path]) else w
+        if not quantized_here(path, specs[path]):
+            return w
+        return quantize_stack(path, specs[path], sizes, w, quantize, shapes, weight)
 
     return map_params(leaf, model)
 
@@ -100,7 +102,8 @@ def quantize_stack(path: str, p: Param, sizes: tuple[tuple[str, int], ...], w: o
     static = {"param": p, "sizes": sizes, "dtype": str(w.dtype)}
     if isinstance(w, jax.ShapeDtypeStruct):
         fields = shapes(out_in, path)
-        return jax.eval_shape(lambda: weight(**{k: jnp.zeros((*stacked, *s), d) for k, (s, d) in fields.items()}, **static))
+        zeros = lambda: {k: jnp.zeros((*stacked, *s), d) for k, (s, d) in fields.items()}  # noqa: E731
+        return jax.eval_shape(lambda: weight(**zeros(), **static))
     per = [quantize(np.asarray(w[idx], np.float32).transpose(_to_hf(p)).reshape(out_in), f"{path}[{idx}]")
            for idx in np.ndindex(*stacked)]  # fmt: skip
     arrays = {k: np.stack([q[k] for q in per]).reshape(*stacked, *np.shape(per[0][k])) for k in per[0]}
