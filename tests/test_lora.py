@@ -8,6 +8,7 @@ float32 logits of the adapted model (PEFT's unmerged forward) and after ``merge_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -27,6 +28,7 @@ from zoo import lora
 from zoo.core.registry import family_of
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.safetensors import SafetensorsFile
+from zoo.lora import nf4
 
 ADAPTERS = {
     "llama3_1-tiny-lora": "llama3_1-tiny",
@@ -298,8 +300,93 @@ def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     run = json.loads((tmp_path / "b" / "run.json").read_text())
     assert run["lora"]["r"] == 4 and run["model"] == "Llama"
-    with pytest.raises(ConfigError, match="one device"):  # not laid out on a mesh yet: refused before it is used
-        ztrain.train(make(), corpus, cfg, run_dir=tmp_path / "c", mesh=_TwoDevices())
+    quantized = lora.init(nf4.quantize_model(make().base), lora.LoraConfig(r=4, alpha=8, targets=("q_proj",)), key=jr.key(1))
+    with pytest.raises(ConfigError, match="QLoRA: a quantized base trains on one device"):  # codes not laid out on a mesh
+        ztrain.train(quantized, corpus, cfg, run_dir=tmp_path / "c", mesh=_TwoDevices())
+
+
+# LoRA under zoo.parallel's step, against one device: every kind of split of the weights an
+# adapter updates (FSDP's and the tensor split's blocks, stages, experts over the expert group,
+# a pipelined stack padded to the stages), each device merging its block of the update.
+MESH_CASES = [
+    ("llama", "fsdp=4,tensor=2", {}),
+    ("llama", "pipeline=2,fsdp=2,tensor=2", {"microbatches": 4, "schedule": "1f1b"}),
+    ("deepseek_v3", "fsdp=2,expert=4", {}),  # MLA's low-rank projections, routed and shared experts, MTP
+    ("qwen3_moe", "pipeline=2,expert=2,tensor=2", {}),  # one layer per stack: padded to the two stages
+]
+
+
+@pytest.mark.parametrize("name, spec, options", MESH_CASES, ids=[f"{n}-{s}" for n, s, _ in MESH_CASES])
+def test_lora_on_a_mesh_equals_one_device(name, spec, options):
+    """Issue 41 ("works under every mesh"): the adapters laid out by their weight's stacked
+    letters (layers over stages, experts over the expert group), whole otherwise; the step's
+    loss and adapter gradients equal one device's, and the frozen base gets no gradient."""
+    from zoo import parallel
+
+    base = _tiny(name)
+    model = lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("all-linear",)), key=jr.key(2))
+    keys = iter(jr.split(jr.key(3), len(model.adapters)))  # B nonzero: the update reaches the loss
+    model = eqx.tree_at(lambda m: m.adapters, model, {k: lora.Adapter(a=v.a, b=0.05 * jr.normal(next(keys), v.b.shape))
+                                                      for k, v in model.adapters.items()})  # fmt: skip
+    ids = jr.randint(jr.key(1), (8, 16), 0, base.config.vocab_size, dtype=jnp.int32)
+
+    def loss_fn(m, ids):
+        out = m.loss(ids)
+        return out[0] if isinstance(out, tuple) else out
+
+    train, frozen = eqx.partition(model, eqx.tree_at(lambda m: m.adapters, jax.tree.map(lambda _: False, model),
+                                                     jax.tree.map(lambda _: True, model.adapters)))  # fmt: skip
+    want_loss, want = eqx.filter_jit(eqx.filter_value_and_grad(lambda t: loss_fn(eqx.combine(t, frozen), ids)))(train)
+    mesh = parallel.make_mesh(spec)
+    placed = parallel.shard(model, mesh)
+    stages = mesh.shape["pipeline"]
+    for path, adapter in placed.adapters.items():  # a stack's adapters split over the stages as its weights are
+        stack = path.split(".")[0].endswith("layers")  # (not the MTP block's)
+        if stack:
+            assert adapter.a.sharding.spec[0] == ("pipeline" if stages > 1 else None), path
+        if ".moe.w_" in path and mesh.shape["expert"] > 1:  # routed experts' over the expert group
+            assert adapter.a.sharding.spec[1 if stack else 0] == "expert", path
+    loss, grads = parallel.value_and_grad(loss_fn, mesh, frozen="none", **options)(placed, ids)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    assert jax.tree.leaves(grads.base) == []  # frozen: not differentiated
+    grads = parallel.unpad(grads)
+    for path in model.adapters:
+        for got, ref in ((grads.adapters[path].a, want.adapters[path].a), (grads.adapters[path].b, want.adapters[path].b)):
+            ref = np.asarray(ref)
+            assert np.abs(ref).max() > 0, path
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()), err_msg=path)
+
+
+def _tiny(name: str):
+    from zoo.deepseek_v3 import preset as deepseek_preset
+    from zoo.llama import preset as llama_preset
+    from zoo.qwen3 import preset as qwen3_preset
+
+    make = {"llama": lambda: zoo.Llama(llama_preset("tiny"), key=jr.key(0)),
+            "deepseek_v3": lambda: zoo.DeepseekV3(deepseek_preset("tiny", mtp=True), key=jr.key(0)),
+            "qwen3_moe": lambda: zoo.Qwen3(qwen3_preset("tiny", "qwen3_moe"), key=jr.key(0))}  # fmt: skip
+    return make[name]()
+
+
+def test_the_lora_recipe_on_a_mesh_writes_what_one_device_writes(tmp_path):
+    """`recipes/train.py --lora ... --mesh pipeline=2,fsdp=2,tensor=2`: the adapters trained on
+    stages, FSDP and tensor blocks, saved in PEFT's format and merged into a checkpoint, equal
+    the single-device run's."""
+    recipe = _train_recipe()
+    argv = ["--checkpoint", str(FIXTURES / "tokenizer-tiny"), "--data", str(FIXTURES / "chats.jsonl"), "--data-cache",
+            str(tmp_path / "c"), "--steps", "4", "--batch-size", "4", "--seq-len", "64", "--eval-every", "4", "--lr", "3e-3",
+            "--lora", "r=8,alpha=16,targets=q_proj,v_proj,down_proj", "--peak-tflops", "1"]  # fmt: skip
+    for name, mesh in (("one", []), ("mesh", ["--mesh", "pipeline=2,fsdp=2,tensor=2"])):
+        recipe.main([*argv, *mesh, "--run-dir", str(tmp_path / f"run-{name}"), "--save-adapter", str(tmp_path / f"a-{name}"),
+                     "--save-hf", str(tmp_path / f"m-{name}")])  # fmt: skip
+    for kind, file in (("a", "adapter_model.safetensors"), ("m", "model.safetensors")):
+        one, placed = (SafetensorsFile(tmp_path / f"{kind}-{n}" / file) for n in ("one", "mesh"))
+        names = set(one.keys())
+        assert names == set(placed.keys())
+        for key in sorted(names):
+            np.testing.assert_allclose(placed.get(key), one.get(key), rtol=1e-5, atol=1e-5, err_msg=key)
+    trained = SafetensorsFile(tmp_path / "a-mesh" / "adapter_model.safetensors")
+    assert any(np.abs(trained.get(k)).max() > 0 for k in set(trained.keys()) if "lora_B" in k)
 
 
 @pytest.mark.parametrize("where", [{"placement": "offload_attn"}, {"param_memory": "pinned_host", "opt_memory": "pinned_host"}])
@@ -359,6 +446,21 @@ def test_a_rank_larger_than_a_weight_is_refused_naming_it():
     n = min(s["D"], s["G"] * s["K"])  # wk: [G K, D] as stored
     with pytest.raises(ConfigError, match=rf"r={n + 1} is larger than layers.attn.wk's weight"):
         lora.init(base, lora.LoraConfig(r=n + 1, alpha=8, targets=("k_proj",)), key=jr.key(0))
+
+
+def test_an_adapted_weight_the_mesh_pads_is_refused_naming_it():
+    """A mesh that pads a weight an adapter updates (a tensor split that does not divide the MLP's
+    hidden units) is refused before the run, naming the weight, the letter and its config field;
+    the other weights train on it."""
+    from zoo import parallel
+    from zoo.llama import preset
+
+    base = zoo.Llama(dataclasses.replace(preset("tiny"), intermediate_size=161), key=jr.key(0))
+    mesh = parallel.make_mesh("fsdp=4,tensor=2")
+    model = lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "down_proj")), key=jr.key(1))
+    with pytest.raises(ConfigError, match=r"layers.mlp.w_down: this mesh pads its F \(intermediate_size 161 -> 162\)"):
+        lora.check_trainable(model, mesh=mesh)
+    lora.check_trainable(lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj",)), key=jr.key(1)), mesh=mesh)
 
 
 def test_generate_takes_an_adapted_model():

@@ -134,8 +134,12 @@ def test_a_lora_step_is_estimated_within_10_percent_of_xla():
     assert abs(est.device_bytes / got.device_bytes - 1) <= TOLERANCE, (est.device_bytes, got.device_bytes)
     adapters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.adapters))
     assert est.optimizer == pytest.approx(2 * adapters, abs=64)  # Adam's two moments, adapters only
-    with pytest.raises(ConfigError, match="one device"):  # as training refuses it
-        plan.estimate(model, batch_size=8, seq_len=64, mesh="fsdp=8")
+    # On a mesh (as training runs it): the base split over fsdp, the adapters (no stacked letter
+    # a mesh axis takes here) whole on each device, with their moments.
+    split = plan.estimate(model, batch_size=8, seq_len=64, mesh="fsdp=8")
+    base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(base))
+    assert split.params == base_bytes // 8 + adapters
+    assert split.optimizer == pytest.approx(2 * adapters, abs=64)
 
 
 def test_estimate_is_abstract_and_splits_the_model():

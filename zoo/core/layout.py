@@ -23,6 +23,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size
 from zoo.core.params import Param, flatten, init_with_stacks, is_deferred, map_params, path_name
+from zoo.core.protocol import Wrapper
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 
@@ -112,7 +113,20 @@ def is_layer_stack(param) -> bool:
 
 
 def model_specs(model) -> dict[str, Any]:
+    """The description of every array of a family's model, or of a :class:`Wrapper` around one."""
+    if isinstance(model, Wrapper):
+        return model.layout_specs()
     return family_of(model).param_specs(model.config)
+
+
+def is_laid_out(x: Any) -> bool:
+    """A tree the layout functions describe whole: a family's model, or a :class:`Wrapper`."""
+    return is_model(x) or isinstance(x, Wrapper)
+
+
+def family_model(model: Any) -> Any:
+    """The family's model a step runs: ``model``, or the base under a :class:`Wrapper`."""
+    return model.base if isinstance(model, Wrapper) else model
 
 
 def spec_tree(model, mesh: AnyMesh):
@@ -135,11 +149,11 @@ def partition_specs(model: PyTree, mesh: AnyMesh) -> PyTree[PartitionSpec]:
     """
 
     def sub(x):
-        if is_model(x):
+        if is_laid_out(x):
             return spec_tree(x, mesh)
         return PartitionSpec() if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) else x
 
-    return jax.tree.map(sub, model, is_leaf=is_model)
+    return jax.tree.map(sub, model, is_leaf=is_laid_out)
 
 
 def param_shardings(config: Any, mesh: Mesh, *, memory_kind: str | None = None) -> dict[str, NamedSharding]:
@@ -200,18 +214,20 @@ def _resize(x: Any, shape: tuple[int, ...]) -> Any:
 
 def _resized(model_or_tree: PyTree, sizes_of: Callable[[Any], Mapping[str, int]]) -> PyTree:
     def sub(m):
-        if not is_model(m):
+        if not is_laid_out(m):
             return m
         specs, sizes = model_specs(m), sizes_of(m)
 
         def leaf(at, x):  # a Deferred weight (a quantized base's codes) kept whole: it is one device's
             if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-                return _resize(x, specs[path_name(at)].shape(sizes))
+                # (a letter the family does not size, a LoRA adapter's rank, keeps its size)
+                names = specs[path_name(at)].names
+                return _resize(x, tuple(sizes.get(a, n) for a, n in zip(names, x.shape)))
             return x
 
         return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=is_deferred)
 
-    return jax.tree.map(sub, model_or_tree, is_leaf=is_model)
+    return jax.tree.map(sub, model_or_tree, is_leaf=is_laid_out)
 
 
 def pad(model_or_tree: PyTree, mesh: AnyMesh | None) -> PyTree:
@@ -310,7 +326,9 @@ def validate_mesh(mesh: AnyMesh, config: Any, *, virtual_stages: int = 1) -> Non
 
 def check_padded(model, mesh: AnyMesh) -> None:
     """The model's arrays must have the mesh's layout sizes (:func:`pad`, which :func:`shard`
-    applies): an unpadded embedding cannot be split, and the error names the array."""
+    applies): an unpadded embedding cannot be split, and the error names the array. (A
+    :class:`Wrapper`'s base: its own arrays are not padded.)"""
+    model = family_model(model)
     specs, sizes = model_specs(model), layout_sizes(model.config, mesh)
     for path, x in flatten(model).items():
         want = specs[path].shape(sizes)

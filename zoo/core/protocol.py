@@ -274,3 +274,15 @@ class Mergeable(Protocol):
     what generic code that runs a family's model (``zoo.generate``) takes as that model."""
 
     def merged(self) -> CausalLM: ...
+
+
+@runtime_checkable
+class Wrapper(Protocol):
+    """A family's model with arrays of its own around it (:class:`zoo.lora.LoraModel`: the
+    adapters around ``base``): laid out on a mesh by :meth:`layout_specs`, a description of
+    every array in the family's letters (a letter without a rule in the family's layout is kept
+    whole), and run by the parallel step as its base model is (:mod:`zoo.parallel`)."""
+
+    base: CausalLM
+
+    def layout_specs(self) -> dict[str, Param]: ...

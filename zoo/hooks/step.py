@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from zoo.core.mesh import CONTEXT, PIPELINE, WEIGHT_SHARDS, AnyMesh, axis_size
 from zoo.core.named import named
+from zoo.core.params import is_deferred
 from zoo.errors import MeshError
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
@@ -347,8 +348,29 @@ def pipeline_of(stacked: PyTree) -> tuple[PipelineSplit, int] | None:
     step = _STEP.get()
     if step is None or step.pipeline is None:
         return None
-    n = step.pipeline.layers.get(jax.tree.structure(stacked))
+    n = step.pipeline.layers.get(stack_structure(stacked))
     return None if n is None else (step.pipeline, n)
+
+
+def stack_structure(stacked: PyTree) -> Any:
+    """A layer stack's tree structure, each :class:`zoo.core.params.Deferred` weight (a LoRA
+    update, a quantized base) as the one leaf it stands for: how the step knows a stack."""
+    return jax.tree.structure(stacked, is_leaf=is_deferred)
+
+
+def block_of(x: Shaped[Array, "..."], dim: int, axes: Sequence[str]) -> Shaped[Array, "..."]:
+    """The block of ``x`` on ``dim`` that this device holds where ``axes`` (outermost first)
+    split that dimension, inside the step (``x`` itself outside it, or with no axes)."""
+    step = _STEP.get()
+    if step is None or not axes:
+        return x
+    index, n = 0, 1
+    for a in axes:
+        index, n = index * axis_size(step.mesh, a) + jax.lax.axis_index(a), n * axis_size(step.mesh, a)
+    if x.shape[dim] % n:
+        raise MeshError(f"block_of: dimension {dim} of shape {tuple(x.shape)} does not split into {n} blocks over {tuple(axes)}")
+    size = x.shape[dim] // n
+    return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
 
 
 def current_step() -> _Step | None:
@@ -381,8 +403,8 @@ def psum_varying(x, axes: Sequence[str]):
 
 
 __all__ = [
-    "CONTEXT", "GATHERED", "PIPELINE", "Gather", "GatherLater", "PipelineSplit", "axis_size", "context_gather", "context_order", "context_positions",
+    "CONTEXT", "GATHERED", "PIPELINE", "Gather", "GatherLater", "PipelineSplit", "axis_size", "block_of", "context_gather", "context_order", "context_positions",
     "context_size", "context_sum", "current_step", "gather_fsdp", "gather_layer", "gathered_later", "global_sum", "in_step", "pipeline_of",
-    "psum_varying", "remat_policy", "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
+    "psum_varying", "remat_policy", "stack_structure", "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
     "varying_over", "VocabSplit", "vocab_split",
 ]  # fmt: skip

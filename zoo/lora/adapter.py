@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo.core.layout import is_layer_stack
+from zoo.core.layout import gather_axes, is_layer_stack, layout_sizes, param_axes
+from zoo.core.mesh import axis_names, axis_size
 from zoo.core.params import Deferred, Param, is_deferred, path_name
 from zoo.core.protocol import VOCAB, CausalLM
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
+from zoo.hooks.step import block_of, current_step
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,15 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+# PEFT's keys: ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``.lora_B.weight`` ``[out, r]``.
+PREFIX = "base_model.model."
+
+
+def peft_key(module: str, which: str) -> str:
+    """The key PEFT stores adapter matrix ``which`` (``"A"``, ``"B"``) of ``module`` under."""
+    return f"{PREFIX}{module}.lora_{which}.weight"
 
 
 def module_of(p: Param) -> str:
@@ -141,23 +152,65 @@ class Adapter(eqx.Module):
     b: Float[Array, "*S o r"]
 
 
-def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, lead: tuple[int, ...] | None = None
-          ) -> Float[Array, "*dims"]:  # fmt: skip
+def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, lead: tuple[int, ...] | None = None,
+          split: Mapping[str, tuple[str, ...]] | None = None) -> Float[Array, "*dims"]:  # fmt: skip
     """``scale · B A`` in the family's layout of ``p`` (its axes, stacked ones included), float32.
     ``lead``: of one layer's slice of the adapter instead (the layer axis gone), led by these
-    sizes (none; or a view's, where the scan runs the stack reshaped)."""
-    d = scale * jnp.einsum("...or,...ri->...oi", adapter.b.astype(jnp.float32), adapter.a.astype(jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+    sizes (none; or a view's, where the scan runs the stack reshaped). ``split``: per letter of
+    the weight's out and in features, the mesh axes that split it where this runs (inside the
+    parallel step): the block this device holds, from those blocks of ``B`` and ``A``."""
+    out_group, in_group = p.hf_groups()
+    split = split or {}
+    b, a = adapter.b.astype(jnp.float32), adapter.a.astype(jnp.float32)
+    b = b.reshape(*b.shape[:-2], *(sizes[x] for x in out_group), b.shape[-1])
+    a = a.reshape(*a.shape[:-1], *(sizes[x] for x in in_group))
+    n = a.ndim - 1 - len(in_group)  # leading (stacked) dimensions
+    for j, x in enumerate(out_group):
+        b = block_of(b, n + j, split.get(x, ()))
+    for j, x in enumerate(in_group):
+        a = block_of(a, n + 1 + j, split.get(x, ()))
+    no, ni, r = len(out_group), len(in_group), n + len(out_group) + len(in_group)
+    d = scale * jnp.einsum(b, [*range(n + no), r], a, [*range(n), r, *range(n + no, n + no + ni)],
+                           [*range(n + no + ni)], precision=jax.lax.Precision.HIGHEST)  # fmt: skip
     names, lead = (p.names, ()) if lead is None else (p.names[1:], lead)
-    order = [a for a in p.stacked if a in names] + [a for g in p.hf_groups() for a in g]
-    d = d.reshape([*lead, *(sizes[a] for a in order)])
-    return d.transpose([*range(len(lead)), *(len(lead) + order.index(a) for a in names)])
+    stacked = [x for x in p.stacked if x in names]
+    order = stacked + out_group + in_group
+    d = d.reshape(*lead, *d.shape[n - len(stacked) : n], *d.shape[n:])
+    return d.transpose([*range(len(lead)), *(len(lead) + order.index(x) for x in names)])
+
+
+def local_split(path: str, p: Param, rules: Mapping[str, Any], sizes: Mapping[str, int], shape: tuple[int, ...]
+                ) -> dict[str, tuple[str, ...]]:  # fmt: skip
+    """Per letter of ``p``'s out and in features, the mesh axes that split it in a weight of
+    local ``shape`` (ending with ``p``'s letters; the layer axis may be gone): the step's layout
+    (:func:`zoo.core.layout.param_axes`), less what the step gathered already (FSDP's axes, for
+    a weight outside the layer stacks). Empty outside the parallel step."""
+    step = current_step()
+    if step is None:
+        return {}
+    axes = param_axes(p, step.mesh, rules=rules, sizes=sizes)
+    gathered = gather_axes(p, axes, rules=rules)
+    out = {}
+    for i, letter in enumerate(p.names):
+        j = len(shape) - len(p.names) + i
+        if letter in p.stacked or j < 0 or shape[j] == sizes[letter]:
+            continue
+        laid = axis_names(axes[i])
+        for cand in (laid, tuple(x for x in laid if x not in gathered[i])):
+            if cand and shape[j] * axis_size(step.mesh, cand) == sizes[letter]:
+                out[letter] = cand
+                break
+        else:
+            raise ConfigError(f"LoRA on {path}: its {letter} ({sizes[letter]}) is {shape[j]} on this device, not a block "
+                              f"of the mesh's layout {laid} (a padded layout is not supported: use a mesh that divides "
+                              "the model)")  # fmt: skip
+    return out
 
 
 def _merged(path: str, w: Array, d: Array, frozen: bool) -> Array:
     if d.shape != w.shape:
         raise ConfigError(f"LoRA on {path}: the weight has shape {w.shape}, its adapter's update "
-                          f"{d.shape} (a padded or pipelined layout is not supported yet)")  # fmt: skip
+                          f"{d.shape} (a padded layout is not supported: use a mesh that divides the model)")  # fmt: skip
     w0 = jax.lax.stop_gradient(w) if frozen else w
     return (w0.astype(jnp.float32) + d).astype(w.dtype)
 
@@ -173,11 +226,16 @@ class LayerUpdate(Deferred):
     param: Param = eqx.field(static=True)
     sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)
     scale: float = eqx.field(static=True)
+    family: type = eqx.field(static=True)  # whose layout rules place the weight on a mesh
 
     def value(self) -> Float[Array, "*dims"]:
+        """One layer's merged weight; inside the parallel step, the block of it this device
+        holds (the FSDP gather comes after, on the merged block)."""
         w = self.w.value() if isinstance(self.w, Deferred) else self.w
         lead = w.shape[: w.ndim - (len(self.param.names) - 1)]
-        d = delta(self.param, dict(self.sizes), self.adapter, self.scale, lead=lead)
+        sizes = dict(self.sizes)
+        split = local_split(self.path, self.param, self.family.config_cls.axis_rules, sizes, w.shape)
+        d = delta(self.param, sizes, self.adapter, self.scale, lead=lead, split=split)
         return _merged(self.path, w, d, frozen=True)
 
 
@@ -205,7 +263,8 @@ class LoraModel(eqx.Module):
         return type(self.base).placement_map
 
     def _with_deltas(self, frozen: bool, per_layer: bool = False) -> CausalLM:
-        specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
+        family = family_of(self.base)
+        specs, sizes, scale = family.param_specs(self.base.config), self.base.config.sizes, self.lora.scale
 
         def leaf(at, w):
             path = path_name(at)
@@ -219,9 +278,10 @@ class LoraModel(eqx.Module):
                 return jax.lax.stop_gradient(w) if frozen else w
             p = specs[path]
             if lazy:  # merged by the layer scan, a layer at a time
-                return LayerUpdate(w, self.adapters[path], path, p, tuple(sorted(sizes.items())), scale)
+                return LayerUpdate(w, self.adapters[path], path, p, tuple(sorted(sizes.items())), scale, family)
             w = w.stacked_value() if deferred else w
-            return _merged(path, w, delta(p, sizes, self.adapters[path], scale), frozen)
+            split = local_split(path, p, family.config_cls.axis_rules, sizes, w.shape)
+            return _merged(path, w, delta(p, sizes, self.adapters[path], scale, split=split), frozen)
 
         return jax.tree_util.tree_map_with_path(leaf, self.base, is_leaf=lambda x: isinstance(x, Deferred))
 
@@ -249,6 +309,10 @@ class LoraModel(eqx.Module):
     def merged(self) -> CausalLM:
         """The base model with the adapters folded in (:func:`merge`): what ``zoo.generate`` runs."""
         return merge(self)
+
+    def layout_specs(self) -> dict[str, Param]:
+        """Every array's description (:func:`param_specs`): how a mesh lays the model out."""
+        return param_specs(self)
 
     def after_step(self, metrics: Mapping[str, Array], options: Any = None) -> LoraModel:
         return eqx.tree_at(lambda m: m.base, self, self.base.after_step(metrics, options))
@@ -305,9 +369,10 @@ def param_specs(model: LoraModel) -> dict[str, Param]:
     """The parameter description of an adapted model, by its pytree paths (``base.<path>``,
     ``adapters.['<path>'].a``): the base's parameters ``trainable=False`` (no gradient, no
     optimizer state), the adapters' trainable weight matrices (``init="normal"``: decayed as
-    weight matrices are; :func:`init` makes them, not ``init_params``). Not in checkpoints
-    (``hf=None``: :mod:`zoo.lora.peft` writes them) and not laid out on a mesh yet: their
-    letters ``r``, ``i``, ``o`` (rank, in and out features) have no sizes or rules. A weight
+    weight matrices are; :func:`init` makes them, not ``init_params``), under PEFT's keys
+    (:mod:`zoo.lora.peft` writes them): laid out on a mesh by their weight's stacked letters (a
+    layer stack's ``L``, the experts' ``E``), their own ``r``, ``i``, ``o`` (rank, in and out
+    features) kept whole. A weight
     the base holds as what computes it (QLoRA's NF4 codes and scales: :mod:`zoo.lora.nf4`) is
     described by its fields' frozen parameters (``base.<path>.packed``, ...)."""
     base = family_of(model.base).param_specs(model.base.config)
@@ -320,9 +385,9 @@ def param_specs(model: LoraModel) -> dict[str, Param]:
         else:
             out[f"base.{k}"] = dataclasses.replace(p, trainable=False)
     for name in model.adapters:
-        stacked = " ".join(base[name].stacked)
-        out[f"adapters.{jax.tree_util.DictKey(name)}.a"] = Param(axes=f"{stacked} r i".strip(), hf=None)
-        out[f"adapters.{jax.tree_util.DictKey(name)}.b"] = Param(axes=f"{stacked} o r".strip(), hf=None)
+        stacked, module = " ".join(base[name].stacked), module_of(base[name])
+        out[f"adapters.{jax.tree_util.DictKey(name)}.a"] = Param(axes=f"{stacked} r i".strip(), hf=peft_key(module, "A"))
+        out[f"adapters.{jax.tree_util.DictKey(name)}.b"] = Param(axes=f"{stacked} o r".strip(), hf=peft_key(module, "B"))
     return out
 
 
@@ -336,9 +401,12 @@ def trainable_labels(model: LoraModel) -> LoraModel:
 def check_trainable(model: Any, *, mesh: Any = None) -> None:
     """Refuse what zoo.train cannot honour yet: a model with quantized weights but no adapters
     (its base is frozen: only adapters train on it), LoRA dropout (the adapters are merged into
-    the weights, so there is no adapter input of its own to drop), and a mesh (what the adapters
-    are not yet laid out for). A placement map places the base model's named tensors; host memory
-    holds the whole tree (base, quantized codes too, adapters and their moments) between steps."""
+    the weights, so there is no adapter input of its own to drop), and a quantized base on a mesh
+    (its codes are not laid out on one). Adapters train on any mesh: laid out by their weight's
+    stacked letters (layers over ``pipeline``, experts over ``expert``), whole otherwise, each
+    device merging the block of the update its weight's block needs. A placement map places the
+    base model's named tensors; host memory holds the whole tree (base, quantized codes too,
+    adapters and their moments) between steps."""
     if isinstance(model, LoraConfig):  # its first argument was the config until 2026-12-05
         raise TypeError("zoo.lora.check_trainable takes the model (a LoraModel, or a model without adapters), "
                         "not its LoraConfig")  # fmt: skip
@@ -351,5 +419,18 @@ def check_trainable(model: Any, *, mesh: Any = None) -> None:
     if config.dropout:
         raise ConfigError(f"LoRA dropout {config.dropout} is not implemented for training (the adapters are merged "
                           "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
-    if mesh is not None and mesh.size > 1:
-        raise ConfigError(f"LoRA adapters train on one device for now, not on a mesh of {mesh.size}")
+    if mesh is None or mesh.size == 1:
+        return
+    if any(is_deferred(x) for x in jax.tree.leaves(model.base, is_leaf=is_deferred)):
+        raise ConfigError(f"QLoRA: a quantized base trains on one device for now, not on a mesh of {mesh.size} "
+                          "(its codes are not laid out on a mesh): use --lora without --qlora there")  # fmt: skip
+    config = model.base.config
+    family = family_of(model.base)
+    sizes, laid = config.sizes, layout_sizes(config, mesh)
+    specs, rules = family.param_specs(config), family.config_cls.axis_rules
+    for path in model.adapters:  # an update is merged into the weight's block as it is: not into padding
+        for letter in (a for g in specs[path].hf_groups() for a in g if laid[a] != sizes[a]):
+            raise ConfigError(f"LoRA on {path}: this mesh pads its {letter} ({rules[letter].field} {sizes[letter]} "
+                              f"-> {laid[letter]}), which adapters do not support yet: use a mesh whose "
+                              f"{rules[letter].mesh_axis} divides {sizes[letter]}, or leave {module_of(specs[path]).rsplit('.', 1)[-1]} "
+                              "out of the targets")  # fmt: skip

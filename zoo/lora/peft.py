@@ -21,10 +21,10 @@ from zoo.core.registry import family_of
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.safetensors import SafetensorsFile, write_safetensors
 from zoo.lora.adapter import ALL_LINEAR, Adapter, LoraConfig, LoraModel, dims, resolve_targets
+from zoo.lora.adapter import peft_key as _key
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-PREFIX = "base_model.model."
 
 # PEFT LoraConfig fields that change the adapted model, with the values zoo honours (their
 # defaults): any other value is refused, naming the field. Fields not listed (bookkeeping such as
@@ -46,10 +46,6 @@ _MUST_BE: dict[str, tuple[Any, ...]] = {
     "alora_invocation_tokens": (None,),
     "megatron_config": (None,),
 }
-
-
-def _key(module: str, which: str) -> str:
-    return f"{PREFIX}{module}.lora_{which}.weight"
 
 
 def adapter_config(model: LoraModel, base_model_name_or_path: str | None = None) -> dict[str, Any]:

@@ -9,10 +9,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from zoo.core.layout import StageOrdered, pad, param_axes, partition_specs
+from zoo.core.layout import StageOrdered, is_laid_out, model_specs, pad, param_axes, partition_specs, rules_of
 from zoo.core.mesh import PIPELINE
 from zoo.core.params import map_params
-from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 from zoo.hooks.pipeline import stage_order
 
@@ -88,9 +87,9 @@ def reorder_stacks(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = Fal
         return np.asarray(x)[order]
 
     def sub(m):
-        if not is_model(m):
+        if not is_laid_out(m):  # a model, or a wrapper around one (LoRA's adapters follow its stacks)
             return m
-        specs, rules = family_of(m).param_specs(m.config), type(m.config).axis_rules
+        specs, rules = model_specs(m), rules_of(m)
 
         def leaf(path, x):
             p = specs[path]
@@ -105,7 +104,7 @@ def reorder_stacks(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = Fal
 
         return map_params(leaf, m)
 
-    return jax.tree.map(sub, tree, is_leaf=is_model)
+    return jax.tree.map(sub, tree, is_leaf=is_laid_out)
 
 
 def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = False) -> PyTree:
@@ -128,10 +127,10 @@ def to_stage_order(tree: PyTree, mesh: Any, virtual: int, *, inverse: bool = Fal
                 raise ConfigError(f"to_stage_order(inverse=True): the model is in the stage order of {m.stages} stages x "
                                   f"{m.virtual} virtual stages, not {stages} x {virtual}")  # fmt: skip
             return reorder_stacks(m.model, mesh, virtual, inverse=True)
-        if not is_model(m):
+        if not is_laid_out(m):
             return m
         if inverse:
             raise ConfigError("to_stage_order(inverse=True): the model is in layer order already")
         return StageOrdered(reorder_stacks(m, mesh, virtual), stages, virtual)
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: is_model(x) or isinstance(x, StageOrdered))
+    return jax.tree.map(one, tree, is_leaf=lambda x: is_laid_out(x) or isinstance(x, StageOrdered))

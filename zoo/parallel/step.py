@@ -24,6 +24,7 @@ from jaxtyping import PyTree
 from zoo.core.layout import (
     StageOrdered,
     check_padded,
+    family_model,
     gather_axes,
     is_layer_stack,
     model_specs,
@@ -44,6 +45,7 @@ from zoo.hooks.step import (
     VocabSplit,
     context_order,
     gather_fsdp,
+    stack_structure,
     step_context,
     varying_axes,
     varying_over,
@@ -51,7 +53,7 @@ from zoo.hooks.step import (
 from zoo.parallel import one_f_one_b
 
 
-def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], list]:
+def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], PyTree]:
     """Per layer stack (keyed by its tree structure), the dims each leaf of one layer is
     all-gathered on (:class:`Gather`: over ``fsdp`` and the expert group where it joins, as
     :func:`gather_axes` says; ``shared`` where those axes are not among ``batch_axes``); and per
@@ -60,8 +62,10 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     where no mesh axis splits its experts, is :class:`GatherLater`: the MoE layer gathers it
     a block of experts at a time. A sub-module the model declares a layer run on its own
     (``layer_blocks``) is gathered by the model like the stack's layer it is shaped as (its
-    leaves: none at the start)."""
+    leaves: none at the start). The second is a tree shaped as the model, a tuple at each array. A :class:`zoo.core.protocol.Wrapper`'s own arrays (LoRA's
+    adapters) are used as laid out: none is gathered."""
 
+    wrapper, model = model, family_model(model)
     specs, rules, sizes = model_specs(model), rules_of(model), model.config.sizes
     stacks: dict[str, bool] = {}
     for path, p in specs.items():
@@ -111,7 +115,9 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
         return dims(path, 0)
 
     rest = map_params(lambda path, x: start(path), model)
-    return plans, jax.tree.leaves(rest, is_leaf=lambda d: isinstance(d, tuple))
+    if wrapper is not model:
+        rest = eqx.tree_at(lambda w: w.base, map_params(lambda path, x: (), wrapper), rest)
+    return plans, rest
 
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -129,6 +135,7 @@ def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_st
     stages = axis_size(mesh, PIPELINE)
     if stages == 1:
         return None
+    model = family_model(model)  # (a wrapper's arrays follow its base's stacks)
     specs, rules = model_specs(model), rules_of(model)
     sizes = model.config.sizes
     layers = {}
@@ -136,7 +143,7 @@ def pipeline_split_of(model, mesh: AnyMesh, microbatches: int | None, virtual_st
         sub = getattr(model, root, None)
         stack = [p for path, p in specs.items() if path.split(".")[0] == root]
         if sub is not None and all(param_axes(p, mesh, rules=rules, sizes=sizes)[0] == PIPELINE for p in stack):
-            layers[jax.tree.structure(sub)] = sizes[stack[0].names[0]]
+            layers[stack_structure(sub)] = sizes[stack[0].names[0]]
     m = stages if microbatches is None else microbatches
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise MeshError(f"value_and_grad: microbatches must be a positive integer, got {microbatches!r}")
@@ -151,6 +158,7 @@ def vocab_split_of(model, mesh: AnyMesh) -> VocabSplit | None:
     streamed instead of gathered whole (:mod:`zoo.vocab_parallel`): over ``fsdp`` and over the
     ``pipeline`` stages, those of the two that split the ``V`` of every parameter that has one;
     ``None`` where neither does (a vocabulary kept whole)."""
+    model = family_model(model)
     specs, rules = model_specs(model), rules_of(model)
     sizes = model.config.sizes
     found = {param_axes(p, mesh, rules=rules, sizes=sizes)[p.names.index(VOCAB)] for p in specs.values() if VOCAB in p.names}
@@ -185,9 +193,9 @@ def _check_batch(batch: Sequence[Any] | Mapping[str, Any], mesh: AnyMesh, axes: 
 
 
 def _trainable_mask(model) -> PyTree:
-
+    """``True`` on each floating parameter the description trains, ``False`` on the other leaves."""
     specs = model_specs(model)
-    return map_params(lambda path, x: specs[path].trainable, model)
+    return map_params(lambda path, x: specs[path].trainable and jnp.issubdtype(x.dtype, jnp.inexact), model)
 
 
 def value_and_grad(
@@ -199,6 +207,7 @@ def value_and_grad(
     microbatches: int | None = None,
     virtual_stages: int = 1,
     schedule: str = "gpipe",
+    frozen: str = "zeros",
 ) -> Callable[..., Any]:
     """``f(model, *batch, **static) -> (loss[, aux]), grads`` computed under ``jax.shard_map``.
 
@@ -212,7 +221,11 @@ def value_and_grad(
     still varies over the batch axes is averaged (``pmean``). ``aux``
     leaves are reduced over the batch axes too: integer leaves (counts such as
     ``expert_load``) summed, floating leaves averaged. Parameters with ``trainable=False``
-    (the router bias) get zero gradients. Keyword arguments are passed to ``loss_fn``: arrays
+    (the router bias, a LoRA base) are not differentiated: their gradients are zeros, or with
+    ``frozen="none"`` ``None`` (no buffer of a frozen base's size; an optimizer that never
+    updates them takes them so). ``model`` may be a family's model or a
+    :class:`zoo.core.protocol.Wrapper` around one (:class:`zoo.lora.LoraModel`), whose own
+    arrays (the adapters) are laid out by its description. Keyword arguments are passed to ``loss_fn``: arrays
     (``positions=``, ``segment_ids=``, ``loss_mask=``) split like the batch, anything else (``placement=``)
     as a static value. The returned function is jitted with ``eqx.filter_jit``.
 
@@ -231,8 +244,10 @@ def value_and_grad(
     """
     if schedule not in SCHEDULES:
         raise MeshError(f"value_and_grad: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if frozen not in ("zeros", "none"):
+        raise MeshError(f"value_and_grad: frozen must be 'zeros' or 'none', got {frozen!r}")
     return _sharded(loss_fn, mesh, has_aux, batch_axes, microbatches, virtual_stages, differentiate=True,
-                    schedule=schedule)  # fmt: skip
+                    schedule=schedule, frozen=frozen)  # fmt: skip
 
 
 def value(
@@ -254,7 +269,7 @@ def value(
 
 def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_axes: Sequence[str],
              microbatches: int | None, virtual_stages: int, *, differentiate: bool,
-             schedule: str = "gpipe") -> Callable[..., Any]:  # fmt: skip
+             schedule: str = "gpipe", frozen: str = "zeros") -> Callable[..., Any]:  # fmt: skip
     batch_axes = tuple(batch_axes)
     for a in batch_axes:
         check_axis(a, "value_and_grad batch_axes")
@@ -289,13 +304,12 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
         def body(params, local_arrays, *local_batch):
             with step_context(mesh, plans, split, pipelined) as ctx:
 
-                def prepare(p):
-                    leaves, treedef = jax.tree.flatten(p)
+                def prepare(p):  # the parameters, or a part of them (None at the others)
                     # Each parameter is cast to varying over the batch axes once, here: its
                     # gradient is then all-reduced once, as the sum of its uses' (a tied
                     # embedding's lookup and head were two all-reduces of a [V, D] buffer).
-                    leaves = [varying_over(gather_fsdp(x, d), vary) for x, d in zip(leaves, rest)]
-                    return jax.tree.unflatten(treedef, leaves)
+                    return jax.tree.map(lambda d, x: None if x is None else varying_over(gather_fsdp(x, d), vary),
+                                        rest, p, is_leaf=lambda d: isinstance(d, tuple))  # fmt: skip
 
                 def loss_of(p, rows):
                     out = loss_fn(p, *rows[0], **static, **rows[1])
@@ -309,10 +323,12 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
                     over = tuple(a for a in axes if a in varying_axes(loss))
                     return (jax.lax.pmean(loss, over) if over else loss), aux
 
+                # Differentiated: the trainable parameters only (a frozen one's gradient, a
+                # LoRA base's, would be computed to be thrown away).
+                diff, nondiff = eqx.partition(params, trainable)
                 if differentiate and pipelined is not None and pipelined.schedule == "1f1b":
-                    diff, nondiff = eqx.partition(params, eqx.is_inexact_array)
-                    prepared, prepare_vjp = jax.vjp(lambda d: prepare(eqx.combine(d, nondiff)), diff)
-                    prepared_diff, prepared_rest = eqx.partition(prepared, eqx.is_inexact_array)
+                    prepared_diff, prepare_vjp = jax.vjp(prepare, diff)
+                    prepared_rest = prepare(nondiff)
                     (loss, aux), d_prepared = one_f_one_b.value_and_grad(
                         lambda d, rows: loss_of(eqx.combine(d, prepared_rest), rows),
                         prepared_diff, (local_batch, local_arrays), pipelined,
@@ -320,8 +336,9 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
                     (grads,) = prepare_vjp(d_prepared)
                 elif differentiate:
                     (loss, aux), grads = eqx.filter_value_and_grad(
-                        lambda p: loss_of(prepare(p), (local_batch, local_arrays)), has_aux=True
-                    )(params)
+                        lambda d: loss_of(eqx.combine(prepare(d), prepare(nondiff)), (local_batch, local_arrays)),
+                        has_aux=True,
+                    )(diff)
                 else:
                     (loss, aux), grads = loss_of(prepare(params), (local_batch, local_arrays)), None
                 missing = [t for t, plan in plans.items() if any(plan) and t not in ctx.gathered]
@@ -338,7 +355,10 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
             out = (loss, aux) if has_aux else loss
             if not differentiate:
                 return out
-            return out, jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), grads, trainable)
+            if frozen == "none":
+                return out, grads
+            return out, jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None and p is not None else g, grads, params,
+                                     is_leaf=lambda x: x is None)  # fmt: skip
 
         in_specs = (specs, jax.tree.map(lambda _: bspec, arrays), *(jax.tree.map(lambda _: bspec, b) for b in batch))
         value_spec = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()

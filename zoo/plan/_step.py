@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from zoo import lora, parallel, train
+from zoo.core.layout import is_laid_out, model_specs
 from zoo.core.params import is_deferred, is_param, path_name
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
@@ -162,12 +163,13 @@ class Step:
     def specs(self, tree: Any) -> Any:
         """A ``PartitionSpec`` per array leaf of ``tree`` (a model, or a tree holding models:
         the optimizer's moments), from the parameter description; other leaves replicated."""
-        described = family_of(self.config).param_specs(self.config)  # (a LoRA model's base: its adapters replicated)
         rules = type(self.config).axis_rules
 
         def of_model(m: Any) -> Any:
+            described = model_specs(m)  # (a LoRA model's: its adapters by their weights' stacked letters)
+
             def leaf(path, x):
-                if is_deferred(x):  # a quantized base's codes and scales: one device's (LoRA refuses a mesh)
+                if is_deferred(x):  # a quantized base's codes and scales: one device's (QLoRA refuses a mesh)
                     return jax.tree.map(lambda _: PartitionSpec(), x, is_leaf=_is_sds)
                 if not _is_sds(x):
                     return x
@@ -178,11 +180,11 @@ class Step:
             return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=lambda x: _is_sds(x) or is_deferred(x))
 
         def sub(x: Any) -> Any:
-            if is_model(x):
+            if is_laid_out(x):
                 return of_model(x)
             return PartitionSpec() if _is_sds(x) else x
 
-        return jax.tree.map(sub, tree, is_leaf=lambda x: is_model(x) or _is_sds(x))
+        return jax.tree.map(sub, tree, is_leaf=lambda x: is_laid_out(x) or _is_sds(x))
 
     def divisor(self, spec: PartitionSpec) -> int:
         n = 1

@@ -81,8 +81,9 @@ def make_train_step(
         return loss_and_metrics(m, ids, cfg=cfg, placement=placement, **fields)
 
     if mesh is not None and mesh.size > 1:
+        # (frozen parameters, a LoRA base: no gradient at all, as below)
         grad_fn = parallel.value_and_grad(loss_fn, mesh, has_aux=True, microbatches=cfg.microbatches,
-                                          virtual_stages=cfg.virtual_stages, schedule=cfg.schedule)  # fmt: skip
+                                          virtual_stages=cfg.virtual_stages, schedule=cfg.schedule, frozen="none")  # fmt: skip
     else:
         # Differentiated: the trained parameters only. A frozen one's gradient would be zeros
         # carried through the accumulation and the update (a LoRA base's: the model's size).
