@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, as train.py "
                         "--save-adapter or peft writes it) merged into the checkpoint first")
-    p.add_argument("--qlora", default=None, choices=["int8", "nf4"],
+    p.add_argument("--qlora", default=None, choices=["fp8", "int8", "nf4"],
                    help="with --adapter: merge it into the checkpoint's layer stacks quantized so, as its QLoRA run "
                         "(train.py --qlora) trained it")  # fmt: skip
     p.add_argument("--data", default="stdlib", help="as recipes/train.py's --data (default: the embedded corpus)")

@@ -158,7 +158,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--qlora", default=None, choices=sorted(formats.QUANTIZED),
                    help="with --lora: QLoRA, the frozen model's layer stacks stored quantized as bitsandbytes stores "
                         "them (nf4: 4-bit NormalFloat with double quantization; int8: row-wise absmax, LLM.int8), "
-                        "dequantized a layer at a time in the step")  # fmt: skip
+                        "or fp8 (E4M3 with a scale per 128x128 tile, as DeepSeek-V3's checkpoint: an FP8 "
+                        "checkpoint's own codes kept), dequantized a layer at a time in the step")  # fmt: skip
     r.add_argument("--overwrite-hf", action="store_true",
                    help="--save-hf may replace what the directory holds (another run's export)")
     r.add_argument("--wandb", metavar="PROJECT", default=None,

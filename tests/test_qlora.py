@@ -17,9 +17,12 @@ from helpers import load_recipe
 
 import zoo
 from zoo import lora
+from zoo.core.registry import family_of
 from zoo.errors import CheckpointError, ConfigError
-from zoo.lora import int8, nf4
+from zoo.hf.safetensors import SafetensorsFile
+from zoo.lora import fp8, int8, nf4
 from zoo.lora.quantized import QuantizedWeight
+from zoo.params import flatten
 
 BNB = np.load(FIXTURES / "nf4" / "bitsandbytes.npz")
 BNB_INT8 = np.load(FIXTURES / "int8" / "bitsandbytes.npz")
@@ -74,9 +77,9 @@ def test_a_weight_not_in_whole_blocks_is_refused():
 
 
 @pytest.mark.parametrize("name, fmt", [("llama3_1-tiny", nf4), ("qwen3_moe-tiny", nf4), ("deepseek_v3-tiny", nf4),
-                                       ("llama3_1-tiny", int8), ("deepseek_v3-tiny", int8)])  # fmt: skip
+                                       ("llama3_1-tiny", int8), ("deepseek_v3-tiny", int8), ("llama3_1-tiny", fp8)])  # fmt: skip
 def test_lora_on_a_quantized_base_is_lora_on_its_dequantized_weights(name, fmt):
-    """Every linear weight of the layer stacks in NF4 or int8 (about a quarter of float32's
+    """Every linear weight of the layer stacks in NF4, int8 or FP8 (about a quarter of float32's
     bytes with their scales, NF4 a little less at real sizes): the model runs its dequantized
     weights, a layer at a time; LoRA on it has the loss and adapter gradients of LoRA on those
     weights, and merges into the same checkpoint."""
@@ -105,7 +108,7 @@ def test_lora_on_a_quantized_base_is_lora_on_its_dequantized_weights(name, fmt):
     np.testing.assert_array_equal(np.asarray(lora.merge(model)(ids)), np.asarray(lora.merge(ref)(ids)))
 
 
-@pytest.mark.parametrize("name, fmt", [("llama3_1-tiny", nf4), ("deepseek_v3-tiny", int8)])
+@pytest.mark.parametrize("name, fmt", [("llama3_1-tiny", nf4), ("deepseek_v3-tiny", int8), ("llama3_1-tiny", fp8)])
 def test_a_checkpoint_loads_quantized_as_read(name, fmt):
     """``nf4.from_pretrained`` / ``int8.from_pretrained`` quantize each layer stack's weights on
     the host as the checkpoint is read (the device never holds them unquantized): the model is
@@ -118,6 +121,39 @@ def test_a_checkpoint_loads_quantized_as_read(name, fmt):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(TypeError, match="convert= is for one device"):
         fmt.from_pretrained(FIXTURES / name, mesh=jax.make_mesh((1,), ("data",)))
+
+
+def test_an_fp8_checkpoint_is_kept_in_its_own_codes():
+    """Issue 41's FP8 base: ``fp8.from_pretrained`` on DeepSeek-V3's FP8 layout keeps each weight's
+    stored E4M3 codes and ``weight_scale_inv`` as they are (not re-quantized; the router stays in the
+    float32 the checkpoint stores it in); its dequantized weights are ``zoo.from_pretrained``'s,
+    bit for bit; and :func:`fp8.quantize` of those weights gives back the codes and scales of the
+    quantizer that wrote the fixture (upstream, not zoo's)."""
+    directory = FIXTURES / "deepseek_v3-tiny-fp8"
+    loaded = fp8.from_pretrained(directory)
+    plain = zoo.from_pretrained(directory)
+    got, want = flatten(fp8.dequantized(loaded)), flatten(plain)
+    assert set(got) == set(want)
+    for path in want:
+        np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want[path]), err_msg=path)
+    assert isinstance(loaded.moe_layers.moe.router, jax.Array)  # stored float32: kept so
+    files = SafetensorsFile(directory / "model.safetensors")
+    specs, sizes = family_of(plain).param_specs(plain.config), plain.config.sizes
+    weights = {"moe_layers.moe.w_gate": loaded.moe_layers.moe.w_gate, "dense_layers.attn.wq_b": loaded.dense_layers.attn.wq_b}
+    for path, w in weights.items():
+        assert isinstance(w, fp8.FP8Weight) and w.block == (32, 32), path
+        for idx, key in specs[path].hf_keys(sizes):
+            codes, scale = files.get(key), files.get(f"{key}_scale_inv")
+            np.testing.assert_array_equal(np.asarray(w.codes[idx]).view(np.uint8), codes.view(np.uint8), err_msg=key)
+            np.testing.assert_array_equal(np.asarray(w.scale_inv[idx]), scale, err_msg=key)
+    again = fp8.quantize_model(plain, block=(32, 32))  # the dequantized weights quantized by zoo
+    assert jax.tree.structure(again) == jax.tree.structure(loaded)
+    for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(loaded), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    ids = jnp.arange(32).reshape(2, 16) % plain.config.vocab_size
+    np.testing.assert_allclose(np.asarray(loaded(ids)), np.asarray(plain(ids)), atol=1e-5, rtol=0)
+    assert fp8.nbytes(weights["moe_layers.moe.w_gate"]) < 0.26 * weights["moe_layers.moe.w_gate"].stacked_value().nbytes
 
 
 def test_zoo_train_trains_lora_on_an_nf4_base_as_on_its_dequantized_weights(tmp_path):
@@ -174,7 +210,7 @@ def _train_recipe():
     return _recipe("train")
 
 
-@pytest.mark.parametrize("fmt", [nf4, int8], ids=["nf4", "int8"])
+@pytest.mark.parametrize("fmt", [nf4, int8, fp8], ids=["nf4", "int8", "fp8"])
 def test_recipe_qlora_trains_adapters_on_the_quantized_checkpoint(tmp_path, capsys, fmt):
     """`recipes/train.py --checkpoint DIR --lora r=8,alpha=16 --qlora nf4|int8`: the held-out loss
     falls; the saved adapters on the checkpoint's quantized weights (quantized again, as the run did)

@@ -8,11 +8,11 @@ from types import ModuleType
 
 from zoo.core.protocol import CausalLM
 from zoo.errors import ConfigError
-from zoo.lora import int8, nf4
+from zoo.lora import fp8, int8, nf4
 from zoo.lora.adapter import merge
 from zoo.lora.peft import load_adapter
 
-QUANTIZED: dict[str, ModuleType] = {"nf4": nf4, "int8": int8}  # each has quantize_model and from_pretrained
+QUANTIZED: dict[str, ModuleType] = {"nf4": nf4, "int8": int8, "fp8": fp8}  # each has quantize_model and from_pretrained
 
 
 def format_module(name: str) -> ModuleType:
@@ -22,7 +22,7 @@ def format_module(name: str) -> ModuleType:
 
 
 def merged_adapter(model: CausalLM, directory: str | Path, *, quantized: str | None = None) -> CausalLM:
-    """``model`` with the PEFT adapter in ``directory`` merged in; ``quantized`` (``"nf4"``,
+    """``model`` with the PEFT adapter in ``directory`` merged in; ``quantized`` (``"nf4"``, ``"fp8"``,
     ``"int8"``): onto its layer stacks quantized first, as a QLoRA run trained the adapter (the
     merge dequantizes them: the model it gives is the one that run's steps computed)."""
     base = model if quantized is None else format_module(quantized).quantize_model(model)

@@ -26,7 +26,7 @@ from zoo.core.params import Deferred, Param, map_params
 from zoo.core.protocol import CausalLM
 from zoo.core.registry import family_of
 from zoo.hf.load import from_pretrained
-from zoo.lora.adapter import linear_weights
+from zoo.lora.adapter import linear_weights, module_of
 
 
 class QuantizedWeight(Deferred):
@@ -71,30 +71,33 @@ Quantize = Callable[[np.ndarray, str], dict[str, np.ndarray]]
 Shapes = Callable[[tuple[int, int], str], dict[str, tuple[tuple[int, ...], object]]]
 
 
-def quantize_stacks(model: CausalLM, quantize: Quantize, shapes: Shapes, weight: type[QuantizedWeight]) -> CausalLM:
+def quantize_stacks(model: CausalLM, quantize: Quantize, shapes: Shapes, weight: Callable[..., QuantizedWeight],
+                    keep: tuple[str, ...] = ()) -> CausalLM:  # fmt: skip
     """``model`` with every linear weight of its layer stacks (those a LoRA target may name:
-    :func:`zoo.lora.linear_weights`) quantized, a stored matrix at a time; the embedding, the
-    head, norms, routers and weights outside the stacks as they were. An abstract model's (its
-    arrays ``jax.ShapeDtypeStruct``, as the planner holds one) gets the shapes of its codes."""
+    :func:`zoo.lora.linear_weights`) quantized, a stored matrix at a time, but the modules named
+    in ``keep``; the embedding, the head, norms and weights outside the stacks as they were. An
+    abstract model's (its arrays ``jax.ShapeDtypeStruct``, as the planner holds one) gets the
+    shapes of its codes."""
     specs = family_of(model).param_specs(model.config)
     sizes = tuple(sorted(model.config.sizes.items()))
 
     def leaf(path: str, w):
-        if not quantized_here(path, specs[path]):
+        if not quantized_here(path, specs[path], keep):
             return w
         return quantize_stack(path, specs[path], sizes, w, quantize, shapes, weight)
 
     return map_params(leaf, model)
 
 
-def quantized_here(path: str, p: Param) -> bool:
+def quantized_here(path: str, p: Param, keep: tuple[str, ...] = ()) -> bool:
     """Whether a quantized base holds this parameter quantized: a layer stack's linear weight
-    (one a LoRA target may name, :func:`zoo.lora.linear_weights`)."""
-    return path in linear_weights({path: p}) and is_layer_stack(p)
+    (one a LoRA target may name, :func:`zoo.lora.linear_weights`) whose module is not named in
+    ``keep``."""
+    return path in linear_weights({path: p}) and is_layer_stack(p) and module_of(p).rsplit(".", 1)[-1] not in keep
 
 
 def quantize_stack(path: str, p: Param, sizes: tuple[tuple[str, int], ...], w: object, quantize: Quantize,
-                   shapes: Shapes, weight: type[QuantizedWeight]) -> QuantizedWeight:  # fmt: skip
+                   shapes: Shapes, weight: Callable[..., QuantizedWeight]) -> QuantizedWeight:  # fmt: skip
     """One layer stack's weight ``w`` (in the family's layout: an array, a host buffer, or its
     ``ShapeDtypeStruct`` for the shapes only) quantized a stored matrix at a time."""
     stacked = w.shape[: len(p.stacked)]
@@ -110,7 +113,7 @@ def quantize_stack(path: str, p: Param, sizes: tuple[tuple[str, int], ...], w: o
     return weight(**{k: jnp.asarray(v) for k, v in arrays.items()}, **static)
 
 
-def load_quantized(path: str | Path, quantize: Quantize, shapes: Shapes, weight: type[QuantizedWeight],
+def load_quantized(path: str | Path, quantize: Quantize, shapes: Shapes, weight: Callable[..., QuantizedWeight],
                    **options: Any) -> CausalLM:  # fmt: skip
     """A Hugging Face checkpoint loaded as :func:`zoo.from_pretrained` loads it (``options``: its
     keywords, one device), each layer stack's linear weight quantized on the host as it is

@@ -167,7 +167,7 @@ def build_model(*, checkpoint: str | None, model_type: str, preset: str, attenti
     where there is one: each process reads or initialises only its devices' shards. A preset
     with one multi-token-prediction layer (DeepSeek-V3's) trains it. ``moe``: the dispatch
     settings (:func:`moe_settings`), refused for a model without routed experts. ``quantized``
-    (``--qlora``: ``"nf4"``, ``"int8"``): a checkpoint's layer stacks quantized on the host as
+    (``--qlora``: ``"nf4"``, ``"int8"``, ``"fp8"``): a checkpoint's layer stacks quantized on the host as
     they are read, on one device (:func:`zoo.lora.quantized.load_quantized`)."""
     moe = dict(moe or {})
     if moe:
