@@ -28,7 +28,7 @@ from zoo import lora
 from zoo.core.registry import family_of
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.safetensors import SafetensorsFile
-from zoo.lora import nf4
+from zoo.lora import int8
 
 ADAPTERS = {
     "llama3_1-tiny-lora": "llama3_1-tiny",
@@ -300,30 +300,33 @@ def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     run = json.loads((tmp_path / "b" / "run.json").read_text())
     assert run["lora"]["r"] == 4 and run["model"] == "Llama"
-    quantized = lora.init(nf4.quantize_model(make().base), lora.LoraConfig(r=4, alpha=8, targets=("q_proj",)), key=jr.key(1))
-    with pytest.raises(ConfigError, match="QLoRA: a quantized base trains on one device"):  # codes not laid out on a mesh
-        ztrain.train(quantized, corpus, cfg, run_dir=tmp_path / "c", mesh=_TwoDevices())
 
 
 # LoRA under zoo.parallel's step, against one device: every kind of split of the weights an
 # adapter updates (FSDP's and the tensor split's blocks, stages, experts over the expert group,
-# a pipelined stack padded to the stages), each device merging its block of the update.
+# a pipelined stack padded to the stages), each device merging its block of the update; QLoRA's
+# quantized base (its codes split as the weight's stacked letters, each device dequantizing a
+# layer's and taking its block).
 MESH_CASES = [
-    ("llama", "fsdp=4,tensor=2", {}),
-    ("llama", "pipeline=2,fsdp=2,tensor=2", {"microbatches": 4, "schedule": "1f1b"}),
-    ("deepseek_v3", "fsdp=2,expert=4", {}),  # MLA's low-rank projections, routed and shared experts, MTP
-    ("qwen3_moe", "pipeline=2,expert=2,tensor=2", {}),  # one layer per stack: padded to the two stages
+    ("llama", "fsdp=4,tensor=2", {}, None),
+    ("llama", "pipeline=2,fsdp=2,tensor=2", {"microbatches": 4, "schedule": "1f1b"}, "nf4"),
+    ("deepseek_v3", "fsdp=2,expert=4", {}, "fp8"),  # MLA's low-rank projections, routed and shared experts, MTP
+    ("qwen3_moe", "pipeline=2,expert=2,tensor=2", {}, None),  # one layer per stack: padded to the two stages
 ]
 
 
-@pytest.mark.parametrize("name, spec, options", MESH_CASES, ids=[f"{n}-{s}" for n, s, _ in MESH_CASES])
-def test_lora_on_a_mesh_equals_one_device(name, spec, options):
+@pytest.mark.parametrize("name, spec, options, quantized", MESH_CASES,
+                         ids=[f"{n}-{s}{'-' + q if q else ''}" for n, s, _, q in MESH_CASES])  # fmt: skip
+def test_lora_on_a_mesh_equals_one_device(name, spec, options, quantized):
     """Issue 41 ("works under every mesh"): the adapters laid out by their weight's stacked
     letters (layers over stages, experts over the expert group), whole otherwise; the step's
     loss and adapter gradients equal one device's, and the frozen base gets no gradient."""
     from zoo import parallel
+    from zoo.lora import formats
 
     base = _tiny(name)
+    if quantized:
+        base = formats.format_module(quantized).quantize_model(base)
     model = lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("all-linear",)), key=jr.key(2))
     keys = iter(jr.split(jr.key(3), len(model.adapters)))  # B nonzero: the update reaches the loss
     model = eqx.tree_at(lambda m: m.adapters, model, {k: lora.Adapter(a=v.a, b=0.05 * jr.normal(next(keys), v.b.shape))
@@ -349,6 +352,9 @@ def test_lora_on_a_mesh_equals_one_device(name, spec, options):
     loss, grads = parallel.value_and_grad(loss_fn, mesh, frozen="none", **options)(placed, ids)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     assert jax.tree.leaves(grads.base) == []  # frozen: not differentiated
+    if quantized:  # the routed experts' codes split over the expert group as their weights are
+        codes = jax.tree.leaves(placed.base.moe_layers.moe.w_up if name == "deepseek_v3" else placed.base.layers.mlp.w_up)
+        assert codes[0].sharding.spec[:2] == (("pipeline", None) if stages > 1 else (None, "expert"))
     grads = parallel.unpad(grads)
     for path in model.adapters:
         for got, ref in ((grads.adapters[path].a, want.adapters[path].a), (grads.adapters[path].b, want.adapters[path].b)):
@@ -368,14 +374,15 @@ def _tiny(name: str):
     return make[name]()
 
 
-def test_the_lora_recipe_on_a_mesh_writes_what_one_device_writes(tmp_path):
-    """`recipes/train.py --lora ... --mesh pipeline=2,fsdp=2,tensor=2`: the adapters trained on
-    stages, FSDP and tensor blocks, saved in PEFT's format and merged into a checkpoint, equal
-    the single-device run's."""
+@pytest.mark.parametrize("qlora", [[], ["--qlora", "nf4"]], ids=["lora", "qlora-nf4"])
+def test_the_lora_recipe_on_a_mesh_writes_what_one_device_writes(tmp_path, qlora):
+    """`recipes/train.py --lora ... [--qlora nf4] --mesh pipeline=2,fsdp=2,tensor=2`: the adapters
+    trained on stages, FSDP and tensor blocks (on NF4 codes split over the stages), saved in PEFT's
+    format and merged into a checkpoint, equal the single-device run's."""
     recipe = _train_recipe()
     argv = ["--checkpoint", str(FIXTURES / "tokenizer-tiny"), "--data", str(FIXTURES / "chats.jsonl"), "--data-cache",
             str(tmp_path / "c"), "--steps", "4", "--batch-size", "4", "--seq-len", "64", "--eval-every", "4", "--lr", "3e-3",
-            "--lora", "r=8,alpha=16,targets=q_proj,v_proj,down_proj", "--peak-tflops", "1"]  # fmt: skip
+            "--lora", "r=8,alpha=16,targets=q_proj,v_proj,down_proj", "--peak-tflops", "1", *qlora]  # fmt: skip
     for name, mesh in (("one", []), ("mesh", ["--mesh", "pipeline=2,fsdp=2,tensor=2"])):
         recipe.main([*argv, *mesh, "--run-dir", str(tmp_path / f"run-{name}"), "--save-adapter", str(tmp_path / f"a-{name}"),
                      "--save-hf", str(tmp_path / f"m-{name}")])  # fmt: skip
@@ -414,12 +421,6 @@ def test_a_lora_run_with_a_map_or_host_memory_trains_as_on_device(tmp_path, wher
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=path)
     for x, y in zip(jax.tree.leaves(plain.base), jax.tree.leaves(placed.base), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the base is frozen either way
-
-
-class _TwoDevices:
-    """A stand-in for a mesh of two devices (the check reads its size only)."""
-
-    size = 2
 
 
 def test_a_lora_step_merges_a_layer_at_a_time():
@@ -461,6 +462,9 @@ def test_an_adapted_weight_the_mesh_pads_is_refused_naming_it():
     with pytest.raises(ConfigError, match=r"layers.mlp.w_down: this mesh pads its F \(intermediate_size 161 -> 162\)"):
         lora.check_trainable(model, mesh=mesh)
     lora.check_trainable(lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj",)), key=jr.key(1)), mesh=mesh)
+    quantized = lora.init(int8.quantize_model(base), lora.LoraConfig(r=4, alpha=8, targets=("q_proj",)), key=jr.key(1))
+    with pytest.raises(ConfigError, match=r"QLoRA: this mesh pads layers.mlp.w_\w+'s F \(intermediate_size 161 -> 162\)"):
+        lora.check_trainable(quantized, mesh=mesh)  # a quantized weight's codes are not padded either
 
 
 def test_generate_takes_an_adapted_model():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -120,6 +120,9 @@ class _Step:
     # those the MoE layer took (the step refuses a model that left one ungathered).
     later: dict[int, tuple[Any, tuple[Gather, ...]]] = dataclasses.field(default_factory=dict)
     later_taken: set[int] = dataclasses.field(default_factory=set)
+    # The model's layout rules (letter -> AxisRule): where a weight computed inside the step (a
+    # quantized base's, zoo.lora) finds the block of it this device holds.
+    rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
@@ -380,11 +383,12 @@ def current_step() -> _Step | None:
 
 @contextlib.contextmanager
 def step_context(
-    mesh: AnyMesh, plans: dict[Any, Any], vocab: VocabSplit | None = None, pipeline: PipelineSplit | None = None
+    mesh: AnyMesh, plans: dict[Any, Any], vocab: VocabSplit | None = None, pipeline: PipelineSplit | None = None,
+    rules: Mapping[str, Any] | None = None,
 ) -> Iterator[_Step]:
     """Trace the model inside the parallel step: the hooks see ``mesh``, the FSDP ``plans``, how
-    the vocabulary is split and how the layer stacks are pipelined."""
-    ctx = _Step(mesh, plans, set(), vocab, pipeline)
+    the vocabulary is split, how the layer stacks are pipelined and the model's layout ``rules``."""
+    ctx = _Step(mesh, plans, set(), vocab, pipeline, rules=dict(rules or {}))
     token = _STEP.set(ctx)
     try:
         yield ctx

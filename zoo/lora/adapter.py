@@ -401,10 +401,11 @@ def trainable_labels(model: LoraModel) -> LoraModel:
 def check_trainable(model: Any, *, mesh: Any = None) -> None:
     """Refuse what zoo.train cannot honour yet: a model with quantized weights but no adapters
     (its base is frozen: only adapters train on it), LoRA dropout (the adapters are merged into
-    the weights, so there is no adapter input of its own to drop), and a quantized base on a mesh
-    (its codes are not laid out on one). Adapters train on any mesh: laid out by their weight's
-    stacked letters (layers over ``pipeline``, experts over ``expert``), whole otherwise, each
-    device merging the block of the update its weight's block needs. A placement map places the
+    the weights, so there is no adapter input of its own to drop), and an adapted or quantized
+    weight that the mesh pads. Adapters train on any mesh: laid out by their weight's stacked
+    letters (layers over ``pipeline``, experts over ``expert``), whole otherwise, each device
+    merging the block of the update its weight's block needs; a quantized base's codes likewise,
+    each device dequantizing a layer's and taking its block. A placement map places the
     base model's named tensors; host memory holds the whole tree (base, quantized codes too,
     adapters and their moments) between steps."""
     if isinstance(model, LoraConfig):  # its first argument was the config until 2026-12-05
@@ -421,9 +422,6 @@ def check_trainable(model: Any, *, mesh: Any = None) -> None:
                           "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
     if mesh is None or mesh.size == 1:
         return
-    if any(is_deferred(x) for x in jax.tree.leaves(model.base, is_leaf=is_deferred)):
-        raise ConfigError(f"QLoRA: a quantized base trains on one device for now, not on a mesh of {mesh.size} "
-                          "(its codes are not laid out on a mesh): use --lora without --qlora there")  # fmt: skip
     config = model.base.config
     family = family_of(model.base)
     sizes, laid = config.sizes, layout_sizes(config, mesh)
@@ -434,3 +432,9 @@ def check_trainable(model: Any, *, mesh: Any = None) -> None:
                               f"-> {laid[letter]}), which adapters do not support yet: use a mesh whose "
                               f"{rules[letter].mesh_axis} divides {sizes[letter]}, or leave {module_of(specs[path]).rsplit('.', 1)[-1]} "
                               "out of the targets")  # fmt: skip
+    held = jax.tree_util.tree_flatten_with_path(model.base, is_leaf=is_deferred)[0]
+    for path in (path_name(at) for at, x in held if is_deferred(x)):  # a quantized weight's codes are not padded
+        for letter in (a for a in specs[path].names if laid[a] != sizes[a]):
+            raise ConfigError(f"QLoRA: this mesh pads {path}'s {letter} ({rules[letter].field} {sizes[letter]} -> "
+                              f"{laid[letter]}), which a quantized base does not support: use a mesh whose "
+                              f"{rules[letter].mesh_axis} divides {sizes[letter]}")  # fmt: skip

@@ -21,11 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Float32
 
-from zoo.core.layout import is_layer_stack
+from zoo.core.layout import is_layer_stack, param_axes
+from zoo.core.mesh import axis_names
 from zoo.core.params import Deferred, Param, map_params
 from zoo.core.protocol import CausalLM
 from zoo.core.registry import family_of
 from zoo.hf.load import from_pretrained
+from zoo.hooks.step import block_of, current_step
 from zoo.lora.adapter import linear_weights, module_of
 
 
@@ -44,24 +46,30 @@ class QuantizedWeight(Deferred):
         raise NotImplementedError
 
     def value(self) -> Float[Array, "*dims"]:
-        """One layer's weight (the layer axis gone; any view's leading axes kept)."""
+        """One layer's weight (the layer axis gone; any view's leading axes kept); inside the
+        parallel step, the block of it this device holds (the codes are split over the mesh
+        as the weight's stacked letters are, and held whole otherwise)."""
         flat = jax.lax.stop_gradient(_on_device(self)).stored_values()
         sizes, p = dict(self.sizes), self.param
         names = p.names[1:]
         stacked = [a for a in p.stacked if a in names]
         order = stacked + [a for g in p.hf_groups() for a in g]
         lead = flat.shape[: flat.ndim - 1 - len(stacked)]
-        w = flat.reshape(*lead, *(sizes[a] for a in order))
+        # (the stacked letters' sizes as held: the experts' may be this device's block of them)
+        w = flat.reshape(*flat.shape[:-1], *(sizes[a] for a in order[len(stacked) :]))
         w = w.transpose([*range(len(lead)), *(len(lead) + order.index(a) for a in names)])
-        return w.astype(self.dtype)
+        return _laid_out(w.astype(self.dtype), p, sizes)
 
     def field_params(self) -> dict[str, Param]:
-        """Frozen, and not in checkpoints (a quantized base is made from one)."""
-        s, out = " ".join(self.param.stacked), {}
+        """Frozen, and not in checkpoints (a quantized base is made from one): laid out on a mesh
+        by the weight's stacked letters (its checkpoint key's, here with the field's name), the
+        rest of each array whole."""
+        p, out = self.param, {}
+        s = " ".join(p.stacked)
         for f in (f.name for f in dataclasses.fields(self) if not f.metadata.get("static")):
-            inner = max(np.ndim(getattr(self, f)) - len(self.param.stacked), 0)  # (a planner's skeleton: scalars)
-            out[f] = Param(axes=" ".join([s, *(f"{f}{i}" for i in range(inner))]).strip(), hf=None, init="zeros",
-                           trainable=False)  # fmt: skip
+            inner = max(np.ndim(getattr(self, f)) - len(p.stacked), 0)  # (a planner's skeleton: scalars)
+            out[f] = Param(axes=" ".join([s, *(f"{f}{i}" for i in range(inner))]).strip(),
+                           hf=f"{p.hf[: -len('.weight')]}.{f}", init="zeros", trainable=False)  # fmt: skip
         return out
 
 
@@ -125,6 +133,20 @@ def load_quantized(path: str | Path, quantize: Quantize, shapes: Shapes, weight:
         return quantize_stack(name, p, tuple(sorted(sizes.items())), host, quantize, shapes, weight)
 
     return from_pretrained(path, convert=convert, **options)
+
+
+def _laid_out(w: Float[Array, "*dims"], p: Param, sizes: Mapping[str, int]) -> Float[Array, "*block"]:
+    """A layer's whole weight ``w`` (``p``'s letters last; the stacked ones as laid out), or
+    inside the parallel step the block of it this device holds by the model's layout."""
+    step = current_step()
+    if step is None:
+        return w
+    axes = param_axes(p, step.mesh, rules=step.rules, sizes=sizes)
+    for i, letter in enumerate(p.names):
+        j = w.ndim - len(p.names) + i
+        if letter not in p.stacked and j >= 0:
+            w = block_of(w, j, axis_names(axes[i]))
+    return w
 
 
 def _to_hf(p: Param) -> list[int]:

@@ -94,6 +94,10 @@ def _vary(x: Array, axes: frozenset[str]) -> Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
 def _zeros_like(x: Array) -> Array:
     """Zeros of ``x``'s shape and dtype, varying over the mesh axes ``x`` varies over."""
     return _vary(jnp.zeros(x.shape, x.dtype), varying_axes(x))
@@ -325,7 +329,8 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         "outs": [like(s, (slots + 1,)) for s in out_shapes],  # per-layer outputs awaiting the tail
         "counts": [like(s, (slots + 1,)) for s in count_shapes],
         "d_outs": [like(s, (waits, virtual)) for s in out_shapes],  # their gradients awaiting the backward pass
-        "g_block": jax.tree.map(_zeros_like, stacked),
+        # (the block's floating leaves: a quantized base's integer codes have no gradient)
+        "g_block": [_zeros_like(x) for x in jax.tree.leaves(stacked) if _inexact(x)],
         "g_rest": [_zeros_like(x) for x in rest_leaves],
         "loss": jnp.zeros((), jnp.float32),
         "aux": jax.tree.map(_zeros_of, aux_shape),
@@ -426,7 +431,8 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             r = rows_of(state, mb)
             # (The stage's input is a kept residual: ``state["bwd"]`` only stands in for its shape.)
             g_block, dh = backward(get_all(state["ring"], item % slots), (stacked, state["bwd"]), again, r, (g, d_outs))
-            state["g_block"] = jax.tree.map(lambda a, b: a + jnp.where(on, b, jnp.zeros_like(b)), state["g_block"], g_block)
+            g_block = [b for b in jax.tree.leaves(g_block) if _inexact(b)]
+            state["g_block"] = [a + jnp.where(on, b, jnp.zeros_like(b)) for a, b in zip(state["g_block"], g_block, strict=True)]
             state["bwd"] = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE, down), dh)
             j0 = t - (virtual * stages - 1) - last  # the first stage's backward item
             ends = (j0 >= 0) & (j0 < items) & (bwd_chunk[jnp.clip(j0, 0, items - 1)] == 0)
@@ -446,7 +452,9 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     state = loop(state, items + last, warm, fwd=False, bwd=True)
 
     # 3. The stack's gradient back to the parameters it was made of; the rest's added.
-    (d_stack,) = stack_vjp(state["g_block"])
+    g_block = iter(state["g_block"])
+    (d_stack,) = stack_vjp(jax.tree.map(lambda x: next(g_block) if _inexact(x) else np.zeros(x.shape, jax.dtypes.float0),
+                                        stacked))  # fmt: skip
     g_rest = iter(state["g_rest"])
     grads = [d if s else d + next(g_rest) for d, s in zip(d_stack, in_stack)]
     return (state["loss"], state["aux"]), jax.tree.unflatten(treedef, grads)

@@ -18,6 +18,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
@@ -34,7 +35,7 @@ from zoo.core.layout import (
     validate_mesh,
 )
 from zoo.core.mesh import BATCH_AXES, CONTEXT, PIPELINE, AnyMesh, axis_names, axis_size, check_axis
-from zoo.core.params import map_params
+from zoo.core.params import is_deferred, map_params, path_name
 from zoo.core.protocol import VOCAB
 from zoo.errors import ConfigError, MeshError
 from zoo.hooks.pipeline import stage_layout
@@ -51,6 +52,10 @@ from zoo.hooks.step import (
     varying_over,
 )
 from zoo.parallel import one_f_one_b
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
 
 
 def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], PyTree]:
@@ -87,12 +92,18 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
         experts = rule is not None and rule.mesh_axis == "expert" and axis_size(mesh, "expert") == 1
         return GatherLater(d) if experts and d and all(g.dim > 0 for g in d) else d
 
+    def layer_plan(sub: Any, prefix: str, stacked: int = 1) -> list:
+        # (a weight held as what computes it, a quantized base's: one leaf, gathered as its weight)
+        plan = jax.tree_util.tree_map_with_path(
+            lambda at, x: layer_dims(f"{prefix}{path_name(at)}", stacked) if _is_array(x) or is_deferred(x) else x,
+            sub, is_leaf=is_deferred)  # fmt: skip
+        return jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
+
     plans = {}
     for root, is_stack in stacks.items():
         sub = getattr(model, root, None)
         if is_stack and sub is not None:
-            plan = map_params(lambda path, x, root=root: layer_dims(f"{root}.{path}"), sub)
-            plans[jax.tree.structure(sub)] = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
+            plans[stack_structure(sub)] = layer_plan(sub, f"{root}.")
     blocks = tuple(getattr(type(model), "layer_blocks", ()))
     for block in blocks:
         sub = model
@@ -100,9 +111,8 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
             sub = getattr(sub, name, None)
         if sub is None:
             continue
-        plan = map_params(lambda path, x, block=block: layer_dims(f"{block}.{path}", 0), sub)
-        plan = jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
-        known = plans.setdefault(jax.tree.structure(sub), plan)
+        plan = layer_plan(sub, f"{block}.", 0)
+        known = plans.setdefault(stack_structure(sub), plan)
         if known != plan:
             raise MeshError(
                 f"{type(model).__name__}.layer_blocks: {block!r} has the structure of a layer stack of the model "
@@ -302,7 +312,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
         pipelined = pipeline_split_of(model, mesh, microbatches, virtual_stages, schedule)
 
         def body(params, local_arrays, *local_batch):
-            with step_context(mesh, plans, split, pipelined) as ctx:
+            with step_context(mesh, plans, split, pipelined, rules_of(model)) as ctx:
 
                 def prepare(p):  # the parameters, or a part of them (None at the others)
                     # Each parameter is cast to varying over the batch axes once, here: its

@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, S
 
 from zoo import lora, parallel, train
 from zoo.core.layout import is_laid_out, model_specs
-from zoo.core.params import is_deferred, is_param, path_name
+from zoo.core.params import is_param, path_name
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 from zoo.layers import precision as zoo_precision
@@ -169,15 +169,15 @@ class Step:
             described = model_specs(m)  # (a LoRA model's: its adapters by their weights' stacked letters)
 
             def leaf(path, x):
-                if is_deferred(x):  # a quantized base's codes and scales: one device's (QLoRA refuses a mesh)
-                    return jax.tree.map(lambda _: PartitionSpec(), x, is_leaf=_is_sds)
                 if not _is_sds(x):
                     return x
                 name = path_name(path)
+                if name not in described:  # a quantized weight's codes in a model without adapters: whole
+                    return PartitionSpec()
                 return PartitionSpec(*parallel.param_axes(described[name], self.mesh, rules=rules,
                                                            sizes=self.config.sizes))
 
-            return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=lambda x: _is_sds(x) or is_deferred(x))
+            return jax.tree_util.tree_map_with_path(leaf, m, is_leaf=_is_sds)
 
         def sub(x: Any) -> Any:
             if is_laid_out(x):

@@ -142,7 +142,7 @@ def _train(run: _Run) -> tuple[eqx.Module, list[dict[str, Any]]]:
         params = parallel.shard(params, run.mesh)
         # The interleaved schedule's stage order (checkpoints too; returned in layer order).
         params = parallel.reorder_stacks(params, run.mesh, cfg.virtual_stages)
-        opt_state = parallel.init_optimizer(tx, params, run.mesh)
+        opt_state = parallel.init_optimizer(tx, eqx.filter(params, eqx.is_inexact_array), run.mesh)
     else:
         opt_state = tx.init(eqx.filter(params, eqx.is_inexact_array))
     start = 0
