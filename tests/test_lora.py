@@ -481,3 +481,19 @@ def test_generate_takes_an_adapted_model():
     np.testing.assert_array_equal(streamed, np.asarray(merged.tokens))
     base = generate(zoo.from_pretrained(FIXTURES / "llama3_1-tiny"), ids, max_new_tokens=6, eos_token_id=())
     assert not np.array_equal(np.asarray(base.tokens), np.asarray(merged.tokens))  # the adapter changes them
+
+
+def test_a_frozen_base_on_host_is_streamed_a_layer_at_a_time():
+    """With the parameters in pinned host memory, an adapted model's frozen layer stacks stay on
+    the host through the step and the layer scan brings one layer's weights at a time (the step
+    brought the whole tree to the device before): in the planner's trace of the step, the device
+    holds less by nearly all of the stacks' bytes."""
+    from zoo import plan
+    from zoo.llama import preset
+
+    base = zoo.Llama(preset("small"), key=jr.key(0))
+    model = lora.init(base, lora.LoraConfig(r=8, alpha=16, targets=("all-linear",)), key=jr.key(1))
+    kw = {"batch_size": 4, "seq_len": 128, "placement": "remat"}
+    on_device, on_host = (plan.estimate(model, param_memory=where, **kw) for where in ("device", "pinned_host"))
+    stacks = sum(x.nbytes for x in jax.tree.leaves(base.layers))
+    assert on_host.device_bytes < on_device.device_bytes - 0.9 * stacks, (on_host.device_bytes, on_device.device_bytes, stacks)

@@ -6,6 +6,7 @@ bitsandbytes stores it)."""
 from zoo.lora.adapter import (
     ALL_LINEAR,
     Adapter,
+    FrozenLayer,
     LayerUpdate,
     LoraConfig,
     LoraModel,
@@ -16,6 +17,7 @@ from zoo.lora.adapter import (
     linear_weights,
     merge,
     param_specs,
+    place_unstreamed,
     resolve_targets,
     trainable_labels,
     valid_targets,
@@ -23,7 +25,7 @@ from zoo.lora.adapter import (
 from zoo.lora.peft import adapter_config, load_adapter, read_adapter_config, save_adapter
 
 __all__ = [
-    "ALL_LINEAR", "Adapter", "LayerUpdate", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "init", "linear_weights",
-    "load_adapter", "merge", "param_specs", "read_adapter_config", "resolve_targets", "save_adapter", "trainable_labels",
+    "ALL_LINEAR", "Adapter", "FrozenLayer", "LayerUpdate", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "init", "linear_weights",
+    "load_adapter", "merge", "param_specs", "place_unstreamed", "read_adapter_config", "resolve_targets", "save_adapter", "trainable_labels",
     "valid_targets",
 ]  # fmt: skip

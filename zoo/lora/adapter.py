@@ -179,8 +179,7 @@ def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, le
     return d.transpose([*range(len(lead)), *(len(lead) + order.index(x) for x in names)])
 
 
-def local_split(path: str, p: Param, rules: Mapping[str, Any], sizes: Mapping[str, int], shape: tuple[int, ...]
-                ) -> dict[str, tuple[str, ...]]:  # fmt: skip
+def local_split(path: str, p: Param, sizes: Mapping[str, int], shape: tuple[int, ...]) -> dict[str, tuple[str, ...]]:
     """Per letter of ``p``'s out and in features, the mesh axes that split it in a weight of
     local ``shape`` (ending with ``p``'s letters; the layer axis may be gone): the step's layout
     (:func:`zoo.core.layout.param_axes`), less what the step gathered already (FSDP's axes, for
@@ -188,8 +187,8 @@ def local_split(path: str, p: Param, rules: Mapping[str, Any], sizes: Mapping[st
     step = current_step()
     if step is None:
         return {}
-    axes = param_axes(p, step.mesh, rules=rules, sizes=sizes)
-    gathered = gather_axes(p, axes, rules=rules)
+    axes = param_axes(p, step.mesh, rules=step.rules, sizes=sizes)
+    gathered = gather_axes(p, axes, rules=step.rules)
     out = {}
     for i, letter in enumerate(p.names):
         j = len(shape) - len(p.names) + i
@@ -215,6 +214,28 @@ def _merged(path: str, w: Array, d: Array, frozen: bool) -> Array:
     return (w0.astype(jnp.float32) + d).astype(w.dtype)
 
 
+def on_device(tree: Any) -> Any:
+    """A layer's arrays in device memory: those a run keeps in pinned host memory
+    (``param_memory="pinned_host"``, which leaves a frozen base's layer stacks there through the
+    step: :func:`place_unstreamed`) come over a layer at a time, where the layer scan reads them."""
+
+    def move(x):
+        host = "host" in str(getattr(jax.typeof(x), "memory_space", "")).lower()
+        return jax.device_put(x, jax.memory.Space.Device) if host else x
+
+    return jax.tree.map(move, tree)
+
+
+class FrozenLayer(Deferred):
+    """A frozen layer stack's weight that no adapter updates, read a layer at a time where the
+    layer scan reads it (from host memory, where the run keeps the base there)."""
+
+    w: Float[Array, "*dims"]
+
+    def value(self) -> Float[Array, "*dims"]:
+        return jax.lax.stop_gradient(on_device(self.w))
+
+
 class LayerUpdate(Deferred):
     """A layer stack's weight and its adapter, merged a layer at a time where the layer scan
     reads them (:class:`zoo.core.params.Deferred`): one layer's merged weight, and in the
@@ -226,15 +247,14 @@ class LayerUpdate(Deferred):
     param: Param = eqx.field(static=True)
     sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)
     scale: float = eqx.field(static=True)
-    family: type = eqx.field(static=True)  # whose layout rules place the weight on a mesh
 
     def value(self) -> Float[Array, "*dims"]:
         """One layer's merged weight; inside the parallel step, the block of it this device
         holds (the FSDP gather comes after, on the merged block)."""
-        w = self.w.value() if isinstance(self.w, Deferred) else self.w
+        w = self.w.value() if isinstance(self.w, Deferred) else on_device(self.w)
         lead = w.shape[: w.ndim - (len(self.param.names) - 1)]
         sizes = dict(self.sizes)
-        split = local_split(self.path, self.param, self.family.config_cls.axis_rules, sizes, w.shape)
+        split = local_split(self.path, self.param, sizes, w.shape)
         d = delta(self.param, sizes, self.adapter, self.scale, lead=lead, split=split)
         return _merged(self.path, w, d, frozen=True)
 
@@ -263,8 +283,7 @@ class LoraModel(eqx.Module):
         return type(self.base).placement_map
 
     def _with_deltas(self, frozen: bool, per_layer: bool = False) -> CausalLM:
-        family = family_of(self.base)
-        specs, sizes, scale = family.param_specs(self.base.config), self.base.config.sizes, self.lora.scale
+        specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
 
         def leaf(at, w):
             path = path_name(at)
@@ -275,12 +294,14 @@ class LoraModel(eqx.Module):
             if path not in self.adapters:
                 if deferred:
                     return w if lazy else w.stacked_value()
+                if lazy:  # read by the layer scan a layer at a time (from host memory, where the base waits)
+                    return FrozenLayer(w)
                 return jax.lax.stop_gradient(w) if frozen else w
             p = specs[path]
             if lazy:  # merged by the layer scan, a layer at a time
-                return LayerUpdate(w, self.adapters[path], path, p, tuple(sorted(sizes.items())), scale, family)
+                return LayerUpdate(w, self.adapters[path], path, p, tuple(sorted(sizes.items())), scale)
             w = w.stacked_value() if deferred else w
-            split = local_split(path, p, family.config_cls.axis_rules, sizes, w.shape)
+            split = local_split(path, p, sizes, w.shape)
             return _merged(path, w, delta(p, sizes, self.adapters[path], scale, split=split), frozen)
 
         return jax.tree_util.tree_map_with_path(leaf, self.base, is_leaf=lambda x: isinstance(x, Deferred))
@@ -325,6 +346,27 @@ class LoraModel(eqx.Module):
 
     def decode_step(self, cache: eqx.Module, tokens: Int[Array, " B"]) -> tuple[Float[Array, "B V"], eqx.Module]:
         return self.adapted().decode_step(cache, tokens)
+
+
+def place_unstreamed(params: Any, place: Any) -> Any:
+    """``params`` (a run state: a model's, or an adapted model's) with ``place`` applied to each
+    array the step reads whole, and not to what the layer scan brings to the device a layer at a
+    time: a quantized weight (its codes), and an adapted model's frozen layer-stack weights (the
+    base of a run that keeps its parameters in pinned host memory stays there through the step)."""
+
+    def each(tree: Any, keep: Any = lambda path: False) -> Any:
+        def leaf(at, x):
+            if is_deferred(x) or not isinstance(x, jax.Array) or keep(path_name(at)):
+                return x
+            return place(x)
+
+        return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_deferred)
+
+    if not isinstance(params, LoraModel):
+        return each(params)
+    specs = family_of(params.base).param_specs(params.base.config)
+    base = each(params.base, lambda path: path in specs and is_layer_stack(specs[path]))
+    return LoraModel(base=base, adapters=each(params.adapters), lora=params.lora)
 
 
 def base_model(model: Any) -> CausalLM:

@@ -28,7 +28,7 @@ from zoo.core.protocol import CausalLM
 from zoo.core.registry import family_of
 from zoo.hf.load import from_pretrained
 from zoo.hooks.step import block_of, current_step
-from zoo.lora.adapter import linear_weights, module_of
+from zoo.lora.adapter import linear_weights, module_of, on_device
 
 
 class QuantizedWeight(Deferred):
@@ -49,7 +49,7 @@ class QuantizedWeight(Deferred):
         """One layer's weight (the layer axis gone; any view's leading axes kept); inside the
         parallel step, the block of it this device holds (the codes are split over the mesh
         as the weight's stacked letters are, and held whole otherwise)."""
-        flat = jax.lax.stop_gradient(_on_device(self)).stored_values()
+        flat = jax.lax.stop_gradient(on_device(self)).stored_values()
         sizes, p = dict(self.sizes), self.param
         names = p.names[1:]
         stacked = [a for a in p.stacked if a in names]
@@ -154,18 +154,6 @@ def _to_hf(p: Param) -> list[int]:
     its checkpoint's letters' order (then reshaped: ``[out, in]``)."""
     inner = [a for a in p.names if a not in p.stacked]
     return [inner.index(a) for g in p.hf_groups() for a in g]
-
-
-def _on_device(tree: QuantizedWeight) -> QuantizedWeight:
-    """A layer's codes in device memory: those a run keeps in pinned host memory
-    (``param_memory="pinned_host"``, which leaves a quantized base there through the step)
-    come over a layer at a time, where the layer scan reads them."""
-
-    def move(x):
-        host = "host" in str(getattr(jax.typeof(x), "memory_space", "")).lower()
-        return jax.device_put(x, jax.memory.Space.Device) if host else x
-
-    return jax.tree.map(move, tree)
 
 
 def _quantized(x: object) -> bool:

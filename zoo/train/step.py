@@ -15,7 +15,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from zoo import lora, parallel
-from zoo.core.params import is_deferred, run_state
+from zoo.core.params import run_state
 from zoo.core.protocol import options_or_default
 from zoo.hooks.pipeline import stacks_in_stage_order
 from zoo.layers import fp8, precision
@@ -94,9 +94,8 @@ def make_train_step(
             return eqx.filter_value_and_grad(lambda t: loss_fn(eqx.combine(t, frozen), ids, **fields), has_aux=True)(train)
 
     def step(params, opt_state, batch, index):
-        if param_memory != "device":  # (a quantized base stays: its layer scan streams it, zoo.lora.quantized)
-            params = jax.tree.map(lambda x: x if is_deferred(x) else tree_placement(x, "device"), params,
-                                  is_leaf=is_deferred)  # fmt: skip
+        if param_memory != "device":  # (a frozen base's layer stacks stay: the layer scan streams them)
+            params = lora.place_unstreamed(params, lambda x: tree_placement(x, "device"))
         if opt_memory != "device":
             opt_state = tree_placement(opt_state, "device")
 
