@@ -167,9 +167,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
     p.add_argument("--no-time", dest="time", action="store_false", help="compile only: no steps run")
     p.add_argument("--no-planner", dest="planner", action="store_false", help="leave out part 2")
+    p.add_argument("--no-measured", dest="measured", action="store_false", help="leave out part 1 (XLA's compiled steps)")
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args(argv)
-    lines = measured(args) + (planned(args) if args.planner else [])
+    lines = (measured(args) if args.measured else []) + (planned(args) if args.planner else [])
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

@@ -356,7 +356,7 @@ def place_unstreamed(params: Any, place: Any) -> Any:
 
     def each(tree: Any, keep: Any = lambda path: False) -> Any:
         def leaf(at, x):
-            if is_deferred(x) or not isinstance(x, jax.Array) or keep(path_name(at)):
+            if is_deferred(x) or not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or keep(path_name(at)):
                 return x
             return place(x)
 

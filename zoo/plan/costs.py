@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from zoo import parallel
+from zoo import lora, parallel
 from zoo.core.mesh import PIPELINE
 from zoo.core.params import path_name
 from zoo.errors import ConfigError
@@ -134,6 +134,9 @@ class CostModel:
         self.map_cls = placement_map_for(base.model)
         self.shards = base.batch_size // base.local_batch
         self.params, self.opt = e1.params, e1.optimizer
+        # Of the parameters, what the layer scan brings to the device a layer at a time where they
+        # wait in host memory (a LoRA run's frozen base stacks, a quantized base), and one layer of it.
+        self.streamed, self.streamed_layer = _streamed(base)
         self.batch_bytes = seq_len * 4
         # Temporaries of the passes under full remat: a line in the local batch (through 1 and b2).
         self.passes_slope = max(e2.passes - e1.passes, 0) / max(b2 - 1, 1)
@@ -313,7 +316,8 @@ class CostModel:
         host_res = 0.0 if placement is None else self._named(placement, "pinned_host", b, virtual)
         passes = self.passes_base + self.passes_slope * rows + extra + self.interleaved_bytes(b, virtual)
         p_host, o_host = pm == "pinned_host", om == "pinned_host"
-        temps = max(passes + p_host * self.params, self.update + p_host * self.params + o_host * self.opt)
+        brought = p_host * (self.params - self.streamed + self.streamed_layer)  # what the step brings over
+        temps = max(passes + brought, self.update + brought + o_host * self.opt)
         device = (not p_host) * self.params + (not o_host) * self.opt + self.batch_bytes * b + temps
         device += self.traffic.prefetch
         host = p_host * self.params + o_host * self.opt + host_res
@@ -457,6 +461,17 @@ def virtual_choices(config: Any, stages: int, microbatches: int) -> list[int]:
     if not per_stage or microbatches % stages:
         return [1]
     return [v for v in range(1, min(per_stage) + 1) if all(n % v == 0 for n in per_stage)]
+
+
+def _streamed(step: Step) -> tuple[float, float]:
+    """(bytes per device of the parameters that stay in host memory through a step that keeps
+    them there, the layer scan bringing a layer's at a time: :func:`zoo.lora.place_unstreamed`;
+    one layer of each such stack, added up: an upper bound of what is over at once)."""
+    kept = lora.place_unstreamed(step.params, lambda x: None)  # the streamed leaves, None elsewhere
+    leaves = jax.tree.leaves(kept, is_leaf=lambda x: isinstance(x, SDS))
+    specs = jax.tree.leaves(step.specs(kept), is_leaf=lambda s: isinstance(s, PartitionSpec))
+    held = [math.prod(x.shape) * jnp.dtype(x.dtype).itemsize / step.divisor(s) for x, s in zip(leaves, specs, strict=True)]
+    return float(sum(held)), float(sum(h / max(x.shape[0], 1) for h, x in zip(held, leaves) if x.shape))
 
 
 def _stage_weights(step: Step) -> tuple[float, float]:
