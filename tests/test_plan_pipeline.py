@@ -239,3 +239,21 @@ def test_1f1b_keeps_fewer_ticks_and_the_plan_takes_it_where_gpipe_does_not_fit()
     assert best.schedule == "1f1b" and best.batch_size > 4 * gpipe[1]
     assert best.tokens_per_s > 4 * gpipe[1] * 64 / cm.time(*gpipe)[0]
     assert best.estimate.device_bytes <= 0.9 * budget and "schedule=1f1b (TrainConfig.schedule)" in str(best)
+
+
+def test_1f1b_prices_the_forward_pass_a_whole_batch_total_needs():
+    """Qwen3-MoE's balance loss takes the whole batch's expert loads (zoo.hooks.pipeline.stack_total),
+    so 1F1B runs the stack's forward pass over the whole batch first: the cost model finds that in
+    the traced step and prices the stage's layers 4 passes instead of 3; GPipe and Llama's 1F1B
+    (no such total) are priced as before."""
+    cfg = dataclasses.replace(config("qwen3_moe"), mlp_only_layers=())
+    cm = cost_model(cfg, seq_len=32, mesh="pipeline=2", hardware="h100")
+    one = cm.with_schedule("1f1b")
+    assert cm.whole_pass and not small("pipeline=2,data=4").whole_pass
+    (body,) = [b for b in cm.bodies if cm._pipelined(b)]
+    for b in (2, 4):
+        extra = body.forward_flops() * cm._work(body, b)[0] * cm._work(body, b)[1]
+        assert cm.compute_flops(b) + extra == pytest.approx(one.compute_flops(b), rel=1e-12)
+        assert one.time(None, b, "device", "device")[0] > cm.time(None, b, "device", "device")[0]
+    llama = small("pipeline=2,data=4")
+    assert llama.with_schedule("1f1b").compute_flops(4) == llama.compute_flops(4)

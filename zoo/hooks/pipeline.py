@@ -20,8 +20,9 @@ as the map says; the backward pass finds all ``M`` micro-batches' saved tensors 
 
 The 1F1B schedule (:mod:`zoo.parallel.one_f_one_b`) runs the backward pass inside the tick loop
 instead, so it needs the loss cut at its stack: :func:`split_at_stack` traces the loss with the
-stack's call recorded (:class:`AtStack`) or replaced by a given output, and :func:`batch_total`
-gives each micro-batch's loss the whole batch's denominators.
+stack's call recorded (:class:`AtStack`) or replaced by a given output, :func:`batch_total`
+gives each micro-batch's loss the whole batch's denominators and :func:`stack_total` the whole
+batch's totals of what the stack computes (a forward pass over the whole batch first).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def pipelined_scan(
     index), rows)`` is ``layer_fn`` on layer ``index`` of ``block``, picked where its
     checkpoint redoes the pick in the backward pass (:func:`zoo.layers.stack.scan_layers`):
     a chunk sliced out at each tick would be saved once per tick."""
-    if (cut := _CUT.get()) is not None:  # the 1F1B schedule runs the stack itself
+    if (cut := _CUT.get()) is not None and not cut.whole:  # the 1F1B schedule runs the stack itself
         return cut.stack(AtStack(layer_fn, carry, stacked, rows, split, n_layers, combine, pick))
     stages, m, virtual = split.stages, split.microbatches, split.virtual
     leaves = jax.tree.leaves(carry)
@@ -278,17 +279,23 @@ class StackReached(Exception):  # control flow, not an error
 class StackCut:
     """A loss traced cut at its pipelined stack (:func:`split_at_stack`). ``record``: the stack's
     call is kept in :attr:`at` and the stack returns its input unchanged (and zero per-layer
-    outputs; with ``stop``, :class:`StackReached` is raised instead), and every :func:`batch_total` is recorded in :attr:`totals` (the whole batch's
-    denominators); otherwise the stack returns ``output`` (its output carry and per-layer
-    outputs) and each :func:`batch_total` the recorded value of the same call."""
+    outputs; with ``stop``, :class:`StackReached` is raised instead), every :func:`batch_total` is
+    recorded in :attr:`totals` (the whole batch's denominators) and the :func:`stack_total` calls
+    are counted in :attr:`asked`; ``whole``: the loss runs on the whole batch, its stack as
+    :func:`pipelined_scan` runs it (GPipe's forward pass), and every :func:`stack_total` is
+    recorded in :attr:`stack_totals`; otherwise the stack returns ``output`` (its output carry
+    and per-layer outputs) and each :func:`batch_total` and :func:`stack_total` the recorded
+    value of the same call."""
 
-    def __init__(self, *, record: bool, output: PyTree = None, totals: tuple[Array, ...] = (), stop: bool = False):
-        self.record, self.output, self.stop = record, output, stop
+    def __init__(self, *, record: bool = False, output: PyTree = None, totals: tuple[Array, ...] = (),
+                 stack_totals: tuple[Array, ...] = (), stop: bool = False, whole: bool = False):  # fmt: skip
+        self.record, self.output, self.stop, self.whole = record, output, stop, whole
         self.at: AtStack | None = None
         self.out_shapes: PyTree = None  # recorded: one layer's per-layer outputs, and how each combines
         self.out_kinds: PyTree = None
         self.totals: list[Array] = list(totals)
-        self.calls = self.used = 0
+        self.stack_totals: list[Array] = list(stack_totals)
+        self.calls = self.used = self.asked = self.stack_used = 0
 
     def stack(self, at: AtStack) -> tuple[PyTree, PyTree]:
         if self.calls:
@@ -307,6 +314,8 @@ class StackCut:
         return self.output
 
     def total(self, value: Array) -> Array:
+        if self.whole:
+            return value
         if self.record:
             self.totals.append(value)
             return value
@@ -318,8 +327,25 @@ class StackCut:
         self.used += 1
         return self.totals[self.used - 1]
 
+    def stack_total(self, value: Array) -> Array:
+        if self.whole:
+            self.stack_totals.append(value)
+            return value
+        if self.record:  # the stack did not run: a placeholder, the schedule runs the whole pass
+            self.asked += 1
+            return value
+        if self.stack_used >= len(self.stack_totals):
+            raise MeshError(
+                "schedule='1f1b': the loss took more stack totals (zoo.hooks.pipeline.stack_total) on a micro-batch "
+                f"than the {len(self.stack_totals)} it took on the whole batch"
+            )
+        self.stack_used += 1
+        return self.stack_totals[self.stack_used - 1]
+
 
 _CUT: contextvars.ContextVar[StackCut | None] = contextvars.ContextVar("zoo_stack_cut", default=None)
+# The name scope of a :func:`stack_total` (zoo.plan.jaxprs.has_scope finds it in a traced step).
+STACK_TOTAL = "stack_total"
 
 
 @contextlib.contextmanager
@@ -336,8 +362,10 @@ def split_at_stack(cut: StackCut) -> Iterator[StackCut]:
 def per_microbatch() -> bool:
     """Whether the loss being traced runs on one micro-batch of the batch, its backward pass
     before the later micro-batches' forward passes (the 1F1B schedule): a loss that is not a sum
-    over the batch's rows (a product of whole-batch sums) cannot be computed exactly there."""
-    return _CUT.get() is not None
+    over the batch's rows takes the whole batch's totals from :func:`batch_total` and
+    :func:`stack_total`."""
+    cut = _CUT.get()
+    return cut is not None and not cut.whole
 
 
 def batch_total(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
@@ -349,6 +377,20 @@ def batch_total(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
     total = global_sum(x)
     cut = _CUT.get()
     return total if cut is None else cut.total(total)
+
+
+def stack_total(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
+    """A total over the whole batch of what the pipelined stack computes (Qwen3-MoE's expert
+    loads, per layer) that a loss uses as a constant: its sum over the devices
+    (:func:`zoo.hooks.global_sum`), without gradient. Under the 1F1B schedule a micro-batch's
+    loss is traced before the later micro-batches' stack has run, so the schedule runs the
+    stack's forward pass over the whole batch first (one forward pass more, nothing saved) and
+    each micro-batch's loss takes the total recorded there: a loss linear in its micro-batch's
+    terms given these totals adds up to the batch's, and so does its gradient."""
+    with jax.named_scope(STACK_TOTAL):  # the planner prices 1F1B's forward pass over the whole batch
+        total = jax.lax.stop_gradient(global_sum(x))
+    cut = _CUT.get()
+    return total if cut is None else cut.stack_total(total)
 
 
 _LAYOUT: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("zoo_stage_order", default=(1, 1))

@@ -39,8 +39,12 @@ its tail, where the stages' are put together as over one micro-batch (a mean's s
 it), and the gradient of the floating ones waits from the tail to the stage's backward pass; the
 loss must be a sum over micro-batches of their tails (a loss that divides by a count over the
 batch takes it from :func:`zoo.hooks.pipeline.batch_total`, recorded on the whole batch first).
-DeepSeek-V3's (next-token, MTP and sequence-wise balance losses) is; Qwen3-MoE's Switch balance
-loss, a product of two whole-batch sums, is not, and refuses (:func:`zoo.hooks.pipeline.per_microbatch`).
+DeepSeek-V3's (next-token, MTP and sequence-wise balance losses) is. Qwen3-MoE's Switch balance
+loss is a product of two whole-batch sums, but linear in the router probabilities given the
+whole batch's expert loads: those (:func:`zoo.hooks.pipeline.stack_total`) come from a forward
+pass of the loss over the whole batch, its stack run as GPipe runs it, before the ticks (one
+forward pass more, which keeps nothing for the backward pass); then each micro-batch's share is
+exact.
 
 Interleaved (``virtual_stages=V``), each stage's layers are ``V`` chunks picked out of its block
 inside the layers' checkpoint; the forward items follow GPipe's interleaved order and the
@@ -184,10 +188,16 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         found["at"], found["in_stack"] = at, [id(x) in ids for x in flat]
         found["out_shapes"], found["out_kinds"] = cut.out_shapes, cut.out_kinds
         found["rows"] = jax.tree.leaves(at.carry)[0].shape[0]
+        found["asked"] = cut.asked
         return at.stacked, tuple(cut.totals)
 
     stacked, stack_vjp, totals = jax.vjp(stack_of, leaves, has_aux=True)
     at, in_stack = found["at"], found["in_stack"]
+    stack_totals: tuple[Array, ...] = ()
+    if found["asked"]:  # totals of what the stack computes: its forward pass over the whole batch first
+        with split_at_stack(StackCut(whole=True)) as whole:
+            loss_of(jax.tree.unflatten(treedef, [jax.lax.stop_gradient(x) for x in leaves]), batch)
+        stack_totals = tuple(whole.stack_totals)
     rest_leaves = [x for x, s in zip(leaves, in_stack) if not s]
     if found["rows"] % m:
         raise MeshError(f"schedule='1f1b': microbatches={m} must divide each device's {found['rows']} rows")
@@ -276,11 +286,12 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         rest = iter(rest)
         flat = [x if s else next(rest) for x, s in zip(leaves, in_stack)]
         output = (y, per_layer(outs_local, counts_local))
-        with split_at_stack(StackCut(record=False, output=output, totals=totals)) as cut:
+        with split_at_stack(StackCut(output=output, totals=totals, stack_totals=stack_totals)) as cut:
             out = loss_of(jax.tree.unflatten(treedef, flat), _at(batch_mb, i))
-        if cut.used != len(totals):
+        if (cut.used, cut.stack_used) != (len(totals), len(stack_totals)):
             raise MeshError(
-                f"schedule='1f1b': the loss took {cut.used} batch totals on a micro-batch and {len(totals)} on the batch"
+                f"schedule='1f1b': the loss took {cut.used} batch totals and {cut.stack_used} stack totals on a "
+                f"micro-batch, {len(totals)} and {len(stack_totals)} on the batch"
             )
         return out
 

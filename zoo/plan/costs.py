@@ -37,10 +37,11 @@ from zoo.core.mesh import PIPELINE
 from zoo.core.params import path_name
 from zoo.errors import ConfigError
 from zoo.hardware import Hardware
-from zoo.hooks.pipeline import bubble
+from zoo.hooks.pipeline import STACK_TOTAL, bubble
 from zoo.placement import PlacementMap, placement_map_for
 from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
+from zoo.plan.jaxprs import has_scope
 from zoo.plan.estimate import Estimate
 from zoo.plan.meshes import pipelined_layers
 
@@ -112,7 +113,11 @@ class CostModel:
     joins the sum (:meth:`interleaved_bytes`), and the pipelined layers' saved tensors kept for
     at most ``2·V·P - 1`` chunks of one row (:func:`zoo.parallel.one_f_one_b.ring_slots`, a slot
     more for the stages with no forward pass at a tick, and the backward pass's copy of its slot)
-    instead of ``b + (P - 1)/V`` rows, those of the layers before the stack for at most ``2P`` rows."""
+    instead of ``b + (P - 1)/V`` rows, those of the layers before the stack for at most ``2P`` rows.
+    A loss that takes a total of what the stack computes (:func:`zoo.hooks.pipeline.stack_total`:
+    Qwen3-MoE's expert loads) makes 1F1B run the stack's forward pass over the whole batch first,
+    as GPipe runs it (:attr:`whole_pass`): its compute and its weight gathers are priced; its other
+    collectives (MoE all-to-alls, tensor all-reduces: the traces do not split those by pass) are not."""
 
     def __init__(self, base: Step, e1: Estimate, e2: Estimate, jaxpr: Any, hw: Hardware, seq_len: int, b2: int = 2,
                  jaxpr2: Any = None, bodies: list[_flops.Body] | None = None,
@@ -184,6 +189,7 @@ class CostModel:
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
         self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
         self.schedule = "gpipe"  # or "1f1b": with_schedule
+        self.whole_pass = has_scope(jaxpr, STACK_TOTAL)  # 1F1B runs the stack forward once more
 
     def batch_limit(self) -> int:
         """The largest local batch a plan considers: on 1F1B, whose memory stops growing with the
@@ -280,11 +286,13 @@ class CostModel:
         stage's layers on ``b + P - 1`` rows (the bubble's ticks compute too, masked: the
         pipelined layers' share times ``(M + P - 1) / M``), the head's share of the stages, and
         the layers kept whole (DeepSeek-V3's dense-first layers and MTP block) on every stage.
-        Interleaved, ``(V·M + P - 1) / (V·M)`` times the pipelined layers' share."""
+        Interleaved, ``(V·M + P - 1) / (V·M)`` times the pipelined layers' share. On 1F1B with
+        :attr:`whole_pass`, the stage's layers once more forward (4 passes, not 3)."""
         if self.stages == 1:
             return self.flops_model * b
         split = self.base.devices / self.shards / self.stages  # tensor x context
-        stages = sum(3 * body.forward_flops() * math.prod(self._work(body, b, virtual)) for body in self.bodies
+        passes = 4 if self.schedule == "1f1b" and self.whole_pass else 3
+        stages = sum(passes * body.forward_flops() * math.prod(self._work(body, b, virtual)) for body in self.bodies
                      if self._pipelined(body))  # fmt: skip
         return (self.head_flops / self.head_stages * b + self.whole_flops * b + stages) / split
 
@@ -350,6 +358,7 @@ class CostModel:
         executed = self.compute_flops(b, virtual)
         recompute = exposed = 0.0
         layer_fwd = layer_bwd = 0.0  # the layer loops' compute, seconds: what hides FSDP's traffic
+        whole_fwd = 0.0  # 1F1B's forward pass over the whole batch first (whole_pass), seconds
         for body in self.bodies:
             layers, rows = self._work(body, b, virtual)
             slow = _flops.fp8_slowdown(body.fp8_share(), self.fp8_ratio)
@@ -359,6 +368,8 @@ class CostModel:
             recompute += layers * rec
             layer_fwd += layers * fwd / rate
             layer_bwd += layers * (2 * fwd + rec) / rate
+            if self._pipelined(body):
+                whole_fwd += layers * fwd / rate
             if placement is None or not self.can_offload:
                 continue
             st = self._stack_for[id(body)]
@@ -375,6 +386,10 @@ class CostModel:
         # layer's gradients) behind this layer's compute; tensor all-reduces, all-to-alls and
         # what runs outside the layer loops wait on their results.
         hidden = max(0.0, comm["forward"] - layer_fwd) + max(0.0, comm["backward"] - layer_bwd)
+        if self.schedule == "1f1b" and self.whole_pass:  # GPipe's forward gathers, behind its compute
+            gpipe = self.traffic.seconds(b, collectives.interleaved(self.microbatches(b), self.stages, virtual)
+                                         if virtual > 1 else None)  # fmt: skip
+            hidden += max(0.0, gpipe["forward"] - whole_fwd)
         t = compute + exposed + hidden + comm["exposed"]
         self.comm[key] = hidden + comm["exposed"]
         if self.can_offload or self.hw.unified:

@@ -25,6 +25,19 @@ def later_rounds(eqn: core.JaxprEqn) -> bool:
     return eqn.primitive.name == "while" and LATER_ROUNDS in str(eqn.source_info.name_stack)
 
 
+def has_scope(jaxpr: Any, scope: str) -> bool:
+    """Whether any equation of ``jaxpr`` (a closed one too), or of a jaxpr inside one, was traced
+    under the name scope ``scope`` (inside a transformation too: ``jvp(scope)``)."""
+    for eqn in jaxpr_of(jaxpr).eqns:
+        if any(part.rstrip(")").rsplit("(", 1)[-1] == scope for part in str(eqn.source_info.name_stack).split("/")):
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (core.Jaxpr, ClosedJaxpr)) and has_scope(sub, scope):
+                    return True
+    return False
+
+
 def nbytes(aval: Any) -> int:
     """Bytes of one value (0 for tokens and other non-arrays)."""
     shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from zoo.errors import MeshError
-from zoo.hooks.pipeline import per_microbatch
+from zoo.hooks.pipeline import stack_total
 from zoo.hooks.step import global_sum
 from zoo.layers.moe import Routing, expert_load
 
@@ -54,15 +53,11 @@ def switch_balance_loss(stats: RouterStats, top_k: int) -> Float[Array, ""]:
 
     Inside the parallel step the statistics are summed over the whole batch first
     (:func:`zoo.hooks.global_sum`): the loss is a product of means, so it is the one-device
-    loss only when computed from the global counts. Not on one micro-batch of the batch (the
-    1F1B schedule), where the later micro-batches' counts are not known yet: refused."""
-    if per_microbatch():
-        raise MeshError(
-            "schedule='1f1b': Qwen3-MoE's balance loss is a product of two sums over the whole batch (expert loads "
-            "and router probabilities), which a micro-batch's backward pass cannot have before the later "
-            "micro-batches' forward passes: train Qwen3-MoE on schedule='gpipe' (--schedule gpipe)"
-        )
-    load = global_sum(stats.load).astype(jnp.float32)
+    loss only when computed from the global counts. The loads (constants: no gradient) are the
+    whole batch's (:func:`zoo.hooks.pipeline.stack_total`) and the loss is linear in the
+    probabilities given them, so on the 1F1B schedule a micro-batch's share, from its own
+    probabilities, adds up to the batch's loss and gradient."""
+    load = stack_total(stats.load).astype(jnp.float32)
     prob_sum = global_sum(stats.prob_sum)
     e = load.shape[-1]
     total = jnp.sum(load) / top_k  # tokens, over all MoE layers
