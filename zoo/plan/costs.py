@@ -41,8 +41,8 @@ from zoo.hooks.pipeline import STACK_TOTAL, bubble
 from zoo.placement import PlacementMap, placement_map_for
 from zoo.plan import _flops, collectives
 from zoo.plan._step import SDS, Step, layer_stacks, mesh_spec
-from zoo.plan.jaxprs import has_scope
 from zoo.plan.estimate import Estimate
+from zoo.plan.jaxprs import has_scope
 from zoo.plan.meshes import pipelined_layers
 
 # With a pipeline axis, the planner's micro-batches are of one row (Megatron's usual micro-batch
