@@ -17,12 +17,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size
-from zoo.core.params import Param, flatten, init_with_stacks, is_deferred, map_params, path_name
+from zoo.core.params import Param, flatten, init_with_stacks, is_array, is_deferred, map_params, path_name
 from zoo.core.protocol import Wrapper
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
@@ -151,7 +150,7 @@ def partition_specs(model: PyTree, mesh: AnyMesh) -> PyTree[PartitionSpec]:
     def sub(x):
         if is_laid_out(x):
             return spec_tree(x, mesh)
-        return PartitionSpec() if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) else x
+        return PartitionSpec() if is_array(x) else x
 
     return jax.tree.map(sub, model, is_leaf=is_laid_out)
 
@@ -219,7 +218,7 @@ def _resized(model_or_tree: PyTree, sizes_of: Callable[[Any], Mapping[str, int]]
         specs, sizes = model_specs(m), sizes_of(m)
 
         def leaf(at, x):  # a Deferred weight (a quantized base's codes) kept whole: it is one device's
-            if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            if is_array(x):
                 # (a letter the family does not size, a LoRA adapter's rank, keeps its size)
                 names = specs[path_name(at)].names
                 return _resize(x, tuple(sizes.get(a, n) for a, n in zip(names, x.shape)))

@@ -439,9 +439,14 @@ def with_values(tree: object) -> object:
                         is_leaf=lambda x: isinstance(x, Deferred))  # fmt: skip
 
 
+def is_array(x: object) -> bool:
+    """An array leaf of a model: an array, or its ``ShapeDtypeStruct`` (an abstract model's)."""
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
 def is_param(x: object) -> bool:
     """A parameter leaf: a floating array, or its ``ShapeDtypeStruct`` (an abstract model's)."""
-    if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+    if is_array(x):
         # (not eqx.is_inexact_array: NumPy's own subdtype test calls a bfloat16 array not floating)
         return jnp.issubdtype(x.dtype, jnp.inexact)
     return False
@@ -452,7 +457,7 @@ def map_params(fn: Callable[[str, Array], object], module: eqx.Module) -> eqx.Mo
     ``ShapeDtypeStruct``), keeping the structure."""
 
     def leaf(path, x):
-        if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        if is_array(x):
             return fn(path_name(path), x)
         return x
 

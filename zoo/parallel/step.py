@@ -18,7 +18,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
@@ -35,7 +34,7 @@ from zoo.core.layout import (
     validate_mesh,
 )
 from zoo.core.mesh import BATCH_AXES, CONTEXT, PIPELINE, AnyMesh, axis_names, axis_size, check_axis
-from zoo.core.params import is_deferred, map_params, path_name
+from zoo.core.params import is_array, is_deferred, map_params, path_name
 from zoo.core.protocol import VOCAB
 from zoo.errors import ConfigError, MeshError
 from zoo.hooks.pipeline import stage_layout
@@ -54,10 +53,6 @@ from zoo.hooks.step import (
 from zoo.parallel import one_f_one_b
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-
-
 def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], PyTree]:
     """Per layer stack (keyed by its tree structure), the dims each leaf of one layer is
     all-gathered on (:class:`Gather`: over ``fsdp`` and the expert group where it joins, as
@@ -67,8 +62,9 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     where no mesh axis splits its experts, is :class:`GatherLater`: the MoE layer gathers it
     a block of experts at a time. A sub-module the model declares a layer run on its own
     (``layer_blocks``) is gathered by the model like the stack's layer it is shaped as (its
-    leaves: none at the start). The second is a tree shaped as the model, a tuple at each array. A :class:`zoo.core.protocol.Wrapper`'s own arrays (LoRA's
-    adapters) are used as laid out: none is gathered."""
+    leaves: none at the start). The second is a tree shaped as the model, a tuple at each
+    array. A :class:`zoo.core.protocol.Wrapper`'s own arrays (LoRA's adapters) are used as laid
+    out: none is gathered."""
 
     wrapper, model = model, family_model(model)
     specs, rules, sizes = model_specs(model), rules_of(model), model.config.sizes
@@ -95,7 +91,7 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     def layer_plan(sub: Any, prefix: str, stacked: int = 1) -> list:
         # (a weight held as what computes it, a quantized base's: one leaf, gathered as its weight)
         plan = jax.tree_util.tree_map_with_path(
-            lambda at, x: layer_dims(f"{prefix}{path_name(at)}", stacked) if _is_array(x) or is_deferred(x) else x,
+            lambda at, x: layer_dims(f"{prefix}{path_name(at)}", stacked) if is_array(x) or is_deferred(x) else x,
             sub, is_leaf=is_deferred)  # fmt: skip
         return jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
 
