@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from zoo.core.named import named, region
 from zoo.hooks.step import sum_to_varying_of, varying_like
 from zoo.layers.grouped_matmul import tile_layout
+from zoo.layers.rows import take_rows
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
 CAPACITY_FACTOR = 1.25
@@ -90,7 +91,7 @@ def capacity_layout(pair_experts: Int[Array, " P"], experts: int, capacity: int)
 
 def _rows(x, pairs, valid, k):
     """``x`` rows of the tokens of ``pairs`` (zeros where not ``valid``)."""
-    return jnp.where(valid[..., None], jnp.take(x, pairs // k, axis=0), jnp.zeros((), x.dtype))
+    return take_rows(x, pairs // k, valid)
 
 
 def _mm(spec, a, b):
@@ -105,15 +106,14 @@ def _kept(layout, slots):
     e, c, m = slots.shape
     if layout.pair_slot.shape[0] >= e * c:
         return slots
-    rows = jnp.take(slots.reshape(e * c, m), layout.pair_slot, axis=0)
-    return jnp.where((layout.mine & layout.in_capacity)[:, None], rows, jnp.zeros((), rows.dtype))
+    return take_rows(slots.reshape(e * c, m), layout.pair_slot, layout.mine & layout.in_capacity)
 
 
 def _slots(layout, kept):
     """The slots back from :func:`_kept`'s rows (bit for bit: an empty slot's row is zeros)."""
     if kept.ndim == 3:
         return kept
-    return jnp.where(layout.slot_valid[..., None], jnp.take(kept, layout.slot_pair, axis=0), jnp.zeros((), kept.dtype))
+    return take_rows(kept, layout.slot_pair, layout.slot_valid)
 
 
 def _capacity_pass(x, w_gate, w_up, w_down, layout, k):
@@ -134,8 +134,7 @@ def _overflow_any(layout) -> Array:
 def _per_pair(layout, cap_rows):
     """Each pair's row from the capacity rows; zeros for a pair not mine or past the capacity
     (the overflow loop writes those)."""
-    rows = jnp.take(cap_rows, layout.pair_slot, axis=0)
-    return jnp.where((layout.mine & layout.in_capacity)[:, None], rows, jnp.zeros((), rows.dtype))
+    return take_rows(cap_rows, layout.pair_slot, layout.mine & layout.in_capacity)
 
 
 def _dot(a, b, contract):
@@ -169,7 +168,7 @@ def _overflow_tiles(layout, x, dout, weights, k, tile):
     def read(i) -> _Tile:
         p = jax.lax.dynamic_slice_in_dim(pair, tiles.first_row[i], tile)
         keep = (jnp.arange(tile) < tiles.valid[i]) & jax.lax.dynamic_slice_in_dim(valid, tiles.first_row[i], tile)
-        rows = lambda a, idx: jnp.where(keep[:, None], jnp.take(a, idx, axis=0), jnp.zeros((), a.dtype))  # noqa: E731
+        rows = lambda a, idx: take_rows(a, idx, keep)  # noqa: E731
         w = tuple(jax.lax.dynamic_index_in_dim(a, tiles.owner[i], keepdims=False) for a in weights)
         dy = None if dout is None else rows(dout, p)
         return _Tile(keep, p, rows(x, p // k), dy, w, tiles.owner[i])
@@ -279,7 +278,7 @@ def _bwd(k, tile, residuals, dout):
     e, c = layout.slot_pair.shape
     f32 = jnp.float32
     # Batched pass: each slot's output gradient gathered from its pair.
-    dyc = jnp.where(layout.slot_valid[..., None], jnp.take(dout, layout.slot_pair, axis=0), jnp.zeros((), dout.dtype))
+    dyc = take_rows(dout, layout.slot_pair, layout.slot_valid)
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
     dw_down = jnp.einsum("ecm,ecd->emd", hidden, dyc, preferred_element_type=f32)
     dhidden = jnp.einsum("ecd,emd->ecm", dyc, w_down, preferred_element_type=f32)

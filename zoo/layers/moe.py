@@ -39,6 +39,7 @@ from zoo.hooks.step import (
 from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
 from zoo.layers.moe_dispatch import Dispatch, exchange_experts
+from zoo.layers.rows import take_rows
 from zoo.layers.stack import layer_policy_now
 
 ExpertImpl = Literal["auto", "ragged_dot", "capacity", "grouped", "tiled", "dense"]
@@ -201,7 +202,7 @@ def routed_experts_tiled(
     valid = offset < tiles.valid[:, None]
     sorted_pos = jnp.where(valid, tiles.first_row[:, None] + offset, 0)
     tokens = jnp.take(order // k, sorted_pos)
-    xt = jnp.where(valid[..., None], jnp.take(x, tokens, axis=0), jnp.zeros((), x.dtype))
+    xt = take_rows(x, tokens, valid)
     gate = named("moe_gate", lambda: jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_gate, owner, axis=0)))
     up = named("moe_up", lambda: jnp.einsum("ntd,ndm->ntm", xt, jnp.take(w_up, owner, axis=0)))
     hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)

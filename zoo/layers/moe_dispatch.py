@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 from zoo.core.mesh import axis_size
 from zoo.errors import ConfigError
 from zoo.hooks.step import current_step, varying_like
+from zoo.layers.rows import take_rows
 
 OVERFLOWS = ("dropless", "drop")
 # The name scope of the later rounds' loops (forward and backward). The planner prices them as
@@ -113,15 +114,14 @@ def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int):
     place = r * slot + jnp.arange(slot, dtype=jnp.int32)[None, :]  # [1, S]
     valid = place < layout.count[:, None]  # [N, S]
     pair = jnp.take(layout.order, jnp.where(valid, layout.start[:, None] + place, 0))
-    send_x = jnp.where(valid[..., None], jnp.take(x, pair // k, axis=0), jnp.zeros((), x.dtype))
+    send_x = take_rows(x, pair // k, valid)
     send_e = jnp.where(valid, jnp.take(layout.local_expert, pair), e_local)
     recv_x, recv_e = (jax.lax.all_to_all(a.reshape(n * slot, *a.shape[2:]), "expert", 0, 0, tiled=True)
                       for a in (send_x, send_e))  # fmt: skip
     # About P of the N·S received rows are real in the first round (each source's P/N).
     out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(layout.order.shape[0], n * slot))
     back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
-    mine = (layout.round_of == r)[:, None]
-    return jnp.where(mine, jnp.take(back, layout.row_of, axis=0), jnp.zeros((), back.dtype))
+    return take_rows(back, layout.row_of, layout.round_of == r)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
