@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
 
-def take_rows(x: Shaped[Array, "N *rest"], index: Int[Array, "*idx"], valid: Bool[Array, "*idx"]) -> Shaped[Array, "*idx *rest"]:
-    """``x[index]`` along its first axis, zeros where not ``valid``: one gather that fills the
+def take_rows(x: Shaped[Array, "N D"], index: Int[Array, "*idx"], valid: Bool[Array, "*idx"]) -> Shaped[Array, "*idx D"]:
+    """Rows ``x[index]``, zeros where not ``valid``: one gather that fills the
     rows it is not given (their index is out of range), not a gather and a select. Bit for bit
     the same values, and the traced program holds one buffer of the rows where it held two
     (XLA fuses the select; the planner's liveness walk, which reads the traced program, did not)."""
