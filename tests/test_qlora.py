@@ -76,8 +76,10 @@ def test_a_weight_not_in_whole_blocks_is_refused():
         nf4.quantize(np.zeros((3, 7), np.float32), "layers.attn.wq")
 
 
-@pytest.mark.parametrize("name, fmt", [("llama3_1-tiny", nf4), ("qwen3_moe-tiny", nf4), ("deepseek_v3-tiny", nf4),
-                                       ("llama3_1-tiny", int8), ("deepseek_v3-tiny", int8), ("llama3_1-tiny", fp8)])  # fmt: skip
+# Each family once with a block-scaled format (DeepSeek-V3 with int8; NF4 on DeepSeek-V3 was dropped for
+# the suite's time: the NF4 path is the same per-layer dequantization, checked on Llama and Qwen3-MoE).
+@pytest.mark.parametrize("name, fmt", [("llama3_1-tiny", nf4), ("qwen3_moe-tiny", nf4), ("llama3_1-tiny", int8),
+                                       ("deepseek_v3-tiny", int8), ("llama3_1-tiny", fp8)])  # fmt: skip
 def test_lora_on_a_quantized_base_is_lora_on_its_dequantized_weights(name, fmt):
     """Every linear weight of the layer stacks in NF4, int8 or FP8 (about a quarter of float32's
     bytes with their scales, NF4 a little less at real sizes): the model runs its dequantized
