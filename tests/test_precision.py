@@ -219,8 +219,9 @@ def test_an_offloaded_fp8_gemm_input_moves_its_fp8_bytes():
 
 def test_an_fp8_step_runs_on_a_mesh_close_to_one_device():
     """The FP8 step under ``shard_map`` (data, FSDP and tensor axes): each device quantizes what
-    it holds (its rows, its gathered layer, its tensor shard), so tensorwise scales are per shard
-    and the loss is the one-device FP8 loss up to that rounding. (jax.checkpoint rounds each
+    it holds (its rows, its gathered layer, its tensor shard) with the whole tensor's tensorwise
+    scale (its largest magnitude over the devices holding its parts), so the step is one device's
+    FP8 step up to float32 summation order. (jax.checkpoint rounds each
     saved residual with reduce_precision at its format's exponent and mantissa widths, for E4M3FN
     IEEE's E4M3, largest finite 240; XLA:CPU ran it in this step, and an FP8 copy kept as FP8
     came back NaN from 256 to 448: the copies are kept as their bits.)"""
@@ -243,9 +244,12 @@ def test_an_fp8_step_runs_on_a_mesh_close_to_one_device():
 
     one, sharded = first_loss(None), first_loss(parallel.make_mesh("data=2,fsdp=2,tensor=2"))
     assert np.isfinite(sharded).all()
-    # per-shard tensorwise scales are other numerics than one device's whole-tensor ones, not a
-    # parity check (on this mesh the FP8 gradient norm moved 1.2% from the mesh's float32 one)
-    np.testing.assert_allclose(sharded, one, rtol=2e-2)
+    # Measured: loss 8.4e-8 and gradient norm 9.1e-5 relative (per-shard scales, before: 8.8e-4 and
+    # 4.5e-3). The norm's 1e-4: the mesh sums in another order, and a float32 value on the other
+    # side of an FP8 rounding boundary moves by a unit of E4M3's 3-bit mantissa (E5M2's 2 bits
+    # for cotangents), which no order-independent parity at 1e-5 survives.
+    np.testing.assert_allclose(sharded[0], one[0], rtol=1e-6)
+    np.testing.assert_allclose(sharded[1], one[1], rtol=5e-4)
 
 
 def test_a_placement_map_never_changes_an_fp8_steps_numbers():

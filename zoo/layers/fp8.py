@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
+from zoo.core.mesh import PIPELINE
 from zoo.errors import ConfigError
 from zoo.hooks.step import varying_axes, varying_over
 
@@ -88,7 +89,8 @@ def recipe_of(name: str) -> str:
 
 
 def quantize(
-    x: Float[Array, "..."], dtype: DTypeLike, block: tuple[int, ...], *, power_of_two: bool = False
+    x: Float[Array, "..."], dtype: DTypeLike, block: tuple[int, ...], *, power_of_two: bool = False,
+    over: tuple[str, ...] = (),
 ) -> tuple[Array, Float[Array, "..."]]:
     """``x`` in FP8 ``dtype`` with one float32 scale per block: ``(q, scale)``, ``x ≈ q · scale``.
 
@@ -96,7 +98,8 @@ def quantize(
     dimension that the block does not divide ends in a partial block. Each scale is the block's
     largest magnitude times the reciprocal of the format's largest value (in float32, at least its
     smallest normal number; rounded up to a power of two with ``power_of_two``; 1 for an all-zero
-    block), so no element saturates.
+    block), so no element saturates. ``over``: mesh axes ``x`` is split over inside ``shard_map``,
+    whose devices' blocks are parts of one block (each block's largest magnitude is theirs).
     """
     if len(block) != x.ndim:
         raise ValueError(f"a block of {len(block)} dims for a tensor of shape {x.shape}")
@@ -107,6 +110,8 @@ def quantize(
     xb = xb.reshape([d for p, b in zip(padded, block, strict=True) for d in (p // b, b)])
     inner = tuple(range(1, 2 * x.ndim, 2))
     amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
+    if over:
+        amax = jax.lax.pmax(amax, over)
     fmax = float(jnp.finfo(dtype).max)
     # Times the float32 reciprocal, as XLA computes a division by a constant anyway; at least the
     # smallest normal float32: XLA flushes a subnormal scale to zero (0 / 0 in a block of tiny
@@ -205,7 +210,13 @@ def _matmul(recipe: str, saved: str | None = None):
 
     def q(a, role, lead):
         block, dtype = _blocks(recipe, lead)[role]
-        return quantize(a, dtype, block, power_of_two=pow2)
+        # Tensorwise on a mesh: the whole tensor's scale, its largest magnitude over the devices
+        # holding its parts (rows over the batch axes, columns over tensor), so a mesh quantizes
+        # as one device does. Not over the pipeline (other stages hold other layers and
+        # micro-batches), nor with leading batch dims (per-expert scales: an expert axis splits
+        # experts, not one tensor).
+        over = tuple(sorted(varying_axes(a) - {PIPELINE})) if whole and lead == 0 else ()
+        return quantize(a, dtype, block, power_of_two=pow2, over=over)
 
     def forward(x, w):
         lead = x.ndim - 2
