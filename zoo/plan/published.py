@@ -29,6 +29,8 @@ _TIERING = "https://maxtext.readthedocs.io/en/latest/reference/models/tiering.ht
 _V6E_CONFIGS = "AI-Hypercomputer/maxtext benchmarks/maxtext_trillium_model_configs.py"
 _DGXC = "https://catalog.ngc.nvidia.com/orgs/nvidia/teams/dgxc-benchmarking/resources/"
 _MBRIDGE = "NVIDIA-NeMo/Megatron-Bridge@067f987 docs/performance-summary-archive.md, 25.11 NeMo container"
+_MBRIDGE_FP8 = ("NVIDIA-NeMo/Megatron-Bridge@0a25f911b2ed6c6905a539504fdb8e5b40e3438b docs/performance-summary-archive.md, "
+                "25.11 NeMo container, DGX-GB200")
 
 # MaxText's ``custom`` policy offloads the listed tensors and recomputes everything not listed
 # (the scanned layer's input stays on device); ``qkv_proj_offloaded`` offloads the q/k/v projections;
@@ -140,6 +142,21 @@ RUNS: tuple[Run, ...] = (
         "TP 1, PP 8, VP 3, EP 32, GBS 8192, MBS 1", None, 4916.0, _MBRIDGE, comparable=False,
         note="pipeline schedule differs: interleaved 1F1B (VP 3, at most about PP micro-batches in flight) against "
         "zoo's schedules (GPipe or interleaved: every micro-batch in flight)"),  # fmt: skip
+    # -- Megatron-Bridge, GB200, FP8 (issue 40): listed with what keeps each from being predicted
+    Run("Llama 3 70B, 64 GB200, FP8-CS", "llama3.1-70b", "gb200", 64, "fsdp=64", 4, 8192,
+        "Megatron FSDP, MBS 2, GBS 256, FP8 current scaling, activations of 40 of the 80 layers offloaded to CPU",
+        None, 4312.0, _MBRIDGE_FP8 + "; the policy: scripts/performance/configs/llama/llama3_workload_base_configs.py "
+        "LLAMA3_70B_PRETRAIN_CONFIG_GB200_FP8_CS_V1 (read in the fork lkk12014402/Megatron-Bridge@67b8806)",
+        comparable=False,
+        note="offloading every activation of half the layers is no zoo map (a map places each name in every layer)"),
+    Run("Llama 3.1 405B, 256 GB200 (PP 16), FP8-CS", "llama3.1-405b", "gb200", 256, "pipeline=16,tensor=4,data=4", 6,
+        8192, "TP 4, PP 16, VP 4, GBS 1536, MBS 1, FP8 current scaling", None, 813.0, _MBRIDGE_FP8, comparable=False,
+        note="GB200's efficiency is uncalibrated and the recompute policy is not published beside it; "
+        "priced in docs/planning.md (1F1B, V = 4)"),  # fmt: skip
+    Run("DeepSeek-V3, 256 GB200 (PP 8), FP8-MX", "deepseek-v3-671b", "gb200", 256, "pipeline=8,expert=32", 16, 4096,
+        "TP 1, PP 8, VP 4, EP 32, GBS 4096, MBS 1, MXFP8", None, 4018.0, _MBRIDGE_FP8, comparable=False,
+        note="zoo's MXFP8 products are float32 products of dequantized operands (priced as such), and its routed "
+        "experts are not in the precision maps"),  # fmt: skip
 )
 
 
