@@ -319,13 +319,8 @@ class StackCut:
         if self.record:
             self.totals.append(value)
             return value
-        if self.used >= len(self.totals):
-            raise MeshError(
-                "schedule='1f1b': the loss took more batch totals (zoo.hooks.pipeline.batch_total) on a micro-batch "
-                f"than the {len(self.totals)} it took on the whole batch"
-            )
         self.used += 1
-        return self.totals[self.used - 1]
+        return self._replayed("batch totals (zoo.hooks.pipeline.batch_total)", self.totals, self.used)
 
     def stack_total(self, value: Array) -> Array:
         if self.whole:
@@ -334,13 +329,16 @@ class StackCut:
         if self.record:  # the stack did not run: a placeholder, the schedule runs the whole pass
             self.asked += 1
             return value
-        if self.stack_used >= len(self.stack_totals):
-            raise MeshError(
-                "schedule='1f1b': the loss took more stack totals (zoo.hooks.pipeline.stack_total) on a micro-batch "
-                f"than the {len(self.stack_totals)} it took on the whole batch"
-            )
         self.stack_used += 1
-        return self.stack_totals[self.stack_used - 1]
+        return self._replayed("stack totals (zoo.hooks.pipeline.stack_total)", self.stack_totals, self.stack_used)
+
+    @staticmethod
+    def _replayed(what: str, recorded: list[Array], calls: int) -> Array:
+        """The ``calls``-th value recorded on the whole batch, for the same call on a micro-batch."""
+        if calls > len(recorded):
+            raise MeshError(f"schedule='1f1b': the loss took more {what} on a micro-batch than the {len(recorded)} it "
+                            "took on the whole batch")  # fmt: skip
+        return recorded[calls - 1]
 
 
 _CUT: contextvars.ContextVar[StackCut | None] = contextvars.ContextVar("zoo_stack_cut", default=None)
@@ -357,15 +355,6 @@ def split_at_stack(cut: StackCut) -> Iterator[StackCut]:
         yield cut
     finally:
         _CUT.reset(token)
-
-
-def per_microbatch() -> bool:
-    """Whether the loss being traced runs on one micro-batch of the batch, its backward pass
-    before the later micro-batches' forward passes (the 1F1B schedule): a loss that is not a sum
-    over the batch's rows takes the whole batch's totals from :func:`batch_total` and
-    :func:`stack_total`."""
-    cut = _CUT.get()
-    return cut is not None and not cut.whole
 
 
 def batch_total(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
