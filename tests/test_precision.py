@@ -206,6 +206,32 @@ def test_a_kept_fp8_gemm_input_costs_half_its_bfloat16_bytes():
     assert bf16 - fp8_kept >= 0.99 * elements, (bf16, fp8_kept, elements)
 
 
+def test_an_input_of_several_fp8_gemms_is_kept_as_one_fp8_copy():
+    """``attn_norm`` feeds the query, key and value projections and nothing else in the backward
+    pass: with all three in FP8 they share one FP8 copy of it (quantized once), which a map keeping
+    ``attn_norm`` keeps (a byte per element and a scale) instead of the bf16 tensor; XLA:CPU's
+    temporaries for it fall by at least that byte per element. With one of the three in bf16 the
+    bf16 tensor is needed, and kept, as before."""
+    ids = jnp.zeros((1, 256), jnp.int32)
+    elements = SMALL.num_layers * ids.size * SMALL.hidden_size
+    qkv = "query=tensorwise,key=tensorwise,value=tensorwise"
+
+    def kept(precision):
+        sizes, saved = [], []
+        for placement in ("remat+attn_norm=device", "remat"):
+            step, params = _step(precision, placement)
+            sizes.append(step.lower(params, ids).compile().memory_analysis().temp_size_in_bytes)
+            saved.append(collections.Counter(_saved(precision, placement, ids)))
+        return sorted((saved[0] - saved[1]).elements()), sizes[0] - sizes[1]
+
+    (bf16_saved, bf16), (fp8_saved, fp8_kept) = kept(None), kept(qkv)
+    assert bf16_saved == [f"bf16[{SMALL.num_layers},1,{ids.size},{SMALL.hidden_size}]"], bf16_saved
+    assert fp8_saved == [f"f32[{SMALL.num_layers},1,1]", f"u8[{SMALL.num_layers},{ids.size},{SMALL.hidden_size}]"], fp8_saved
+    assert bf16 - fp8_kept >= 0.99 * elements, (bf16, fp8_kept, elements)
+    mixed_saved, _ = kept("query=tensorwise,key=tensorwise")  # value in bf16: it reads the bf16 tensor
+    assert f"bf16[{SMALL.num_layers},1,{ids.size},{SMALL.hidden_size}]" in mixed_saved, mixed_saved
+
+
 def test_an_offloaded_fp8_gemm_input_moves_its_fp8_bytes():
     """Exported for CUDA with ``mlp_hidden`` in pinned host memory: the layer loops move the FP8
     copy (and its float32 scale) to host and back, never the bf16 tensor."""

@@ -35,11 +35,12 @@ import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Iterator, Mapping
-from typing import Literal, get_args
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
@@ -169,22 +170,40 @@ def _mT(a: Array) -> Array:
     return jnp.swapaxes(a, -1, -2)
 
 
+class SharedInput(NamedTuple):
+    """An input's FP8 copy for the weight gradients of every matmul reading it, quantized once
+    (:func:`shared_input`): the codes as their bits, laid out as the matmuls' ``[*E, T, K]``
+    operand, their scales, and the recipe."""
+
+    bits: Array
+    scale: Array
+    recipe: str
+
+
 def fp8_matmul(
-    x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str, *, saved: str | None = None
+    x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str, *, saved: str | None = None,
+    shared: SharedInput | None = None,
 ) -> Float[Array, "*E T N"]:
     """``x @ w`` as ``recipe`` computes it (float32 accumulation, result in ``x``'s dtype).
 
     ``saved``: the placement name of ``x``. The FP8 copy of ``x`` the backward pass keeps (and
     its scales) then carries that name, so a placement map that keeps or offloads ``x`` keeps or
     offloads the FP8 copy instead: half a bfloat16 tensor's bytes, the same numerics (the backward
-    pass reads the FP8 copy either way)."""
+    pass reads the FP8 copy either way). ``shared``: that copy, made once for every matmul
+    reading ``x`` (:func:`shared_input`), in place of this matmul's own."""
     if recipe not in RECIPES or recipe == "none":
         raise ConfigError(f"fp8_matmul: recipe {recipe!r} is not an FP8 recipe; choose one of {RECIPES[1:]}")
     # Inside shard_map both operands enter varying over the axes either varies over: the gradient
     # rule then returns each cotangent with its operand's type, and the casts' transposes sum the
     # cotangents over the axes an operand was replicated on (a weight's over the batch axes).
     axes = tuple(sorted(varying_axes(x) | varying_axes(w)))
-    return _matmul(recipe, saved)(varying_over(x, axes), varying_over(w, axes))
+    x, w = varying_over(x, axes), varying_over(w, axes)
+    if shared is None:
+        return _matmul(recipe, saved)(x, w)
+    if shared.recipe != recipe or shared.bits.shape != x.shape:
+        raise ValueError(f"fp8_matmul: a shared input of recipe {shared.recipe!r} and shape {shared.bits.shape} for a "
+                         f"{recipe!r} matmul of an input of shape {x.shape}")  # fmt: skip
+    return _matmul(recipe, None, True)(x, w, varying_over(shared.bits, axes), varying_over(shared.scale, axes))
 
 
 def _scaled_dot(
@@ -197,9 +216,10 @@ def _scaled_dot(
 
 
 @functools.cache
-def _matmul(recipe: str, saved: str | None = None):
+def _matmul(recipe: str, saved: str | None = None, given: bool = False):
     """The custom-VJP matmul of ``recipe`` whose kept FP8 operand is named ``saved`` (one per
-    pair, so traces reuse it).
+    pair, so traces reuse it); ``given``: that operand is made outside and given as two more
+    arguments, its bits and scales (:func:`shared_input`), which get no gradient.
 
     Tensorwise runs its three products as FP8 dots in the program (scales applied to the float32
     result); MXFP8 and blockwise scale within the contracted dimension, which a plain dot cannot
@@ -218,10 +238,10 @@ def _matmul(recipe: str, saved: str | None = None):
         over = tuple(sorted(varying_axes(a) - {PIPELINE})) if whole and lead == 0 else ()
         return quantize(a, dtype, block, power_of_two=pow2, over=over)
 
-    def forward(x, w):
+    def forward(x, w, kept=None):
         lead = x.ndim - 2
         blocks = _blocks(recipe, lead)
-        kept = q(x, "x_t", lead)  # the weight gradient's operand, in FP8
+        kept = q(x, "x_t", lead) if kept is None else kept  # the weight gradient's operand, in FP8
         if whole:
             return _scaled_dot(kept, q(w, "w", lead)).astype(x.dtype), kept
         x_q = dequantize(*kept, blocks["x_t"][0]) if blocks["x"] == blocks["x_t"] else fake_quantize(x, recipe, "x", lead)
@@ -256,12 +276,54 @@ def _matmul(recipe: str, saved: str | None = None):
         dw = _dot(_mT(x_t), fake_quantize(g, recipe, "g_t", lead))
         return dx.astype(like.dtype), dw.astype(w.dtype)
 
-    f.defvjp(fwd, bwd)
-    return f
+    if not given:
+        f.defvjp(fwd, bwd)
+        return f
+
+    def from_bits(bits, scale, lead):
+        return jax.lax.bitcast_convert_type(bits, _blocks(recipe, lead)["x_t"][1]), scale
+
+    @jax.custom_vjp
+    def g(x, w, bits, scale):
+        return forward(x, w, from_bits(bits, scale, x.ndim - 2))[0]
+
+    def g_fwd(x, w, bits, scale):
+        out, _ = forward(x, w, from_bits(bits, scale, x.ndim - 2))
+        return out, ((bits, scale), w, jnp.zeros((0,), x.dtype))
+
+    def g_bwd(res, cot):
+        (bits, scale), _, _ = res
+        dx, dw = bwd(res, cot)
+        return dx, dw, np.zeros(bits.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+
+    g.defvjp(g_fwd, g_bwd)
+    return g
+
+
+def shared_input(names: Sequence[str], spec: str, x: Float[Array, "..."], *, saved: str | None = None) -> SharedInput | None:
+    """``x``'s FP8 copy for the weight gradients of the matmuls ``names``, each ``spec``'s
+    (``x`` its first operand), quantized once for them all where the active map gives them one
+    FP8 recipe (else ``None``: each does as it says). ``saved``: ``x``'s placement name, given
+    where these matmuls are ``x``'s only readers in the backward pass: a map that keeps or
+    offloads ``x`` then keeps or offloads this one copy (a byte per element) instead."""
+    recipes = {recipe_of(n) for n in names}
+    if len(recipes) != 1 or recipes == {"none"}:
+        return None
+    (recipe,) = recipes
+    xs, lead = _lhs_matrix(spec, jax.lax.stop_gradient(x))  # no gradient: the matmuls give x's
+    block, dtype = _blocks(recipe, lead)["x_t"]
+    over = tuple(sorted(varying_axes(xs) - {PIPELINE})) if recipe == "tensorwise" and lead == 0 else ()
+    codes, scale = quantize(xs, dtype, block, power_of_two=recipe == "mxfp8", over=over)
+    # As its bits (see _matmul's fwd: jax.checkpoint would round an FP8 residual as IEEE E4M3).
+    kept = jax.lax.bitcast_convert_type(codes, jnp.uint8), scale
+    if saved is not None:
+        kept = tuple(checkpoint_name(a, saved) for a in kept)
+    return SharedInput(*kept, recipe)
 
 
 def matmul(
-    name: str, spec: str, x: Float[Array, "..."], w: Float[Array, "..."], *, saved: str | None = None
+    name: str, spec: str, x: Float[Array, "..."], w: Float[Array, "..."], *, saved: str | None = None,
+    shared: SharedInput | None = None,
 ) -> Float[Array, "..."]:
     """``jnp.einsum(spec, x, w)``, in FP8 where the active precision map says so for ``name``.
 
@@ -269,17 +331,16 @@ def matmul(
     both operands and the output are batch (experts), those in both operands only are contracted.
     ``saved``: ``x``'s placement name, given where this matmul is ``x``'s only reader in the
     backward pass (see :func:`fp8_matmul`): the map then keeps ``x``'s FP8 copy, not ``x``.
+    ``shared``: that copy made once for several matmuls reading ``x`` (:func:`shared_input`).
     """
     recipe = recipe_of(name)
     if recipe == "none":
         return jnp.einsum(spec, x, w)
-    return einsum_fp8(spec, x, w, recipe, saved=saved)
+    return einsum_fp8(spec, x, w, recipe, saved=saved, shared=shared if shared is not None and shared.recipe == recipe else None)
 
 
-def einsum_fp8(
-    spec: str, x: Float[Array, "..."], w: Float[Array, "..."], recipe: str, *, saved: str | None = None
-) -> Float[Array, "..."]:
-    """A two-operand einsum as one batched ``[E, T, K] @ [E, K, N]`` FP8 matmul of ``recipe``."""
+def _letters(spec: str) -> tuple[str, str, str, list[str], list[str], list[str], list[str]]:
+    """A two-operand einsum's operands and output, and its batch, contracted and free letters."""
     inputs, _, out = spec.replace(" ", "").partition("->")
     lhs, _, rhs = inputs.partition(",")
     if not out or not rhs or "," in rhs or "." in spec:
@@ -290,16 +351,34 @@ def einsum_fp8(
     rfree = [c for c in rhs if c not in lhs]
     if sorted(out) != sorted(batch + lfree + rfree):
         raise ValueError(f"einsum_fp8: output {out!r} of {spec!r} is not a matmul's (no sums over one operand alone)")
+    return lhs, rhs, out, batch, contract, lfree, rfree
+
+
+def _lhs_matrix(spec: str, x: Float[Array, "..."]) -> tuple[Float[Array, "*E T K"], int]:
+    """``spec``'s first operand ``x`` as the ``[*E, T, K]`` operand of its batched matmul, and
+    the number of leading batch dims."""
+    lhs, _, _, batch, contract, lfree, _ = _letters(spec)
+    size = dict(zip(lhs, x.shape, strict=True))
+    xs = jnp.transpose(x, [lhs.index(c) for c in batch + lfree + contract])
+    e = (math.prod(size[c] for c in batch),) if batch else ()
+    return xs.reshape(*e, math.prod(size[c] for c in lfree), math.prod(size[c] for c in contract)), len(e)
+
+
+def einsum_fp8(
+    spec: str, x: Float[Array, "..."], w: Float[Array, "..."], recipe: str, *, saved: str | None = None,
+    shared: SharedInput | None = None,
+) -> Float[Array, "..."]:
+    """A two-operand einsum as one batched ``[E, T, K] @ [E, K, N]`` FP8 matmul of ``recipe``."""
+    lhs, rhs, out, batch, contract, lfree, rfree = _letters(spec)
     size = dict(zip(lhs, x.shape, strict=True)) | dict(zip(rhs, w.shape, strict=True))
 
     def prod(letters):
         return math.prod(size[c] for c in letters)
 
-    xs = jnp.transpose(x, [lhs.index(c) for c in batch + lfree + contract])
+    xs, _ = _lhs_matrix(spec, x)
     ws = jnp.transpose(w, [rhs.index(c) for c in batch + contract + rfree])
     e = (prod(batch),) if batch else ()
-    y = fp8_matmul(xs.reshape(*e, prod(lfree), prod(contract)), ws.reshape(*e, prod(contract), prod(rfree)), recipe,
-                   saved=saved)
+    y = fp8_matmul(xs, ws.reshape(*e, prod(contract), prod(rfree)), recipe, saved=saved, shared=shared)
     y = y.reshape([size[c] for c in batch + lfree + rfree])
     order = batch + lfree + rfree
     return jnp.transpose(y, [order.index(c) for c in out])

@@ -24,7 +24,7 @@ from zoo.hooks.step import gather_layer, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.decoder import DenseBlock, GQAttention
 from zoo.layers.embed import positions_for
-from zoo.layers.fp8 import matmul
+from zoo.layers.fp8 import matmul, shared_input
 from zoo.layers.gqa_decode import GQAGeneration, GQALayers
 from zoo.layers.stack import scan_layers
 from zoo.llama.config import LlamaConfig
@@ -91,9 +91,11 @@ def llama_qkv(
     queries and keys. ``k`` and ``v`` are what a generation cache keeps (``zoo.generate``)."""
     eps, a = config.rms_norm_eps, layer.attn
     h = named("attn_norm", rms_norm, x, layer.attn_norm, eps)
-    q = named("query", lambda: apply_rope(matmul("query", "bsd,dhk->bshk", h, a.wq), cos, sin))
-    k = named("key", lambda: apply_rope(matmul("key", "bsd,dgk->bsgk", h, a.wk), cos, sin))
-    v = named("value", matmul, "value", "bsd,dgk->bsgk", h, a.wv)
+    # In FP8 the three projections are the norm's only backward readers: one FP8 copy for them all.
+    kept = shared_input(("query", "key", "value"), "bsd,dhk->bshk", h, saved="attn_norm")
+    q = named("query", lambda: apply_rope(matmul("query", "bsd,dhk->bshk", h, a.wq, shared=kept), cos, sin))
+    k = named("key", lambda: apply_rope(matmul("key", "bsd,dgk->bsgk", h, a.wk, shared=kept), cos, sin))
+    v = named("value", lambda: matmul("value", "bsd,dgk->bsgk", h, a.wv, shared=kept))
     return q, k, v
 
 
@@ -107,7 +109,7 @@ def llama_post_attention(
     # whose backward needs it: saving this name spares recomputing the projection.
     x = x + named("attn_out", lambda: tensor_psum(matmul("attn_out", "bshk,hkd->bsd", ctx, a.wo)))
     h = named("mlp_norm", rms_norm, x, layer.mlp_norm, eps)
-    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
+    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, input_name="mlp_norm")
 
 
 class Llama(GQAGeneration, NextTokenLM):

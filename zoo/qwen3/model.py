@@ -29,7 +29,7 @@ from zoo.hooks.step import PipelineSplit, gather_layer, pipeline_of, tensor_psum
 from zoo.layers import apply_rope, causal_attention, embed, rms_norm, rope_cos_sin, swiglu, unembed
 from zoo.layers.decoder import DenseBlock, GQAttention, MoEBlock
 from zoo.layers.embed import positions_for
-from zoo.layers.fp8 import matmul
+from zoo.layers.fp8 import matmul, shared_input
 from zoo.layers.gqa_decode import GQAGeneration, GQALayers
 from zoo.layers.moe import moe_experts, resolve_expert_impl
 from zoo.layers.moe_dispatch import dispatch_of
@@ -109,12 +109,14 @@ def qwen3_qkv(
     (before RoPE, as the published model does), RoPE. ``k`` and ``v`` are what a cache keeps."""
     eps, a = config.rms_norm_eps, layer.attn
     h = named("attn_norm", rms_norm, x, layer.attn_norm, eps)
+    # In FP8 the three projections are the norm's only backward readers: one FP8 copy for them all.
+    kept = shared_input(("q_proj", "k_proj", "value"), "bsd,dhk->bshk", h, saved="attn_norm")
     # The per-head norms' backward needs their inputs: naming them spares the projections.
-    q = named("q_proj", matmul, "q_proj", "bsd,dhk->bshk", h, a.wq)
-    k = named("k_proj", matmul, "k_proj", "bsd,dgk->bsgk", h, a.wk)
+    q = named("q_proj", lambda: matmul("q_proj", "bsd,dhk->bshk", h, a.wq, shared=kept))
+    k = named("k_proj", lambda: matmul("k_proj", "bsd,dgk->bsgk", h, a.wk, shared=kept))
     q = named("query", lambda: apply_rope(rms_norm(q, a.q_norm, eps), cos, sin))
     k = named("key", lambda: apply_rope(rms_norm(k, a.k_norm, eps), cos, sin))
-    return q, k, named("value", matmul, "value", "bsd,dgk->bsgk", h, a.wv)
+    return q, k, named("value", lambda: matmul("value", "bsd,dgk->bsgk", h, a.wv, shared=kept))
 
 
 def qwen3_attention_out(
@@ -129,7 +131,7 @@ def qwen3_attention_out(
 def dense_ffn(config: Qwen3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
     """Pre-norm SwiGLU added to the residual stream."""
     h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
-    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
+    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, input_name="mlp_norm")
 
 
 def moe_ffn(
