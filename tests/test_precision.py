@@ -182,6 +182,17 @@ def _saved(precision, placement, ids) -> list[str]:
     return [line.split(" ", 1)[0] for line in out.getvalue().splitlines()]
 
 
+def _kept_by_map(precision, name, ids):
+    """What keeping ``name`` on device adds to the saved residuals under ``precision`` (sorted
+    ``dtype[shape]``), and what it adds to XLA:CPU's compiled temporaries."""
+    sizes, saved = [], []
+    for placement in (f"remat+{name}=device", "remat"):
+        step, params = _step(precision, placement)
+        sizes.append(step.lower(params, ids).compile().memory_analysis().temp_size_in_bytes)
+        saved.append(collections.Counter(_saved(precision, placement, ids)))
+    return sorted((saved[0] - saved[1]).elements()), sizes[0] - sizes[1]
+
+
 def test_a_kept_fp8_gemm_input_costs_half_its_bfloat16_bytes():
     """Keeping ``mlp_hidden`` (the down projection's input) on device keeps, with ``mlp_down`` in
     FP8, its FP8 copy (one byte per element, as its bits) and its scale instead of the bf16 tensor
@@ -191,16 +202,7 @@ def test_a_kept_fp8_gemm_input_costs_half_its_bfloat16_bytes():
     stacked = f"[{SMALL.num_layers},{ids.size},{SMALL.intermediate_size}]"  # [L, T, F]
     elements = SMALL.num_layers * ids.size * SMALL.intermediate_size
 
-    def kept(precision):
-        """(what keeping mlp_hidden adds to the saved residuals, XLA's temporaries with it less without)"""
-        sizes, saved = [], []
-        for placement in ("remat+mlp_hidden=device", "remat"):
-            step, params = _step(precision, placement)
-            sizes.append(step.lower(params, ids).compile().memory_analysis().temp_size_in_bytes)
-            saved.append(collections.Counter(_saved(precision, placement, ids)))
-        return sorted((saved[0] - saved[1]).elements()), sizes[0] - sizes[1]
-
-    (bf16_saved, bf16), (fp8_saved, fp8_kept) = kept(None), kept("mlp_down=tensorwise")
+    (bf16_saved, bf16), (fp8_saved, fp8_kept) = (_kept_by_map(p, "mlp_hidden", ids) for p in (None, "mlp_down=tensorwise"))
     assert bf16_saved == [f"bf16[{SMALL.num_layers},1,{ids.size},{SMALL.intermediate_size}]"], bf16_saved  # [L B S F]
     assert fp8_saved == [f"f32[{SMALL.num_layers},1,1]", "u8" + stacked], fp8_saved  # the copy and its scale
     assert bf16 - fp8_kept >= 0.99 * elements, (bf16, fp8_kept, elements)
@@ -215,20 +217,11 @@ def test_an_input_of_several_fp8_gemms_is_kept_as_one_fp8_copy():
     ids = jnp.zeros((1, 256), jnp.int32)
     elements = SMALL.num_layers * ids.size * SMALL.hidden_size
     qkv = "query=tensorwise,key=tensorwise,value=tensorwise"
-
-    def kept(precision):
-        sizes, saved = [], []
-        for placement in ("remat+attn_norm=device", "remat"):
-            step, params = _step(precision, placement)
-            sizes.append(step.lower(params, ids).compile().memory_analysis().temp_size_in_bytes)
-            saved.append(collections.Counter(_saved(precision, placement, ids)))
-        return sorted((saved[0] - saved[1]).elements()), sizes[0] - sizes[1]
-
-    (bf16_saved, bf16), (fp8_saved, fp8_kept) = kept(None), kept(qkv)
+    (bf16_saved, bf16), (fp8_saved, fp8_kept) = (_kept_by_map(p, "attn_norm", ids) for p in (None, qkv))
     assert bf16_saved == [f"bf16[{SMALL.num_layers},1,{ids.size},{SMALL.hidden_size}]"], bf16_saved
     assert fp8_saved == [f"f32[{SMALL.num_layers},1,1]", f"u8[{SMALL.num_layers},{ids.size},{SMALL.hidden_size}]"], fp8_saved
     assert bf16 - fp8_kept >= 0.99 * elements, (bf16, fp8_kept, elements)
-    mixed_saved, _ = kept("query=tensorwise,key=tensorwise")  # value in bf16: it reads the bf16 tensor
+    mixed_saved, _ = _kept_by_map("query=tensorwise,key=tensorwise", "attn_norm", ids)  # value reads bf16
     assert f"bf16[{SMALL.num_layers},1,{ids.size},{SMALL.hidden_size}]" in mixed_saved, mixed_saved
 
 
