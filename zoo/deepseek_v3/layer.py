@@ -62,7 +62,7 @@ def dense_layer(config, layer: DenseLayer, x, cos, sin, segment_ids):
 def dense_layer_ffn(config: DeepseekV3Config, layer: DenseLayer, x: Float[Array, "B S D"]) -> Float[Array, "B S D"]:
     """A dense layer after its attention: pre-norm SwiGLU added to the residual stream."""
     h = named("mlp_norm", rms_norm, x, layer.mlp_norm, config.rms_norm_eps)
-    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, input_name="mlp_norm")
+    return x + swiglu(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down)
 
 
 def moe_layer(config, layer: MoELayer, x, cos, sin, segment_ids, impl):
