@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, UInt8
 
 from zoo.core.mesh import PIPELINE
 from zoo.errors import ConfigError
@@ -175,8 +175,8 @@ class SharedInput(NamedTuple):
     (:func:`shared_input`): the codes as their bits, laid out as the matmuls' ``[*E, T, K]``
     operand, their scales, and the recipe."""
 
-    bits: Array
-    scale: Array
+    bits: UInt8[Array, "*E T K"]
+    scale: Float[Array, "*E t k"]  # one per block
     recipe: str
 
 
