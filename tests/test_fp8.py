@@ -170,3 +170,79 @@ def test_a_block_of_tiny_values_quantizes_to_finite_numbers(recipe):
         jnp.asarray(x), jnp.asarray(_data((256, 32), 11, spread=False))
     )
     assert np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dw)).all()
+
+
+def _np_routed_experts(x, pair_experts, k, ws, recipes, capacity, tile, dout):
+    """The routed experts' SwiGLU in FP8 as the capacity kernel defines its scales, in NumPy:
+    tensorwise, one scale per expert and tensor over all the expert's rows; block recipes, blocks
+    within each group of the expert's rows (pairs in order): the first ``capacity`` (the batched
+    pass), then ``tile`` at a time (the overflow tiles). Each pair's output; the gradients of x
+    and the weights for the pairs' output cotangent ``dout``."""
+    wg, wu, wd = ws
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    out, dpair = (np.zeros((len(pair_experts), x.shape[1]), np.float32) for _ in range(2))
+    grads = [np.zeros_like(w) for w in ws]
+    for e in range(wg.shape[0]):
+        group = np.flatnonzero(pair_experts == e)
+        cuts = [0, *range(capacity, len(group), tile), len(group)]
+
+        def fq(a, which, role, cuts=cuts):
+            recipe = recipes[which]
+            if recipe == "none":
+                return a
+            block, dtype = NP_RECIPES[recipe][role]
+            if recipe == "tensorwise" or role in ("w", "w_t"):
+                return np_fake(a, dtype, block, recipe == "mxfp8")
+            return np.concatenate([np_fake(a[i:j], dtype, block, recipe == "mxfp8") for i, j in zip(cuts, cuts[1:])])
+
+        if len(group):
+            xs, g = x[group // k], dout[group]
+            gate, up = fq(xs, 0, "x") @ fq(wg[e], 0, "w"), fq(xs, 1, "x") @ fq(wu[e], 1, "w")
+            sig = 1 / (1 + np.exp(-gate))
+            hidden = silu(gate) * up
+            out[group] = fq(hidden, 2, "x") @ fq(wd[e], 2, "w")
+            dhidden = fq(g, 2, "g") @ fq(wd[e], 2, "w_t").T
+            dgate, dup = dhidden * up * sig * (1 + gate * (1 - sig)), dhidden * silu(gate)
+            grads[2][e] += fq(hidden, 2, "x_t").T @ fq(g, 2, "g_t")
+            grads[0][e] += fq(xs, 0, "x_t").T @ fq(dgate, 0, "g_t")
+            grads[1][e] += fq(xs, 1, "x_t").T @ fq(dup, 1, "g_t")
+            dpair[group] = fq(dgate, 0, "g") @ fq(wg[e], 0, "w_t").T + fq(dup, 1, "g") @ fq(wu[e], 1, "w_t").T
+    return out, dpair.reshape(x.shape[0], k, -1).sum(1), grads
+
+
+@pytest.mark.parametrize("recipes", [("tensorwise",) * 3, ("mxfp8",) * 3, ("blockwise",) * 3,
+                                     ("tensorwise", "none", "blockwise")])  # fmt: skip
+@pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "overflow"])
+def test_routed_experts_in_fp8_match_numpy_per_expert_group(recipes, skewed):
+    """The capacity kernel's routed experts in FP8 (issue 40): the output and every gradient as
+    NumPy computes them, tensorwise with one scale per expert and tensor over all its rows (the
+    batched pass's and the overflow tiles'), block recipes with blocks inside the batched pass and
+    inside each tile. With most pairs routed to one expert, most of its rows go through the
+    overflow tiles (two, one partial), and its largest rows are there."""
+    from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
+
+    t, k, e, d, m = 64, 2, 4, 48, 40
+    rng = np.random.default_rng(7)
+    pair_experts = (rng.permutation(t * k) % e if not skewed else np.where(rng.random(t * k) < 0.6, 0, rng.integers(1, e, t * k)))
+    x, dout = _data((t, d), 8, spread=False), _data((t * k, d), 9)
+    if skewed:  # the largest rows among the overflow's: its scales must come from those rows
+        late = np.flatnonzero(pair_experts == 0)[-8:]
+        x[late // k] *= 4
+        dout[late] *= 4
+    ws = [_data(s, 10 + i, spread=False) * 0.2 for i, s in enumerate([(e, d, m), (e, d, m), (e, m, d)])]
+    c, tile = capacity_for(t * k, e), 32
+    want_out, want_dx, want_dw = _np_routed_experts(x, pair_experts, k, ws, recipes, c, tile, dout)
+
+    @jax.jit
+    def run(x, ws, pair_experts, dout):
+        layout = capacity_layout(pair_experts.astype(jnp.int32), e, c)
+        y, vjp = jax.vjp(lambda x, ws: capacity_expert_mlp(x, *ws, layout, k, tile, recipes), x, ws)
+        return y, *vjp(dout)
+
+    out, dx, dws = run(jnp.asarray(x), [jnp.asarray(w) for w in ws], jnp.asarray(pair_experts), jnp.asarray(dout))
+    if skewed:
+        assert (pair_experts == 0).sum() > c + tile  # the overflow runs, over more than one tile
+    for got, want in ((out, want_out), (dx, want_dx), *zip(dws, want_dw)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    exact = _np_routed_experts(x, pair_experts, k, ws, ("none",) * 3, c, tile, dout)[0]
+    assert np.abs(np.asarray(out) - exact).max() > 1e-4 * np.abs(exact).max()  # FP8 is not float32

@@ -18,6 +18,15 @@ would scatter-add (slow on CPU); the overflow's weight gradients accumulate into
 pass's instead of into buffers of their own. What it keeps of the batched pass (``moe_gate``,
 ``moe_up``, ``moe_hidden``: the placement map's names) is one row per pair, not the ``E·C``
 slots, whose headroom is empty rows.
+
+In FP8 (the precision map's ``moe_gate``, ``moe_up``, ``moe_down``: any recipe of
+:mod:`zoo.layers.fp8`), every product of both passes runs in the recipe
+(:mod:`zoo.layers.expert_products`). Tensorwise scales are each expert's, over all its rows on
+every device (the batched pass's and the overflow's), so the step's numerics are one device's on
+any mesh; the SwiGLU output's and the projections' cotangents need the overflow's rows before
+any product of theirs, which a first loop over the overflow tiles finds (recomputing their
+projections; no loop runs without overflow). MXFP8 and blockwise scale blocks within the
+batched pass and within each tile.
 """
 
 from __future__ import annotations
@@ -31,12 +40,17 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zoo.core.named import named, region
 from zoo.hooks.step import sum_to_varying_of, varying_like
+from zoo.layers import expert_products as ep
+from zoo.layers import fp8
 from zoo.layers.grouped_matmul import tile_layout
 from zoo.layers.rows import take_rows
 
 # Rows per expert in the batched pass over the mean (rows / experts): benchmarks/moe.py.
 CAPACITY_FACTOR = 1.25
 OVERFLOW_TILE = 32
+# The routed experts' three matmuls as the precision map names them (their outputs' placement names).
+MATMULS = ("moe_gate", "moe_up", "moe_down")
+NONE = ("none",) * 3
 
 
 def capacity_for(rows: int, experts: int, factor: float = CAPACITY_FACTOR) -> int:
@@ -51,7 +65,8 @@ class CapacityLayout(NamedTuple):
     ``slot_pair[e, c]`` if ``slot_valid``; overflow row ``j`` (sorted by expert,
     ``over_sizes[e]`` rows of expert ``e``, then padding) holds pair ``over_pair[j]`` if
     ``over_valid``. Pair ``p``'s output is capacity row ``pair_slot[p]`` (of the ``E·C``) if
-    ``in_capacity``, else overflow row ``pair_over[p]``; zero where not ``mine``."""
+    ``in_capacity``, else overflow row ``pair_over[p]``; zero where not ``mine``. Overflow row
+    ``j`` is expert ``over_expert[j]``'s."""
 
     slot_pair: Int[Array, "E C"]
     slot_valid: Bool[Array, "E C"]
@@ -62,6 +77,7 @@ class CapacityLayout(NamedTuple):
     pair_over: Int[Array, " P"]
     in_capacity: Bool[Array, " P"]
     mine: Bool[Array, " P"]
+    over_expert: Int[Array, " O"]
 
 
 def capacity_layout(pair_experts: Int[Array, " P"], experts: int, capacity: int) -> CapacityLayout:
@@ -86,16 +102,13 @@ def capacity_layout(pair_experts: Int[Array, " P"], experts: int, capacity: int)
     in_capacity = within < c
     pair_slot = jnp.where(in_capacity, pe * c + within, 0)
     pair_over = jnp.where(in_capacity, 0, over_first[pe] + within - c)
-    return CapacityLayout(slot_pair, slot_valid, over_pair, over_valid, over, pair_slot, pair_over, in_capacity, mine)
+    return CapacityLayout(slot_pair, slot_valid, over_pair, over_valid, over, pair_slot, pair_over, in_capacity, mine,
+                          owner)  # fmt: skip
 
 
 def _rows(x, pairs, valid, k):
     """``x`` rows of the tokens of ``pairs`` (zeros where not ``valid``)."""
     return take_rows(x, pairs // k, valid)
-
-
-def _mm(spec, a, b):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
 def _kept(layout, slots):
@@ -116,15 +129,69 @@ def _slots(layout, kept):
     return take_rows(kept, layout.slot_pair, layout.slot_valid)
 
 
-def _capacity_pass(x, w_gate, w_up, w_down, layout, k):
+# -- tensorwise FP8: each expert's scales over all its rows ----------------------------------------
+
+
+def _s(scales: ep.Scales | None, a: str, b: str, owner: Array | None = None) -> tuple[Array, Array] | None:
+    """Scales ``a`` and ``b`` of a tensorwise product (an expert's: ``owner``); ``None`` where
+    either is not set (that product is not tensorwise)."""
+    pair = (None, None) if scales is None else (getattr(scales, a), getattr(scales, b))
+    if pair[0] is None or pair[1] is None:
+        return None
+    return pair if owner is None else (pair[0][owner], pair[1][owner])
+
+
+def _rows_amax(row_amax: Float[Array, " N"], layout: CapacityLayout, per: int) -> Float[Array, " E"]:
+    """Each expert's largest ``row_amax`` over its rows, the batched pass's and the overflow's
+    (pair ``p``'s row is ``row_amax[p // per]``)."""
+    cap = jnp.max(jnp.where(layout.slot_valid, row_amax[layout.slot_pair // per], 0), axis=1)
+    over = jnp.where(layout.over_valid, row_amax[layout.over_pair // per], 0)
+    return cap.at[layout.over_expert].max(over)
+
+
+def _input_scales(x, w_gate, w_up, w_down, layout, k) -> ep.Scales:
+    axes = ep.scale_axes(w_gate)
+    x_amax = _rows_amax(jnp.max(jnp.abs(x.astype(ep.F32)), axis=1), layout, k)
+    e4m3 = functools.partial(ep.expert_scale, dtype=fp8.E4M3, axes=axes)
+    return ep.Scales(e4m3(x_amax), *(e4m3(ep.slots_amax(w)) for w in (w_gate, w_up, w_down)))
+
+
+def _overflow_amax(layout, x, dout, weights, k, tile, rows_of, n, likes) -> Float[Array, "V E"]:
+    """Per expert, the largest magnitude of each of the ``n`` arrays ``rows_of(tile)`` computes
+    from an overflow tile, over every tile (zeros without overflow)."""
+    init = varying_like(jnp.zeros((n, weights[0].shape[0]), ep.F32), *likes)
+    if not layout.over_pair.shape[0]:
+        return init
+    tiles, read = _overflow_tiles(layout, x, dout, weights, k, tile)
+
+    def body(i, amax):
+        t = read(i)
+        vals = jnp.stack([jnp.max(jnp.abs(jnp.where(t.keep[:, None], v, 0).astype(ep.F32))) for v in rows_of(t)])
+        return amax.at[:, t.owner].max(vals)
+
+    return jax.lax.fori_loop(0, tiles.used, body, init)
+
+
+# -- the batched pass and the overflow tiles -------------------------------------------------------
+
+
+def _capacity_pass(x, w_gate, w_up, w_down, layout, k, recipes, scales, over_hidden):
+    """The batched pass's output slots, the tensors it keeps, and ``scales`` with the SwiGLU
+    output's (from its slots and ``over_hidden``, the overflow's largest magnitudes) where the
+    down projection is tensorwise."""
+    rg, ru, rd = recipes
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
     # The projections as slots, named as the rows the backward pass keeps (the placement map's
     # tensors); the SwiGLU on those rows, back into slots for the down projection. The forward
     # pass computes every named tensor (a planner's trace under full remat sees each).
-    gate = named("moe_gate", lambda: _kept(layout, _mm("ecd,edm->ecm", xc, w_gate)))
-    up = named("moe_up", lambda: _kept(layout, _mm("ecd,edm->ecm", xc, w_up)))
+    gate = named("moe_gate", lambda: _kept(layout, ep.product(xc, w_gate, rg, _s(scales, "x", "w_gate")).astype(x.dtype)))
+    up = named("moe_up", lambda: _kept(layout, ep.product(xc, w_up, ru, _s(scales, "x", "w_up")).astype(x.dtype)))
     hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
-    return _mm("ecm,emd->ecd", _slots(layout, hidden), w_down), (gate, up, hidden)
+    hs = _slots(layout, hidden)
+    if rd == "tensorwise":
+        amax = jnp.maximum(ep.slots_amax(hs), over_hidden)
+        scales = scales._replace(hidden=ep.expert_scale(amax, fp8.E4M3, ep.scale_axes(w_gate)))
+    return ep.product(hs, w_down, rd, _s(scales, "hidden", "w_down")).astype(hs.dtype), (gate, up, hidden), scales
 
 
 def _overflow_any(layout) -> Array:
@@ -135,12 +202,6 @@ def _per_pair(layout, cap_rows):
     """Each pair's row from the capacity rows; zeros for a pair not mine or past the capacity
     (the overflow loop writes those)."""
     return take_rows(cap_rows, layout.pair_slot, layout.mine & layout.in_capacity)
-
-
-def _dot(a, b, contract):
-    """``a @ b`` (contracting ``a``'s dim 1 with ``b``'s ``contract``) accumulated in float32,
-    rounded to ``a``'s dtype as the batched pass rounds its products."""
-    return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32).astype(a.dtype)
 
 
 class _Tile(NamedTuple):
@@ -183,7 +244,28 @@ def _put(per_pair, t: _Tile, rows):
     return per_pair.at[at].set(rows.astype(per_pair.dtype), mode="drop", unique_indices=True)
 
 
-def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, out):
+def _tile_forward(t: _Tile, recipes, scales):
+    """A tile's SwiGLU output (its projections in its rows' dtype)."""
+    rg, ru, _ = recipes
+    gate = ep.product(t.x, t.w[0], rg, _s(scales, "x", "w_gate", t.owner)).astype(t.x.dtype)
+    up = ep.product(t.x, t.w[1], ru, _s(scales, "x", "w_up", t.owner)).astype(t.x.dtype)
+    return jax.nn.silu(gate) * up
+
+
+def _tile_backward(t: _Tile, recipes, scales):
+    """A tile's SwiGLU output recomputed, and its gate's and up projection's cotangents."""
+    f32 = ep.F32
+    rg, ru, rd = recipes
+    go = ep.product(t.x, t.w[0], rg, _s(scales, "x", "w_gate", t.owner)).astype(t.x.dtype).astype(f32)
+    uo = ep.product(t.x, t.w[1], ru, _s(scales, "x", "w_up", t.owner)).astype(t.x.dtype).astype(f32)
+    ho = (jax.nn.silu(go) * uo).astype(t.x.dtype)
+    dho = ep.input_grad(t.dy, t.w[2], rd, _s(scales, "dout", "w_down", t.owner)).astype(t.dy.dtype).astype(f32)
+    dgo = (dho * uo * _silu_grad(go)).astype(t.x.dtype)
+    duo = (dho * jax.nn.silu(go)).astype(t.x.dtype)
+    return ho, dgo, duo
+
+
+def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, scales, out):
     """``out`` (each pair's output, ``[P, D]``) with the overflow pairs' rows written in, a tile
     at a time: each tile's rows gathered, its gate, up, hidden and output computed, only the
     output kept."""
@@ -191,46 +273,44 @@ def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, out):
 
     def body(i, out):
         t = read(i)
-        hidden = jax.nn.silu(_dot(t.x, t.w[0], 0)) * _dot(t.x, t.w[1], 0)
-        return _put(out, t, _dot(hidden, t.w[2], 0))
+        hidden = _tile_forward(t, recipes, scales)
+        return _put(out, t, ep.product(hidden, t.w[2], recipes[2], _s(scales, "hidden", "w_down", t.owner)).astype(hidden.dtype))
 
-    out = varying_like(out, x, w_gate, w_up, w_down, layout.over_sizes)  # one carry type
+    out = varying_like(out, x, w_gate, w_up, w_down, layout.over_sizes, *jax.tree.leaves(scales))  # one carry type
     return jax.lax.fori_loop(0, tiles.used, body, out)
 
 
-def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, dpair, dws):
+def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, recipes, scales, dpair, dws):
     """``dpair`` (each pair's input gradient, ``[P, D]``) with the overflow pairs' rows written
     in, and the weight gradients ``dws`` (float32) plus theirs, a tile at a time: each tile's
     rows and output gradients gathered, its SwiGLU recomputed, its input gradient written and its
     expert's weight gradients added."""
-    f32 = jnp.float32
     tiles, read = _overflow_tiles(layout, x, dout, (w_gate, w_up, w_down), k, tile)
+    rg, ru, rd = recipes
 
     def body(i, carry):
         dx, dwg, dwu, dwd = carry
         t = read(i)
         xt = t.x  # zeros past the tile's valid rows: they add nothing to the weight gradients
-        go, uo = _dot(xt, t.w[0], 0).astype(f32), _dot(xt, t.w[1], 0).astype(f32)
-        ho = (jax.nn.silu(go) * uo).astype(x.dtype)
-        dho = _dot(t.dy, t.w[2], 1).astype(f32)
-        dgo = (dho * uo * _silu_grad(go)).astype(x.dtype)
-        duo = (dho * jax.nn.silu(go)).astype(x.dtype)
-        dxt = _dot(dgo, t.w[0], 1) + _dot(duo, t.w[1], 1)
+        ho, dgo, duo = _tile_backward(t, recipes, scales)
+        dxt = (ep.input_grad(dgo, t.w[0], rg, _s(scales, "dgate", "w_gate", t.owner)).astype(dgo.dtype)
+               + ep.input_grad(duo, t.w[1], ru, _s(scales, "dup", "w_up", t.owner)).astype(duo.dtype))  # fmt: skip
 
-        def add(g, a, b):
-            contrib = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+        def add(g, contrib):
             return jax.lax.dynamic_update_index_in_dim(g, jax.lax.dynamic_index_in_dim(g, t.owner, keepdims=True)
                                                        + contrib[None], t.owner, 0)  # fmt: skip
 
-        return _put(dx, t, dxt), add(dwg, xt, dgo), add(dwu, xt, duo), add(dwd, ho, t.dy)
+        return (_put(dx, t, dxt), add(dwg, ep.weight_grad(xt, dgo, rg, _s(scales, "x", "dgate", t.owner))),
+                add(dwu, ep.weight_grad(xt, duo, ru, _s(scales, "x", "dup", t.owner))),
+                add(dwd, ep.weight_grad(ho, t.dy, rd, _s(scales, "hidden", "dout", t.owner))))  # fmt: skip
 
-    likes = (x, dout, w_gate, w_up, w_down, layout.over_sizes)
+    likes = (x, dout, w_gate, w_up, w_down, layout.over_sizes, *jax.tree.leaves(scales))
     dpair, *dws = (varying_like(a, *likes) for a in (dpair, *dws))  # one carry type
     dpair, *dws = jax.lax.fori_loop(0, tiles.used, body, (dpair, *dws))
     return dpair, tuple(dws)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def capacity_expert_mlp(
     x: Float[Array, "T D"],
     w_gate: Float[Array, "E D M"],
@@ -239,32 +319,41 @@ def capacity_expert_mlp(
     layout: CapacityLayout,
     k: int,
     tile: int = OVERFLOW_TILE,
+    recipes: tuple[str, str, str] = NONE,
 ) -> Float[Array, "P D"]:
     """Each pair's expert SwiGLU output, pair ``p`` being token ``p // k``'s row through its
-    expert (:func:`capacity_layout`); zeros for pairs not ``mine``."""
-    return _forward(x, w_gate, w_up, w_down, layout, k, tile)[0]
+    expert (:func:`capacity_layout`); zeros for pairs not ``mine``. ``recipes``: the FP8 recipe
+    of the gate, up and down projections (:data:`MATMULS`; ``"none"``: as written)."""
+    return _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes)[0]
 
 
-def _forward(x, w_gate, w_up, w_down, layout, k, tile):
+def _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes):
     e, c = layout.slot_pair.shape
-    yc, saved = _capacity_pass(x, w_gate, w_up, w_down, layout, k)
+    ws = (w_gate, w_up, w_down)
+    scales = over_hidden = None
+    if "tensorwise" in recipes:
+        scales = _input_scales(x, *ws, layout, k)
+        if recipes[2] == "tensorwise":  # the overflow's SwiGLU outputs, before any down product
+            rows_of = lambda t: (_tile_forward(t, recipes, scales),)  # noqa: E731
+            over_hidden = _overflow_amax(layout, x, None, ws, k, tile, rows_of, 1, (x, *ws, layout.over_sizes))[0]
+    yc, saved, scales = _capacity_pass(x, *ws, layout, k, recipes, scales, over_hidden)
     yc = yc.reshape(e * c, -1)
     if not layout.over_pair.shape[0]:
-        return _per_pair(layout, yc), saved
+        return _per_pair(layout, yc), saved, scales
 
     def overflow(x, w_gate, w_up, w_down, yc):
-        return _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, _per_pair(layout, yc))
+        return _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, scales, _per_pair(layout, yc))
 
     def balanced(x, w_gate, w_up, w_down, yc):
         return _per_pair(layout, yc)
 
     # The overflow's loop and buffers are skipped outright when no expert overflows.
-    return jax.lax.cond(_overflow_any(layout), overflow, balanced, x, w_gate, w_up, w_down, yc), saved
+    return jax.lax.cond(_overflow_any(layout), overflow, balanced, x, *ws, yc), saved, scales
 
 
-def _fwd(x, w_gate, w_up, w_down, layout, k, tile):
-    out, saved = _forward(x, w_gate, w_up, w_down, layout, k, tile)
-    return out, (x, w_gate, w_up, w_down, layout, saved)
+def _fwd(x, w_gate, w_up, w_down, layout, k, tile, recipes):
+    out, saved, scales = _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes)
+    return out, (x, w_gate, w_up, w_down, layout, saved, scales)
 
 
 def _silu_grad(gate):
@@ -272,33 +361,44 @@ def _silu_grad(gate):
     return s * (1 + gate * (1 - s))
 
 
-def _bwd(k, tile, residuals, dout):
-    x, w_gate, w_up, w_down, layout, kept = residuals
+def _bwd(k, tile, recipes, residuals, dout):
+    x, w_gate, w_up, w_down, layout, kept, scales = residuals
     gate, up, hidden = (_slots(layout, a) for a in kept)
     e, c = layout.slot_pair.shape
     f32 = jnp.float32
+    rg, ru, rd = recipes
+    ws = (w_gate, w_up, w_down)
     # Batched pass: each slot's output gradient gathered from its pair.
     dyc = take_rows(dout, layout.slot_pair, layout.slot_valid)
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
-    dw_down = jnp.einsum("ecm,ecd->emd", hidden, dyc, preferred_element_type=f32)
-    dhidden = jnp.einsum("ecd,emd->ecm", dyc, w_down, preferred_element_type=f32)
+    if scales is not None:
+        amax = _rows_amax(jnp.max(jnp.abs(dout.astype(f32)), axis=1), layout, 1)
+        scales = scales._replace(dout=ep.expert_scale(amax, fp8.E5M2, ep.scale_axes(w_gate)))
+    dw_down = ep.weight_grad(hidden, dyc, rd, _s(scales, "hidden", "dout"))
+    dhidden = ep.input_grad(dyc, w_down, rd, _s(scales, "dout", "w_down"))
     # A hand-written backward runs under its call's scopes only: each named tensor's share of it
     # goes under that tensor's scope, as autodiff's transposes would.
     with region("moe_hidden"):
         g32, u32 = gate.astype(f32), up.astype(f32)
         dgate = (dhidden * u32 * _silu_grad(g32)).astype(x.dtype)
         dup = (dhidden * jax.nn.silu(g32)).astype(x.dtype)
+    if "tensorwise" in (rg, ru):  # the projections' cotangents: the overflow's too, before any product
+        rows_of = lambda t: _tile_backward(t, recipes, scales)[1:]  # noqa: E731
+        over = _overflow_amax(layout, x, dout, ws, k, tile, rows_of, 2, (x, dout, *ws, layout.over_sizes))
+        dgate_amax, dup_amax = (jnp.maximum(ep.slots_amax(a), o) for a, o in zip((dgate, dup), over))
+        e5m2 = functools.partial(ep.expert_scale, dtype=fp8.E5M2, axes=ep.scale_axes(w_gate))
+        scales = scales._replace(dgate=e5m2(dgate_amax), dup=e5m2(dup_amax))
     with region("moe_gate"):
-        dw_gate = jnp.einsum("ecd,ecm->edm", xc, dgate, preferred_element_type=f32)
+        dw_gate = ep.weight_grad(xc, dgate, rg, _s(scales, "x", "dgate"))
     with region("moe_up"):
-        dw_up = jnp.einsum("ecd,ecm->edm", xc, dup, preferred_element_type=f32)
+        dw_up = ep.weight_grad(xc, dup, ru, _s(scales, "x", "dup"))
     with region("moe_gate"):
-        dxc = _slots_input_grad(dgate, dup, w_gate, w_up).reshape(e * c, -1)
+        dxc = _slots_input_grad(dgate, dup, w_gate, w_up, (rg, ru), scales).reshape(e * c, -1)
 
     # Overflow: recomputed a tile at a time (it is small, and usually absent), its weight
     # gradients accumulated into the batched pass's; skipped outright when no expert overflows.
     def overflow(dxc, dws):
-        return _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, _per_pair(layout, dxc), dws)
+        return _overflow_backward(x, dout, *ws, layout, k, tile, recipes, scales, _per_pair(layout, dxc), dws)
 
     def balanced(dxc, dws):
         return _per_pair(layout, dxc), dws
@@ -310,27 +410,37 @@ def _bwd(k, tile, residuals, dout):
         dpair, dws = balanced(dxc, dws)
     # Each token's gradient: its K pairs' row gradients, gathered and summed (no scatter).
     dx = dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(x.dtype)
-    dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, (w_gate, w_up, w_down))]
+    dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, ws)]
     return (sum_to_varying_of(dx, x), *dws, None)
 
 
-def _slots_input_grad(dgate, dup, w_gate, w_up):
+def _slots_input_grad(dgate, dup, w_gate, w_up, recipes=NONE[:2], scales=None):
     """The slots' gradient ``[E, C, D]`` (in ``dgate``'s dtype) through both projections, as
     one contraction over (projection, M) a block of experts at a time (at most 8 blocks): each
     block's float32 product is all that exists of it in float32, where the whole one was 6.6
     GiB at DeepSeek-V3 671B's 128-GB200 configuration (a product per projection and their sum
     held three). Each expert's product is its own; XLA:CPU's float32 results differ from one
     whole contraction's by rounding (up to 3e-6 on values of order 1: other shapes, other
-    kernels), its bfloat16 ones not at all in the checks made."""
+    kernels), its bfloat16 ones not at all in the checks made. In FP8 (``recipes`` of the gate
+    and up projections, tensorwise ones at ``scales``): each projection's product in its
+    recipe, summed in float32."""
     e = dgate.shape[0]
     n = max(d for d in range(1, min(e, 8) + 1) if e % d == 0)
 
+    def per_expert(name):  # a tensorwise scale, or ones where none is used (the blocks' map takes arrays)
+        s = None if scales is None else getattr(scales, name)
+        return jnp.ones((e,), jnp.float32) if s is None else s
+
     def block(ws):
-        dg, du, wg, wu = ws
+        dg, du, wg, wu, s_dg, s_wg, s_du, s_wu = ws
+        if recipes != NONE[:2]:
+            rg, ru = recipes
+            return (ep.input_grad(dg, wg, rg, (s_dg, s_wg)) + ep.input_grad(du, wu, ru, (s_du, s_wu))).astype(dg.dtype)
         stacked = jnp.stack([dg, du], axis=2), jnp.stack([wg, wu], axis=2)
         return jnp.einsum("ecjm,edjm->ecd", *stacked, preferred_element_type=jnp.float32).astype(dg.dtype)
 
-    blocks = tuple(a.reshape(n, e // n, *a.shape[1:]) for a in (dgate, dup, w_gate, w_up))
+    scaled = [per_expert(name) for name in ("dgate", "w_gate", "dup", "w_up")]
+    blocks = tuple(a.reshape(n, e // n, *a.shape[1:]) for a in (dgate, dup, w_gate, w_up, *scaled))
     out = jax.lax.map(block, blocks)
     return out.reshape(e, *out.shape[2:])
 

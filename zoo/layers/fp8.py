@@ -113,6 +113,14 @@ def quantize(
     amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
     if over:
         amax = jax.lax.pmax(amax, over)
+    scale = scale_of(amax, dtype, power_of_two=power_of_two)
+    q = codes(xb, scale, dtype).reshape(padded)
+    q = q[tuple(slice(0, n) for n in shape)]
+    return q, scale.reshape([p // b for p, b in zip(padded, block, strict=True)])
+
+
+def scale_of(amax: Float[Array, "*S"], dtype: DTypeLike, *, power_of_two: bool = False) -> Float[Array, "*S"]:
+    """The float32 scale of a block whose largest magnitude is ``amax`` (:func:`quantize`'s)."""
     fmax = float(jnp.finfo(dtype).max)
     # Times the float32 reciprocal, as XLA computes a division by a constant anyway; at least the
     # smallest normal float32: XLA flushes a subnormal scale to zero (0 / 0 in a block of tiny
@@ -121,10 +129,13 @@ def quantize(
     if power_of_two:  # the next power of two at or above (E8M0): exact, from the exponent
         mantissa, exponent = jnp.frexp(scale)
         scale = jnp.where(mantissa == 0.5, scale, jnp.ldexp(jnp.ones_like(scale), exponent))
-    scale = jnp.where(amax > 0, scale, 1.0)
-    q = jnp.clip(xb / scale, -fmax, fmax).astype(dtype).reshape(padded)
-    q = q[tuple(slice(0, n) for n in shape)]
-    return q, scale.reshape([p // b for p, b in zip(padded, block, strict=True)])
+    return jnp.where(amax > 0, scale, 1.0)
+
+
+def codes(x: Float[Array, "..."], scale: Float[Array, "..."], dtype: DTypeLike) -> Array:
+    """``x / scale`` (``scale`` broadcast against ``x``) in FP8 ``dtype``, clipped to its range."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
 
 
 def dequantize(q: Array, scale: Float[Array, "..."], block: tuple[int, ...]) -> Float[Array, "..."]:
@@ -206,13 +217,73 @@ def fp8_matmul(
     return _matmul(recipe, None, True)(x, w, varying_over(shared.bits, axes), varying_over(shared.scale, axes))
 
 
-def _scaled_dot(
+def scaled_dot(
     a: tuple[Array, Float[Array, "..."]], b: tuple[Array, Float[Array, "..."]]
 ) -> Float[Array, "*E T N"]:
     """Two tensorwise-quantized operands' product: an FP8 x FP8 dot accumulated in float32, times
     both scales (the form XLA's GPU compiler rewrites to a scaled FP8 cuBLASLt GEMM)."""
     (qa, sa), (qb, sb) = a, b
     return _dot(qa, qb) * (sa * sb)
+
+
+def _quantized(a: Float[Array, "*E T K"], recipe: str, role: str) -> tuple[Array, Float[Array, "..."]]:
+    """Operand ``role`` of a ``[*E, T, K] @ [*E, K, N]`` matmul (:func:`_blocks`) in ``recipe``'s
+    FP8 and its scales. Tensorwise on a mesh: the whole tensor's scale, its largest magnitude
+    over the devices holding its parts (rows over the batch axes, columns over tensor), so a mesh
+    quantizes as one device does. Not over the pipeline (other stages hold other layers and
+    micro-batches), nor with leading batch dims (per-expert scales: an expert axis splits
+    experts, not one tensor)."""
+    lead = a.ndim - 2
+    block, dtype = _blocks(recipe, lead)[role]
+    over = tuple(sorted(varying_axes(a) - {PIPELINE})) if recipe == "tensorwise" and lead == 0 else ()
+    return quantize(a, dtype, block, power_of_two=recipe == "mxfp8", over=over)
+
+
+def _product(recipe: str, x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], kept: tuple[Array, Array]
+             ) -> Float[Array, "*E T N"]:  # fmt: skip
+    """``x @ w`` in float32 as ``recipe`` computes it; ``kept``: ``x`` quantized for the weight
+    gradient (role ``x_t``), which the forward product reuses where its blocks are the same."""
+    blocks = _blocks(recipe, x.ndim - 2)
+    if recipe == "tensorwise":
+        return scaled_dot(kept, _quantized(w, recipe, "w"))
+    x_q = dequantize(*kept, blocks["x_t"][0]) if blocks["x"] == blocks["x_t"] else fake_quantize(x, recipe, "x", x.ndim - 2)
+    return _dot(x_q, fake_quantize(w, recipe, "w", w.ndim - 2))
+
+
+def _input_grad(recipe: str, g: Float[Array, "*E T N"], w: Float[Array, "*E K N"]) -> Float[Array, "*E T K"]:
+    """``g @ wᵀ`` in float32 as ``recipe`` computes the input's gradient."""
+    if recipe == "tensorwise":
+        q_w, s_w = _quantized(w, recipe, "w_t")
+        return scaled_dot(_quantized(g, recipe, "g"), (_mT(q_w), _mT(s_w)))
+    lead = w.ndim - 2
+    return _dot(fake_quantize(g, recipe, "g", lead), _mT(fake_quantize(w, recipe, "w_t", lead)))
+
+
+def _weight_grad(recipe: str, kept: tuple[Array, Array], g: Float[Array, "*E T N"]) -> Float[Array, "*E K N"]:
+    """``xᵀ @ g`` in float32 as ``recipe`` computes the weight's gradient, ``x`` as ``kept``."""
+    q_xt, s_xt = kept
+    if recipe == "tensorwise":
+        return scaled_dot((_mT(q_xt), _mT(s_xt)), _quantized(g, recipe, "g_t"))
+    lead = g.ndim - 2
+    x_t = dequantize(q_xt, s_xt, _blocks(recipe, lead)["x_t"][0])
+    return _dot(_mT(x_t), fake_quantize(g, recipe, "g_t", lead))
+
+
+def batched_product(x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str) -> Float[Array, "*E T N"]:
+    """``x @ w`` in float32 as ``recipe`` computes it, for model code that writes its own
+    backward pass (the capacity kernel's routed experts): with leading batch dims, one scale
+    per leading index (an expert's)."""
+    return _product(recipe, x, w, _quantized(x, recipe, "x_t"))
+
+
+def batched_input_grad(g: Float[Array, "*E T N"], w: Float[Array, "*E K N"], recipe: str) -> Float[Array, "*E T K"]:
+    """``g @ wᵀ``, the gradient of :func:`batched_product`'s ``x`` for its output's cotangent ``g``."""
+    return _input_grad(recipe, g, w)
+
+
+def batched_weight_grad(x: Float[Array, "*E T K"], g: Float[Array, "*E T N"], recipe: str) -> Float[Array, "*E K N"]:
+    """``xᵀ @ g``, the gradient of :func:`batched_product`'s ``w`` for its output's cotangent ``g``."""
+    return _weight_grad(recipe, _quantized(x, recipe, "x_t"), g)
 
 
 @functools.cache
@@ -225,27 +296,10 @@ def _matmul(recipe: str, saved: str | None = None, given: bool = False):
     result); MXFP8 and blockwise scale within the contracted dimension, which a plain dot cannot
     express, so they multiply the dequantized operands in float32 (on GPU a block-scaled GEMM
     would compute the same products; XLA does not emit one from this spelling)."""
-    pow2 = recipe == "mxfp8"
-    whole = recipe == "tensorwise"
-
-    def q(a, role, lead):
-        block, dtype = _blocks(recipe, lead)[role]
-        # Tensorwise on a mesh: the whole tensor's scale, its largest magnitude over the devices
-        # holding its parts (rows over the batch axes, columns over tensor), so a mesh quantizes
-        # as one device does. Not over the pipeline (other stages hold other layers and
-        # micro-batches), nor with leading batch dims (per-expert scales: an expert axis splits
-        # experts, not one tensor).
-        over = tuple(sorted(varying_axes(a) - {PIPELINE})) if whole and lead == 0 else ()
-        return quantize(a, dtype, block, power_of_two=pow2, over=over)
 
     def forward(x, w, kept=None):
-        lead = x.ndim - 2
-        blocks = _blocks(recipe, lead)
-        kept = q(x, "x_t", lead) if kept is None else kept  # the weight gradient's operand, in FP8
-        if whole:
-            return _scaled_dot(kept, q(w, "w", lead)).astype(x.dtype), kept
-        x_q = dequantize(*kept, blocks["x_t"][0]) if blocks["x"] == blocks["x_t"] else fake_quantize(x, recipe, "x", lead)
-        return _dot(x_q, fake_quantize(w, recipe, "w", lead)).astype(x.dtype), kept
+        kept = _quantized(x, recipe, "x_t") if kept is None else kept  # the weight gradient's operand, in FP8
+        return _product(recipe, x, w, kept).astype(x.dtype), kept
 
     @jax.custom_vjp
     def f(x, w):
@@ -263,17 +317,8 @@ def _matmul(recipe: str, saved: str | None = None, given: bool = False):
 
     def bwd(res, g):
         (bits, s_xt), w, like = res
-        lead = w.ndim - 2
-        q_xt = jax.lax.bitcast_convert_type(bits, _blocks(recipe, lead)["x_t"][1])
-        if whole:
-            q_g, s_g = q(g, "g", lead)
-            q_w, s_w = q(w, "w_t", lead)
-            dx = _scaled_dot((q_g, s_g), (_mT(q_w), _mT(s_w)))
-            dw = _scaled_dot((_mT(q_xt), _mT(s_xt)), q(g, "g_t", lead))
-            return dx.astype(like.dtype), dw.astype(w.dtype)
-        x_t = dequantize(q_xt, s_xt, _blocks(recipe, lead)["x_t"][0])
-        dx = _dot(fake_quantize(g, recipe, "g", lead), _mT(fake_quantize(w, recipe, "w_t", lead)))
-        dw = _dot(_mT(x_t), fake_quantize(g, recipe, "g_t", lead))
+        q_xt = jax.lax.bitcast_convert_type(bits, _blocks(recipe, w.ndim - 2)["x_t"][1])
+        dx, dw = _input_grad(recipe, g, w), _weight_grad(recipe, (q_xt, s_xt), g)
         return dx.astype(like.dtype), dw.astype(w.dtype)
 
     if not given:
@@ -310,10 +355,8 @@ def shared_input(names: Sequence[str], spec: str, x: Float[Array, "..."], *, sav
     if len(recipes) != 1 or recipes == {"none"}:
         return None
     (recipe,) = recipes
-    xs, lead = _lhs_matrix(spec, jax.lax.stop_gradient(x))  # no gradient: the matmuls give x's
-    block, dtype = _blocks(recipe, lead)["x_t"]
-    over = tuple(sorted(varying_axes(xs) - {PIPELINE})) if recipe == "tensorwise" and lead == 0 else ()
-    codes, scale = quantize(xs, dtype, block, power_of_two=recipe == "mxfp8", over=over)
+    xs, _ = _lhs_matrix(spec, jax.lax.stop_gradient(x))  # no gradient: the matmuls give x's
+    codes, scale = _quantized(xs, recipe, "x_t")
     # As its bits (see _matmul's fwd: jax.checkpoint would round an FP8 residual as IEEE E4M3).
     kept = jax.lax.bitcast_convert_type(codes, jnp.uint8), scale
     if saved is not None:

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from zoo.core.mesh import axis_size
 from zoo.core.named import named
-from zoo.errors import MeshError
+from zoo.errors import ConfigError, MeshError
 from zoo.hooks.step import (
     GATHERED,
     Gather,
@@ -36,7 +36,8 @@ from zoo.hooks.step import (
     varying_axes,
     varying_like,
 )
-from zoo.layers.capacity_mlp import capacity_expert_mlp, capacity_for, capacity_layout
+from zoo.layers import fp8
+from zoo.layers.capacity_mlp import MATMULS, OVERFLOW_TILE, capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
 from zoo.layers.moe_dispatch import Dispatch, exchange_experts
 from zoo.layers.rows import take_rows
@@ -122,7 +123,8 @@ def capacity_pair_mlp(
     other devices' pairs or padding)."""
     e = w_gate.shape[0]
     c = capacity or capacity_for(expected_rows or pair_experts.shape[0], e)
-    return capacity_expert_mlp(x, w_gate, w_up, w_down, capacity_layout(pair_experts, e, c), k)
+    recipes = tuple(fp8.recipe_of(name) for name in MATMULS)  # the active precision map's (FP8 or not)
+    return capacity_expert_mlp(x, w_gate, w_up, w_down, capacity_layout(pair_experts, e, c), k, OVERFLOW_TILE, recipes)
 
 
 def _routed_experts_pairs(pair_mlp, x, routing, w_gate, w_up, w_down):
@@ -398,6 +400,15 @@ def moe_experts(
 ) -> tuple[Float[Array, "T D"], Int[Array, ""]]:
     """The routed experts' combined output through expert path ``impl`` (see
     :func:`resolve_expert_impl`), expert-parallel inside :func:`zoo.parallel.value_and_grad`
-    as ``dispatch`` says; and the pairs it dropped (:func:`routed_experts`)."""
-    path = EXPERT_IMPLS[resolve_expert_impl(impl)]
+    as ``dispatch`` says; and the pairs it dropped (:func:`routed_experts`). In FP8 (the active
+    precision map's ``moe_gate``, ``moe_up``, ``moe_down``) on the ``capacity`` path only."""
+    resolved = resolve_expert_impl(impl)
+    in_fp8 = {name: r for name in MATMULS if (r := fp8.recipe_of(name)) != "none"}
+    if in_fp8 and resolved != "capacity":
+        raise ConfigError(
+            f"the precision map puts the routed experts in FP8 ({', '.join(f'{n}={r}' for n, r in in_fp8.items())}), "
+            f"which runs on the 'capacity' expert path only, not on {resolved!r} (expert_impl={impl!r}): set "
+            "expert_impl='capacity' or give those matmuls the recipe 'none'"
+        )
+    path = EXPERT_IMPLS[resolved]
     return routed_experts(path, x, routing, w_gate, w_up, w_down, pair_mlp=pair_mlp_for(impl), dispatch=dispatch)

@@ -7,7 +7,9 @@ slices* in the body's dataflow, cut at the saved names and the body's inputs. It
 matmuls in it. The count is taken on the dense-attention, ``ragged_dot`` spelling of the layer
 (the flash and grouped kernels loop a data-dependent number of times, which a trace cannot
 count); attention's matmuls (those under the ``context`` scope every family's attention runs in:
-scores and probabilities over [S, S]) count half, the causal mask's work.
+scores and probabilities over [S, S]) count half, the causal mask's work. Routed experts the
+precision map puts in tensorwise FP8 (which runs on the capacity kernel) are traced in that
+spelling as ``ragged_dot`` products and counted as FP8 products by their scope.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax._src import core
 
 from zoo.layers import precision as zoo_precision
 from zoo.layers.attention import NAMES as ATTENTION_NAMES
+from zoo.layers.capacity_mlp import MATMULS as ROUTED_MATMULS
 from zoo.lora import base_model
 from zoo.placement import placement_map_for, subjaxprs
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds
@@ -58,7 +61,12 @@ class _Node:
     fp8: bool = False  # a product of FP8 operands (zoo.layers.fp8's tensorwise recipe)
 
 
-def _is_fp8_dot(eqn: core.JaxprEqn) -> bool:
+def _is_fp8_dot(eqn: core.JaxprEqn, routed_fp8: frozenset[str] = frozenset()) -> bool:
+    """A product of FP8 operands; or a routed experts' ``ragged_dot`` (by its scope: ``moe_gate``,
+    ``moe_up``, else the down projection) whose matmul is in ``routed_fp8``."""
+    if eqn.primitive.name in ("ragged_dot", "ragged_dot_general") and routed_fp8:
+        scopes = str(eqn.source_info.name_stack).split("/")
+        return next((n for n in ROUTED_MATMULS[:2] if n in scopes), ROUTED_MATMULS[2]) in routed_fp8
     return eqn.primitive.name == "dot_general" and all(
         jnp.issubdtype(v.aval.dtype, jnp.floating) and jnp.dtype(v.aval.dtype).itemsize == 1 for v in eqn.invars
     )
@@ -71,6 +79,7 @@ class Body:
 
     layers: int
     tokens: int
+    routed_fp8: frozenset[str] = frozenset()  # routed experts' matmuls in tensorwise FP8 (counted as ragged_dot)
     nodes: list[_Node] = field(default_factory=list)
     producer: dict[int, int] = field(default_factory=dict)  # value id -> node index
     named: dict[str, list[int]] = field(default_factory=dict)  # name -> node indices
@@ -140,7 +149,7 @@ def _flatten(jaxpr: core.Jaxpr, env: dict[Any, int], body: Body, seq_len: int, s
         flops = _dot_flops(eqn, seq_len) * scale
         if name in ("scan", "while", "cond"):
             flops = _loop_flops(eqn, seq_len) * scale
-        node = _Node(flops, ins, eqn.params["name"] if name == "name" else None, _is_fp8_dot(eqn))
+        node = _Node(flops, ins, eqn.params["name"] if name == "name" else None, _is_fp8_dot(eqn, body.routed_fp8))
         index = len(body.nodes)
         body.nodes.append(node)
         if node.name is not None:
@@ -208,6 +217,12 @@ def layer_bodies(model: Any, seq_len: int, precision: Any = None) -> list[Body]:
     cls = placement_map_for(model)
     everything = cls.preset("device")
     ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    routed: frozenset[str] = frozenset()
+    if precision is not None:  # the routed experts traced as ragged_dot in bf16, counted by their recipe
+        resolved = zoo_precision.resolve(precision, counting)
+        mine = [n for n in ROUTED_MATMULS if n in resolved.names()]
+        routed = frozenset(n for n in mine if getattr(resolved, n) == "tensorwise")
+        precision = dataclasses.replace(resolved, **dict.fromkeys(mine, "none"))
 
     def loss(m: Any, x: Any) -> Any:
         with zoo_precision.using(precision, m):
@@ -220,7 +235,7 @@ def layer_bodies(model: Any, seq_len: int, precision: Any = None) -> list[Body]:
         for eqn in j.eqns:
             if eqn.primitive.name in ("remat2", "checkpoint"):
                 inner = jaxpr_of(eqn.params["jaxpr"])
-                body = Body(length, seq_len)
+                body = Body(length, seq_len, routed)
                 _flatten(inner, {v: id(v) for v in inner.invars}, body, seq_len, 1.0)
                 if body.named:
                     bodies.append(body)

@@ -11,8 +11,9 @@ from zoo.layers.precision import PrecisionMap, Recipe
 class Qwen3Precision(PrecisionMap, model="zoo.qwen3.model.Qwen3"):
     """Recipe of every dense projection of a Qwen3 layer (``zoo/qwen3/model.py``), named by its
     output's placement name: ``q_proj``/``k_proj`` (before the per-head norms), ``value``,
-    ``attn_out``, and the dense layers' SwiGLU ``mlp_gate``/``mlp_up``/``mlp_down``. The MoE
-    layers' router and routed experts are not in the map yet: they stay in the model's dtype."""
+    ``attn_out``, the dense layers' SwiGLU ``mlp_gate``/``mlp_up``/``mlp_down``, and the MoE
+    layers' routed experts ``moe_gate``/``moe_up``/``moe_down`` (in FP8 on the ``capacity``
+    expert path only: :mod:`zoo.layers.capacity_mlp`). The router stays in the model's dtype."""
 
     q_proj: Recipe = "none"
     k_proj: Recipe = "none"
@@ -21,3 +22,6 @@ class Qwen3Precision(PrecisionMap, model="zoo.qwen3.model.Qwen3"):
     mlp_gate: Recipe = "none"
     mlp_up: Recipe = "none"
     mlp_down: Recipe = "none"
+    moe_gate: Recipe = "none"
+    moe_up: Recipe = "none"
+    moe_down: Recipe = "none"
