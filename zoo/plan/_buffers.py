@@ -16,6 +16,7 @@ class Buffer:
     host: bool
     what: str  # producing primitive, or the checkpoint name that views it
     pinned: bool = False  # an argument or an output of the program: not a temporary
+    early: bool = False  # allocated at the start of its program (a loop's zero-initialised state)
     start: int = -1
     end: int = -1
     first: float = math.inf  # first read
@@ -60,11 +61,12 @@ class Peak:
 
 def _schedule(prog: Program, t: int, seen: list[Buffer]) -> int:
     """Give every buffer of ``prog`` (bodies included) a [start, end] in op time from ``t``."""
+    begin = t
     for op in prog.ops:
         op.time = t0 = t
         for b in (*op.writes, *op.state):
             if b.start < 0:
-                b.start = t0
+                b.start = begin if b.early else t0
                 seen.append(b)
         for b in op.reads:
             b.first = min(b.first, t0)

@@ -6,13 +6,16 @@ XLA's fusion in broad strokes: elementwise work (casts, broadcasts, slices, the 
 reduction) fuses into its consumer and never exists on its own, unless several equations read
 it, a non-fusible one does (a matmul, a collective, a loop) or it leaves its jaxpr (a loop
 body's outputs). Reshapes and names are views. Calls (``jit``, ``remat``, ``shard_map``,
-custom rules) are inlined; a loop's body runs inside the loop's time span, its stacked outputs
-exist for the whole loop, and a scan's per-iteration slice is copied out where a matmul reads
-it. A loop that runs once is inlined (XLA removes it). A ``while`` loop holds its own copy of
-the loop-invariant operands it carries (XLA's loop state); its results are written over their
-initial values, and a conditional's over operands of their type, where nothing reads those
-buffers afterwards under any name (XLA's in-place loop state and conditional buffers: gradient
-accumulators).
+custom rules) are inlined; an equation that repeats an earlier one on the same operands is the
+earlier one (XLA's common-subexpression elimination: a recomputed forward pass outside a loop
+is its forward pass). A loop's body runs inside the loop's time span, its stacked outputs and
+any state it starts from a broadcast exist from the start of its program (XLA's schedules put
+the broadcast that initialises them first), and a scan's per-iteration slice is copied out
+where a matmul reads it. A loop that runs once is inlined (XLA removes it). A ``while`` loop
+holds its own copy of the loop-invariant operands it carries (XLA's loop state); its results
+are written over their initial values, and a conditional's over operands of their type, where
+nothing reads those buffers afterwards under any name, a body's inputs included (XLA's
+in-place loop state and conditional buffers: gradient accumulators).
 
 Two figures come out: the **live peak**, the most bytes live at once, and the **heap**, those
 buffers packed into one arena by size, best fit first, as XLA's buffer assignment packs its
@@ -32,11 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from zoo.plan._buffers import Buffer, Op, Peak, Program, intervals, live_peak, peak
-from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, nbytes
+from zoo.plan.jaxprs import CALLS, ClosedJaxpr, call_jaxpr, jaxpr_of, nbytes
 
 # Work XLA fuses into its consumer: elementwise arithmetic and logic, casts, broadcasts, slices.
 FUSIBLE = frozenset({
@@ -88,6 +92,8 @@ class _Context:
 
     unified: bool = False
     shape_div: dict[tuple[int, ...], int] = field(default_factory=dict)
+    cse: bool = True  # merge repeated equations (XLA's common-subexpression elimination)
+    texts: dict[int, str] = field(default_factory=dict)  # jaxprs printed, by id (:func:`_computes`)
 
 
 @dataclass(eq=False)
@@ -96,17 +102,38 @@ class _Eqn:
     eqn: Any  # the jaxpr equation (None for a synthetic slice)
     ins: list[Any]  # values read (None for literals)
     outs: list[Any]
+    ids: list[Any] = field(default_factory=list)  # what each operand is (:func:`_identity`)
 
 
-def _flatten(jaxpr: core.Jaxpr, env: dict[Any, Any], out: list[_Eqn], ctx: _Context, local: bool) -> None:
+def _flatten(
+    jaxpr: core.Jaxpr,
+    env: dict[Any, Any],
+    out: list[_Eqn],
+    ctx: _Context,
+    local: bool,
+    same: dict[Any, Any] | None = None,
+    seen: dict[Any, list[tuple[Any, Any]]] | None = None,
+) -> None:
     """Append ``jaxpr``'s primitives to ``out``, calls (and loops that run once) inlined;
-    ``local``: inside ``shard_map``, where shapes are already per device."""
+    ``local``: inside ``shard_map``, where shapes are already per device.
+
+    An equation that repeats an earlier one (the same primitive and parameters on the same
+    operands) is not appended: its outputs are the earlier one's, as XLA's common-subexpression
+    elimination makes them. (Under ``jax.checkpoint(prevent_cse=False)`` a layer's recomputed
+    forward pass is its forward pass, where no loop separates them: a layer of its own, whose
+    one-trip scan XLA removes, keeps what its backward pass reads from its forward pass on; a
+    custom rule's backward pass reads the forward pass's gathers, not copies of its own.)
+    ``same``: each variable's identity for that comparison (the variable its value was first
+    computed as); ``seen``: the equations so far, by what they compute."""
+    same = {} if same is None else same
+    seen = {} if seen is None else seen
     for eqn in jaxpr.eqns:
         ins = [env.get(v) if isinstance(v, core.Var) else None for v in eqn.invars]
         name = eqn.primitive.name
         if ctx.unified and name == "device_put":
-            for ov, v in zip(eqn.outvars, ins):
+            for ov, v, iv in zip(eqn.outvars, ins, eqn.invars):
                 env[ov] = v  # one memory: a transfer is a no-op
+                same[ov] = _identity(iv, same)
             continue
         sub = None
         if name in CALLS and call_jaxpr(eqn) is not None:
@@ -116,15 +143,76 @@ def _flatten(jaxpr: core.Jaxpr, env: dict[Any, Any], out: list[_Eqn], ctx: _Cont
         if sub is not None:
             sub_env: dict[Any, Any] = {v: None for v in sub.constvars}
             sub_env.update(zip(sub.invars, ins))
-            _flatten(sub, sub_env, out, ctx, local or name == "shard_map")
+            same.update((sv, _identity(iv, same)) for sv, iv in zip(sub.invars, eqn.invars))
+            _flatten(sub, sub_env, out, ctx, local or name == "shard_map", same, seen)
             for ov, sv in zip(eqn.outvars, sub.outvars):
                 env[ov] = sub_env.get(sv) if isinstance(sv, core.Var) else None
+                same[ov] = _identity(sv, same)
+            continue
+        key = _computes(eqn, same, ctx.texts) if ctx.cse else None
+        if key is not None and key in seen:
+            for ov, (prev, value) in zip(eqn.outvars, seen[key]):
+                env[ov], same[ov] = value, same.get(prev, prev)
             continue
         outs = []
         for ov in eqn.outvars:
             env[ov] = value = _Value(ov.aval, 1 if local else _divisor(ov.aval, ins, ctx))
             outs.append(value)
-        out.append(_Eqn(name, eqn, ins, outs))
+        if key is not None:
+            seen[key] = list(zip(eqn.outvars, outs))
+        out.append(_Eqn(name, eqn, ins, outs, [_identity(v, same) for v in eqn.invars]))
+
+
+def _identity(v: Any, same: dict[Any, Any]) -> Any:
+    """What a jaxpr operand is, for :func:`_computes`: a literal its value, a variable the one
+    its value was first computed as."""
+    if isinstance(v, core.Literal):
+        return ("literal", str(v.aval), repr(v.val))
+    return same.get(v, v)
+
+
+def _computes(eqn: Any, same: dict[Any, Any], texts: dict[int, str]) -> Any:
+    """What an equation computes, hashable (equal for two that XLA's CSE would merge); None
+    for one it would not: with effects, or parameters not comparable. (Collectives are merged
+    too: ``shard_map`` lowers each with the same channel, and XLA:CPU keeps one all-gather of a
+    layer's weights for its forward pass and its recomputation.)"""
+    if any(not isinstance(e, core.NamedAxisEffect) for e in eqn.effects):  # a collective's axis is no effect
+        return None
+    try:
+        params = tuple(sorted((k, _frozen(v, texts)) for k, v in eqn.params.items()))
+        key = (eqn.primitive.name, params, tuple(_identity(v, same) for v in eqn.invars))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _text(jaxpr: core.Jaxpr, texts: dict[int, str]) -> str:
+    """``jaxpr`` printed, once per walk (a layer's body is long; the walk holds the jaxpr)."""
+    if id(jaxpr) not in texts:
+        texts[id(jaxpr)] = str(jaxpr)
+    return texts[id(jaxpr)]
+
+
+def _frozen(x: Any, texts: dict[int, str]) -> Any:
+    """A parameter as a hashable value: a jaxpr by its text (XLA compares a loop's or a call's
+    computations by what they compute: a recomputed forward pass's loops are jaxprs of their
+    own, the same text), another object by identity."""
+    if isinstance(x, core.Jaxpr):
+        return ("jaxpr", _text(x, texts))
+    if isinstance(x, ClosedJaxpr):
+        return ("jaxpr", _text(x.jaxpr, texts), tuple(id(c) for c in x.consts))
+    if isinstance(x, (tuple, list)):
+        return tuple(_frozen(y, texts) for y in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _frozen(v, texts)) for k, v in x.items()))
+    if isinstance(x, np.ndarray):
+        return (x.dtype.str, x.shape, x.tobytes())
+    try:
+        hash(x)
+    except TypeError:
+        return ("object", id(x))
+    return x
 
 
 def _divisor(aval: Any, ins: list[Any], ctx: _Context) -> int:
@@ -151,8 +239,17 @@ def _program(
         for v in jaxpr.invars[len(jaxpr.invars) - sliced :]:
             env[v] = value = _Value(v.aval)
             flat.append(_Eqn("dynamic_slice", None, [None], [value]))
-    _flatten(jaxpr, env, flat, ctx, local)
+    same: dict[Any, Any] = {}
+    _flatten(jaxpr, env, flat, ctx, local, same)
     leaving_vals = [env.get(v) if isinstance(v, core.Var) else None for v in jaxpr.outvars]
+    # A body's inputs (no buffer of its own: the loop's state, a conditional's operands) by
+    # identity: the last equation reading each, and those it returns.
+    input_read: dict[Any, int] = {}
+    for i, e in enumerate(flat):
+        for x, k in zip(e.ins, e.ids):
+            if x is None and not isinstance(k, tuple):
+                input_read[k] = i
+    input_leaving = {same.get(v, v) for v in jaxpr.outvars if isinstance(v, core.Var)}
 
     uses: dict[int, int] = {}
     strong: set[int] = set()  # read by a non-fusible primitive
@@ -195,6 +292,7 @@ def _program(
         return len(rs) == 1 and last_read.get(rs[0]) == i and rs[0] not in leaving_roots
 
     backing: dict[int, list[Buffer]] = {k: [b] for k, b in pinned.items()}
+    made_by: dict[int, str] = {}  # each value's producing primitive
     ops: list[Op] = []
     for index, e in enumerate(flat):
         reads = [b for v in e.ins if v is not None for b in backing.get(id(v), [])]
@@ -212,8 +310,15 @@ def _program(
             ops.append(Op(reads, []))
             continue
         reuse = _in_place(e, lambda v, index=index: dead_after(v, index), backing)
+        if local:
+            for i in _over_inputs(e, lambda k, index=index: input_read.get(k) == index and k not in input_leaving):
+                # Written over a body input nothing reads afterwards (the gradient accumulators a
+                # conditional's branch passes to its loop): in place, in the enclosing state.
+                backing[id(e.outs[i])] = []
         for i, v in enumerate(e.outs):
             k = id(v)
+            if k in backing and not backing[k]:
+                continue
             if i in reuse:  # written over an operand nothing reads afterwards
                 backing[k] = [reuse[i]]
                 continue
@@ -232,6 +337,12 @@ def _program(
         op = Op(reads, writes)
         if e.name in LOOPS:
             _loop(e, op, backing, ctx)
+            for i in _zeroed(e, made_by):
+                for b in backing[id(e.outs[i])]:
+                    if b in writes:
+                        b.early = True
+        for v in e.outs:
+            made_by[id(v)] = e.name
         ops.append(op)
     outs = [b for v in leaving_vals if v is not None for b in backing.get(id(v), [])]
     return Program(ops, outs)
@@ -281,6 +392,53 @@ def _in_place(e: _Eqn, dead: Callable[[Any], bool], backing: dict[int, list[Buff
     return reuse
 
 
+def _over_inputs(e: _Eqn, dead: Callable[[Any], bool]) -> list[int]:
+    """Outputs of a loop or ``cond`` in a body that XLA writes over a body input (an operand with
+    no buffer in this body, ``None``) that is ``dead`` after it: a loop's carry over its initial
+    value, a conditional's output over an operand of its type."""
+    if e.name not in ("while", "scan", "cond"):
+        return []
+
+    def free(j: int) -> bool:
+        return e.ins[j] is None and isinstance(e.eqn.invars[j], core.Var) and dead(e.ids[j])
+
+    if e.name in ("while", "scan"):
+        p = e.eqn.params
+        n = p["num_consts"] if e.name == "scan" else p["cond_nconsts"] + p["body_nconsts"]
+        carries = p["num_carry"] if e.name == "scan" else len(e.outs)
+        return [i for i in range(carries) if free(n + i) and e.eqn.invars[n + i].aval == e.eqn.outvars[i].aval]
+    got, taken = [], set()
+    for i, ov in enumerate(e.eqn.outvars):
+        for j in range(1, len(e.ins)):
+            if j not in taken and free(j) and e.eqn.invars[j].aval == ov.aval:
+                got.append(i)
+                taken.add(j)
+                break
+    return got
+
+
+def _zeroed(e: _Eqn, made_by: dict[int, str]) -> list[int]:
+    """Outputs of a loop whose state XLA initialises from a broadcast (a scan's stacked outputs,
+    zeros; a carry started from a broadcast). XLA:CPU's schedules place such a broadcast, which
+    reads nothing, where their depth-first walk from the program's results first reaches the
+    loop: before the loop's other operands are computed, at the start of the program in the
+    buffer assignments read (the capacity kernel's gradient loop: its [E, C, D] output's zeros
+    first in the step, live through the whole backward pass)."""
+    p = e.eqn.params
+    if e.name == "scan":
+        n, carries = p["num_consts"], p["num_carry"]
+    elif e.name == "while":
+        n, carries = p["cond_nconsts"] + p["body_nconsts"], len(e.outs)
+    else:
+        return []
+    got = list(range(carries, len(e.outs)))
+    for i in range(carries):
+        v = e.ins[n + i]
+        if v is not None and made_by.get(id(v)) == "broadcast_in_dim":
+            got.append(i)
+    return got
+
+
 def _loop(e: _Eqn, op: Op, backing: dict[int, list[Buffer]], ctx: _Context) -> None:
     p = e.eqn.params
     if e.name == "scan":
@@ -291,7 +449,9 @@ def _loop(e: _Eqn, op: Op, backing: dict[int, list[Buffer]], ctx: _Context) -> N
     elif e.name == "while":
         op.body = _body(jaxpr_of(p["body_jaxpr"]), 0, ctx)
         n_consts = p["cond_nconsts"] + p["body_nconsts"]
-        carried = {id(b): b for v in e.ins[:n_consts] if v is not None for b in backing.get(id(v), [])}
+        # One copy of each value (an all-gather's relayout copy is a second buffer of the same
+        # value: XLA's loop state holds one, in the layout the body reads).
+        carried = {id(bs[0]): bs[0] for v in e.ins[:n_consts] if v is not None and (bs := backing.get(id(v)))}
         op.state = [Buffer(b.size, b.host, "while state") for b in carried.values()]
     else:
         branches = [_body(jaxpr_of(b), 0, ctx) for b in p["branches"]]
