@@ -48,13 +48,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--models", default="llama,deepseek_v3")
+    p.add_argument("--precisions", default=None, help="comma-separated, 'none' (the peer) first; default each model's four")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             base = None
-            for precision in RECIPES[model]:
+            chosen = args.precisions.split(",") if args.precisions else RECIPES[model]
+            if chosen[0] != "none":
+                p.error(f"--precisions {args.precisions}: the peer 'none' must come first")
+            for precision in chosen:
                 loss, seconds = run(model, precision, args.steps, Path(tmp))
                 base = loss if precision == "none" else base
                 rows.append({"model": model, "precision": precision, "val_loss": loss, "bf16": base,

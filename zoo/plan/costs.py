@@ -275,9 +275,12 @@ class CostModel:
         figure (measured on XLA:CPU: ``tests/test_plan_pipeline.py``)."""
         if self.schedule == "1f1b" and virtual == 1:
             # No hoisted copy; but each backward pass's gradient of the stage's weights is a buffer
-            # of its own before it is added to the sum (XLA:CPU; tests/test_plan_pipeline.py).
-            # Interleaved, the chunk's gradient is added into the sum where it is picked.
-            return self.stage_weights - self.hoisted
+            # of its own before it is added to the sum, and the sum is zeros XLA allocates before
+            # the tick loop (XLA:CPU's buffer assignment: one f32 stacked gradient per weight,
+            # live from the step's start across the loop; tests/test_plan_pipeline.py, where the
+            # walk of the traced step is within 0.3% of XLA). Interleaved, the chunk's gradient
+            # is added into the sum where it is picked.
+            return 2 * self.stage_weights - self.hoisted
         return 0.0 if virtual == 1 else -self.hoisted
 
     def compute_flops(self, b: int, virtual: int = 1) -> float:
