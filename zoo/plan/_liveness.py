@@ -93,7 +93,7 @@ class _Context:
     unified: bool = False
     shape_div: dict[tuple[int, ...], int] = field(default_factory=dict)
     cse: bool = True  # merge repeated equations (XLA's common-subexpression elimination)
-    texts: dict[int, str] = field(default_factory=dict)  # jaxprs printed, by id (:func:`_computes`)
+    texts: dict[Any, Any] = field(default_factory=dict)  # jaxprs printed, by id (:func:`_full`)
 
 
 @dataclass(eq=False)
@@ -149,9 +149,13 @@ def _flatten(
                 env[ov] = sub_env.get(sv) if isinstance(sv, core.Var) else None
                 same[ov] = _identity(sv, same)
             continue
-        key = _computes(eqn, same, ctx.texts) if ctx.cse else None
-        if key is not None and key in seen:
-            for ov, (prev, value) in zip(eqn.outvars, seen[key]):
+        # Compared first without the jaxprs' texts (printing a layer's body is most of a walk's
+        # time), then, where that matches an earlier equation, with them.
+        key = _computes(eqn, same, None) if ctx.cse else None
+        earlier = next((pairs for prev, pairs in seen.get(key, ()) if _full(prev, ctx.texts) == _full(eqn, ctx.texts)),
+                       None) if key is not None else None  # fmt: skip
+        if earlier is not None:
+            for ov, (prev, value) in zip(eqn.outvars, earlier):
                 env[ov], same[ov] = value, same.get(prev, prev)
             continue
         outs = []
@@ -159,7 +163,7 @@ def _flatten(
             env[ov] = value = _Value(ov.aval, 1 if local else _divisor(ov.aval, ins, ctx))
             outs.append(value)
         if key is not None:
-            seen[key] = list(zip(eqn.outvars, outs))
+            seen.setdefault(key, []).append((eqn, list(zip(eqn.outvars, outs))))
         out.append(_Eqn(name, eqn, ins, outs, [_identity(v, same) for v in eqn.invars]))
 
 
@@ -171,11 +175,19 @@ def _identity(v: Any, same: dict[Any, Any]) -> Any:
     return same.get(v, v)
 
 
-def _computes(eqn: Any, same: dict[Any, Any], texts: dict[int, str]) -> Any:
+def _full(eqn: Any, texts: dict[int, Any]) -> Any:
+    """An equation's parameters with its jaxprs by their texts (once per equation and walk)."""
+    if ("eqn", id(eqn)) not in texts:
+        texts[("eqn", id(eqn))] = tuple(sorted((k, _frozen(v, texts)) for k, v in eqn.params.items()))
+    return texts[("eqn", id(eqn))]
+
+
+def _computes(eqn: Any, same: dict[Any, Any], texts: dict[Any, Any] | None) -> Any:
     """What an equation computes, hashable (equal for two that XLA's CSE would merge); None
     for one it would not: with effects, or parameters not comparable. (Collectives are merged
     too: ``shard_map`` lowers each with the same channel, and XLA:CPU keeps one all-gather of a
-    layer's weights for its forward pass and its recomputation.)"""
+    layer's weights for its forward pass and its recomputation.) ``texts`` None: jaxprs by their
+    signature only (see :func:`_frozen`)."""
     if any(not isinstance(e, core.NamedAxisEffect) for e in eqn.effects):  # a collective's axis is no effect
         return None
     try:
@@ -187,21 +199,24 @@ def _computes(eqn: Any, same: dict[Any, Any], texts: dict[int, str]) -> Any:
     return key
 
 
-def _text(jaxpr: core.Jaxpr, texts: dict[int, str]) -> str:
+def _text(jaxpr: core.Jaxpr, texts: dict[Any, Any]) -> str:
     """``jaxpr`` printed, once per walk (a layer's body is long; the walk holds the jaxpr)."""
     if id(jaxpr) not in texts:
         texts[id(jaxpr)] = str(jaxpr)
     return texts[id(jaxpr)]
 
 
-def _frozen(x: Any, texts: dict[int, str]) -> Any:
+def _frozen(x: Any, texts: dict[Any, Any] | None) -> Any:
     """A parameter as a hashable value: a jaxpr by its text (XLA compares a loop's or a call's
     computations by what they compute: a recomputed forward pass's loops are jaxprs of their
-    own, the same text), another object by identity."""
-    if isinstance(x, core.Jaxpr):
-        return ("jaxpr", _text(x, texts))
+    own, the same text), or with ``texts`` None by its signature (its equations' count and its
+    inputs' and outputs' types); another object by identity."""
     if isinstance(x, ClosedJaxpr):
-        return ("jaxpr", _text(x.jaxpr, texts), tuple(id(c) for c in x.consts))
+        return (*_frozen(x.jaxpr, texts), tuple(id(c) for c in x.consts))
+    if isinstance(x, core.Jaxpr):
+        if texts is None:
+            return ("jaxpr", len(x.eqns), tuple(str(v.aval) for v in (*x.invars, *x.outvars)))
+        return ("jaxpr", _text(x, texts))
     if isinstance(x, (tuple, list)):
         return tuple(_frozen(y, texts) for y in x)
     if isinstance(x, dict):
