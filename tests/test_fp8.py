@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -193,7 +194,7 @@ def _np_routed_experts(x, pair_experts, k, ws, recipes, capacity, tile, dout):
             block, dtype = NP_RECIPES[recipe][role]
             if recipe == "tensorwise" or role in ("w", "w_t"):
                 return np_fake(a, dtype, block, recipe == "mxfp8")
-            return np.concatenate([np_fake(a[i:j], dtype, block, recipe == "mxfp8") for i, j in zip(cuts, cuts[1:])])
+            return np.concatenate([np_fake(a[i:j], dtype, block, recipe == "mxfp8") for i, j in itertools.pairwise(cuts)])
 
         if len(group):
             xs, g = x[group // k], dout[group]

@@ -175,7 +175,7 @@ def _identity(v: Any, same: dict[Any, Any]) -> Any:
     return same.get(v, v)
 
 
-def _full(eqn: Any, texts: dict[int, Any]) -> Any:
+def _full(eqn: Any, texts: dict[Any, Any]) -> Any:
     """An equation's parameters with its jaxprs by their texts (once per equation and walk)."""
     if ("eqn", id(eqn)) not in texts:
         texts[("eqn", id(eqn))] = tuple(sorted((k, _frozen(v, texts)) for k, v in eqn.params.items()))
