@@ -217,11 +217,12 @@ def test_errors_name_the_culprit():
 
 
 def test_hardware_table_has_sources():
-    for name in ("h100", "h200", "b200", "gb200", "tpu-v5p", "tpu-v6e"):
+    for name in ("h100", "h200", "b200", "gb200", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         hw = plan.hardware(name)
         assert hw.source and hw.hbm_bytes > 0 and hw.peak_flops > 0 and hw.host_link > 0 and hw.host_bytes > 0
     assert "900 GB/s" in plan.hardware("gb200").source
     assert plan.hardware("GB200") is plan.hardware("gb200") and plan.hardware("v5p").name == "tpu-v5p"
+    assert plan.hardware("v5e").name == "tpu-v5e"
 
 
 def test_recipe_plans_and_says_when_nothing_fits(capsys):

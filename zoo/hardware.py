@@ -180,6 +180,24 @@ HARDWARE: dict[str, Hardware] = {
             "as BF16",
         ),
         Hardware(
+            "tpu-v5e",
+            16 * GB,
+            819e9,
+            197e12,
+            32 * GB,
+            512 * 2**30 / 8,
+            source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 16 GB HBM2 at 819 GB/s; 512 GiB DRAM per "
+            "8-chip host)",
+            note="host link not published: PCIe Gen4 x16 (32 GB/s per direction) assumed, as for v5p "
+            "(benchmarks/tpu.py measures one chip's)",
+            domain=256, domain_link=400 * GB / 2, cross_link=2 * 100e9 / 8 / 8,
+            link_source="Cloud TPU v5e documentation: ICI 400 GB/s per chip (both directions, 4 ports, 2D torus), "
+            "256-chip pods; 2 x 100 Gbps NICs per 8-chip host",
+            hierarchical=True,
+            fp8_source="Cloud TPU v5e documentation: BF16 and INT8 (393 TOPS) peaks, no FP8 one: FP8 products priced "
+            "as BF16",
+        ),
+        Hardware(
             "tpu-v6e",
             32 * GB,
             1.638e12,
@@ -240,7 +258,8 @@ def hardware(name: str | Hardware, *, domain: int | None = None) -> Hardware:
     if isinstance(name, Hardware):
         return name
     key = str(name).strip().lower().replace("_", "-")
-    key = {"v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpuv5p": "tpu-v5p", "tpuv6e": "tpu-v6e"}.get(key, key)
+    key = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpuv5e": "tpu-v5e", "tpuv5p": "tpu-v5p",
+           "tpuv6e": "tpu-v6e"}.get(key, key)
     if key not in HARDWARE:
         close = difflib.get_close_matches(key, list(HARDWARE), n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -250,14 +269,14 @@ def hardware(name: str | Hardware, *, domain: int | None = None) -> Hardware:
 
 # Device kinds JAX reports that name a table entry differently, and those that contain an
 # entry's name without being it (a GH200 is not an H200).
-_KIND_ALIASES = {"tpuv6lite": "tpu-v6e", "tpuv5": "tpu-v5p"}
-_NOT_IN_TABLE = ("gh200", "tpuv5lite")
+_KIND_ALIASES = {"tpuv6lite": "tpu-v6e", "tpuv5lite": "tpu-v5e", "tpuv5": "tpu-v5p"}
+_NOT_IN_TABLE = ("gh200",)
 
 
 def for_device(device: Any) -> str | None:
     """The table's name for a JAX device: ``"cpu"`` on CPU, else the longest table name within
     its device kind (``"NVIDIA H200"`` -> ``"h200"``, GB200 before B200, ``"TPU v6 lite"`` ->
-    ``"tpu-v6e"``); None if none is (``"NVIDIA GH200 480GB"``, ``"TPU v5 lite"``)."""
+    ``"tpu-v6e"``, ``"TPU v5 lite"`` -> ``"tpu-v5e"``); None if none is (``"NVIDIA GH200 480GB"``)."""
     if device.platform == "cpu":
         return "cpu"
     kind = device.device_kind.lower().replace(" ", "").replace("-", "")
