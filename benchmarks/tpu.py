@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def matmul_peak(reps: int = 10) -> float:
-    """bf16 FLOP/s of an 8192^3 product, the mean of ``reps`` after a warm-up."""
+    """bf16 FLOP/s of an 8192^3 product, the mean of ``reps`` after a warm-up: measured
+    (``zoo.train.matmul_peak_flops`` gives the hardware table's peak for a chip in the table)."""
     import jax
     import jax.numpy as jnp
 

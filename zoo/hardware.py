@@ -258,8 +258,8 @@ def hardware(name: str | Hardware, *, domain: int | None = None) -> Hardware:
     if isinstance(name, Hardware):
         return name
     key = str(name).strip().lower().replace("_", "-")
-    key = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpuv5e": "tpu-v5e", "tpuv5p": "tpu-v5p",
-           "tpuv6e": "tpu-v6e"}.get(key, key)
+    if key not in HARDWARE:  # a TPU entry by its version alone ("v5p") or unhyphenated ("tpuv5p")
+        key = next((n for n in HARDWARE if n.startswith("tpu-") and key in (n[4:], n.replace("-", ""))), key)
     if key not in HARDWARE:
         close = difflib.get_close_matches(key, list(HARDWARE), n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
