@@ -65,6 +65,21 @@ def kernel_operands(b, s, g, r, d, dv, packed):
     return q, k, v, seg, jax.random.normal(keys[3], (b, s, g * r, dv))
 
 
+def ships_with_this_jax(path: str) -> bool:
+    """Whether ``path``'s library kernel is in this JAX (JAX 0.12.1 removed the Triton flash
+    attention). Where it is not, asserts that forcing the path refuses, naming it and the module."""
+    from zoo.layers import pallas_attention
+
+    if path != "pallas_gpu" or pallas_attention.gpu_kernel_available():
+        return True
+    q, k, v, _, _ = kernel_operands(1, 128, 1, 1, 32, 32, False)
+    for run in (pallas_attention.pallas_gpu_attention, causal_attention):
+        kw = {"implementation": "pallas_gpu"} if run is causal_attention else {}
+        with pytest.raises(ValueError, match=r"'pallas_gpu' runs jax\.experimental\.pallas\.ops\.gpu\.attention, which jax"):
+            run(q, k, v, scale=0.3, **kw)
+    return False
+
+
 @pytest.mark.filterwarnings("ignore:attention .* runs in Pallas's interpreter")
 @pytest.mark.parametrize("path", ["splash", "pallas_gpu"])
 @pytest.mark.parametrize(
@@ -77,6 +92,8 @@ def kernel_operands(b, s, g, r, d, dv, packed):
 def test_pallas_kernels_match_dense(path, s, groups, repeats, kv_size, packed):
     from zoo.layers import pallas_attention
 
+    if not ships_with_this_jax(path):
+        return
     q, k, v, seg, ct = kernel_operands(2 if packed else 1, s, groups, repeats, 32, kv_size, packed)
     kernel = pallas_attention.KERNELS[path]
     kw = {"block_q": 64, "block_backward": 32} if path == "pallas_gpu" else {"block": 128}
@@ -99,12 +116,22 @@ def test_auto_picks_each_backends_kernel(monkeypatch):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
         return attention.resolve_attention("auto", dtype, seq_len, masked)
 
+    # A JAX that ships the Triton kernel (< 0.12.1) first.
+    monkeypatch.setattr(attention.pallas_attention, "gpu_kernel_available", lambda: True)
     assert on("tpu", jnp.float32) == on("tpu", jnp.bfloat16, masked=True) == "splash"
     assert on("gpu", jnp.bfloat16) == "cudnn"
     assert on("gpu", jnp.bfloat16, masked=True) == "pallas_gpu"  # packed rows: segment ids, no dense mask
     assert on("gpu", jnp.float32, masked=True) == "xla"  # float32 stays off Triton (TF32 dots)
     assert on("gpu", jnp.float32, 4096, masked=True) == "blockwise"
     assert on("cpu", jnp.float32) == "xla" and on("cpu", jnp.float32, 4096) == "blockwise"
+    # A JAX without the Triton kernel (0.12.1 on): packed half-precision rows run blockwise or
+    # dense, and forcing the kernel is refused by name.
+    monkeypatch.setattr(attention.pallas_attention, "gpu_kernel_available", lambda: False)
+    assert on("gpu", jnp.bfloat16, masked=True) == "xla"
+    assert on("gpu", jnp.bfloat16, 4096, masked=True) == "blockwise"
+    assert on("gpu", jnp.bfloat16) == "cudnn"
+    with pytest.raises(ValueError, match="'pallas_gpu' runs .* no longer ships"):
+        attention.resolve_attention("pallas_gpu", jnp.bfloat16, 256, True)
 
 
 def test_pallas_kernels_refuse_context_parallelism(monkeypatch):
@@ -126,6 +153,8 @@ def test_pallas_kernels_name_their_residuals(path, forward_kernel):
 
     from zoo.layers import pallas_attention
 
+    if not ships_with_this_jax(path):
+        return
     q, k, v, seg, _ = kernel_operands(1, 128, 2, 2, 32, 16, True)
     kw = {"block_q": 64, "block_backward": 32} if path == "pallas_gpu" else {"block": 128}
 

@@ -15,7 +15,8 @@ both, and every family's placement map places them. The blockwise path and the P
 name the residuals their custom VJPs keep, which is what a remat policy sees.
 
 ``"auto"`` (the default) picks, without context parallelism: splash on TPU; on GPU cuDNN where
-it applies and the Pallas kernel for packed rows in half precision; elsewhere (CPU, float32 on
+it applies and the Pallas kernel for packed rows in half precision (where this JAX still ships
+it: not from 0.12.1 on); elsewhere (CPU, float32 on
 GPU) blockwise from :data:`BLOCKWISE_FROM` tokens on, else dense XLA. Under context parallelism
 it runs blockwise (queries at an offset into the gathered keys, which the kernels do not take). Under context
 parallelism (:mod:`zoo.hooks`: a ``"context"`` mesh axis splits the sequence) keys and values
@@ -66,6 +67,8 @@ def resolve_attention(implementation: str, dtype, seq_len: int, masked: bool) ->
             f"attention implementation {implementation!r} does not run under context parallelism "
             f"(context {context_size()}): use 'blockwise' or 'auto'"
         )
+    if implementation == "pallas_gpu":
+        pallas_attention.require_gpu_kernel()
     if implementation != "auto":
         return implementation
     if context_size() > 1:
@@ -75,7 +78,7 @@ def resolve_attention(implementation: str, dtype, seq_len: int, masked: bool) ->
         return "splash"
     if use_cudnn(dtype, masked):
         return "cudnn"
-    if backend == "gpu" and masked and dtype in (jnp.bfloat16, jnp.float16):
+    if backend == "gpu" and masked and dtype in (jnp.bfloat16, jnp.float16) and pallas_attention.gpu_kernel_available():
         # Float32 stays on the blockwise path: Triton's float32 dots may run as TF32.
         return "pallas_gpu"
     return "blockwise" if seq_len >= BLOCKWISE_FROM else "xla"

@@ -13,6 +13,8 @@ CPU). Semantics are those of :func:`zoo.layers.attention.causal_attention`: caus
 - :func:`pallas_gpu_attention`: ``jax.experimental.pallas.ops.gpu.attention.mha``. Needs one
   head size for q, k and v and as many key as query heads: keys and values are repeated over the
   R query heads of a group (their gradients summed back by autodiff) and values zero-padded to K.
+  JAX 0.12.1 removed that module (its GPU kernels are Mosaic GPU's, Hopper-only, now):
+  :func:`gpu_kernel_available` says whether this JAX has it, and without it the path refuses.
 
 Inside ``shard_map`` (every zoo.parallel step) the kernels run on each device's shards. JAX's
 library kernels declare their outputs without the mesh axes they vary over, which
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import threading
 import warnings
 from typing import Any
@@ -115,6 +118,24 @@ def splash_attention(
     return checkpoint_name(out.transpose(0, 2, 1, 3)[:, :s], "context")
 
 
+TRITON_ATTENTION = "jax.experimental.pallas.ops.gpu.attention"
+
+
+@functools.cache
+def gpu_kernel_available() -> bool:
+    """Whether this JAX ships the Triton flash attention ``pallas_gpu`` runs (removed in 0.12.1)."""
+    return importlib.util.find_spec(TRITON_ATTENTION) is not None
+
+
+def require_gpu_kernel() -> None:
+    """Raise, naming the path and the JAX version, where ``pallas_gpu`` cannot run."""
+    if not gpu_kernel_available():
+        raise ValueError(
+            f"attention implementation 'pallas_gpu' runs {TRITON_ATTENTION}, which jax {jax.__version__} "
+            "no longer ships (removed in jax 0.12.1): use 'auto', 'cudnn' or 'blockwise', or jax < 0.12.1"
+        )
+
+
 def pallas_gpu_attention(
     q: Float[Array, "B S H K"],
     k: Float[Array, "B S G K"],
@@ -127,6 +148,7 @@ def pallas_gpu_attention(
     interpret: bool | None = None,
 ) -> Float[Array, "B S H Kv"]:
     """JAX's Pallas (Triton) flash attention (GPU; interpreted elsewhere unless ``interpret=False``)."""
+    require_gpu_kernel()
     from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
     _, s, h, d = q.shape
