@@ -40,7 +40,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from zoo.plan._buffers import Buffer, Op, Peak, Program, intervals, live_peak, peak
-from zoo.plan.jaxprs import CALLS, ClosedJaxpr, call_jaxpr, jaxpr_of, nbytes
+from zoo.plan.jaxprs import CALLS, ClosedJaxpr, call_jaxpr, jaxpr_of, nbytes, scan_operands
 
 # Work XLA fuses into its consumer: elementwise arithmetic and logic, casts, broadcasts, slices.
 FUSIBLE = frozenset({
@@ -211,12 +211,12 @@ def _frozen(x: Any, texts: dict[Any, Any] | None) -> Any:
     computations by what they compute: a recomputed forward pass's loops are jaxprs of their
     own, the same text), or with ``texts`` None by its signature (its equations' count and its
     inputs' and outputs' types); another object by identity."""
-    if isinstance(x, ClosedJaxpr):
-        return (*_frozen(x.jaxpr, texts), tuple(id(c) for c in x.consts))
-    if isinstance(x, core.Jaxpr):
+    if isinstance(x, (ClosedJaxpr, core.Jaxpr)):
+        # (From jax 0.12.1 a jaxpr carries its constants: ``ClosedJaxpr`` is ``Jaxpr``.)
+        inner, consts = jaxpr_of(x), tuple(id(c) for c in getattr(x, "consts", ()))
         if texts is None:
-            return ("jaxpr", len(x.eqns), tuple(str(v.aval) for v in (*x.invars, *x.outvars)))
-        return ("jaxpr", _text(x, texts))
+            return ("jaxpr", len(inner.eqns), tuple(str(v.aval) for v in (*inner.invars, *inner.outvars)), consts)
+        return ("jaxpr", _text(inner, texts), consts)
     if isinstance(x, (tuple, list)):
         return tuple(_frozen(y, texts) for y in x)
     if isinstance(x, dict):
@@ -386,8 +386,7 @@ def _in_place(e: _Eqn, dead: Callable[[Any], bool], backing: dict[int, list[Buff
         return reuse
     if e.name in ("while", "scan"):
         p = e.eqn.params
-        n = p["num_consts"] if e.name == "scan" else p["cond_nconsts"] + p["body_nconsts"]
-        carries = p["num_carry"] if e.name == "scan" else len(e.outs)
+        n, carries = scan_operands(p) if e.name == "scan" else (p["cond_nconsts"] + p["body_nconsts"], len(e.outs))
         for i, out in enumerate(e.outs[:carries]):
             b = reusable(e.ins[n + i])
             if b is not None and b.size == nbytes(out.aval) // out.div:
@@ -419,8 +418,7 @@ def _over_inputs(e: _Eqn, dead: Callable[[Any], bool]) -> list[int]:
 
     if e.name in ("while", "scan"):
         p = e.eqn.params
-        n = p["num_consts"] if e.name == "scan" else p["cond_nconsts"] + p["body_nconsts"]
-        carries = p["num_carry"] if e.name == "scan" else len(e.outs)
+        n, carries = scan_operands(p) if e.name == "scan" else (p["cond_nconsts"] + p["body_nconsts"], len(e.outs))
         return [i for i in range(carries) if free(n + i) and e.eqn.invars[n + i].aval == e.eqn.outvars[i].aval]
     got, taken = [], set()
     for i, ov in enumerate(e.eqn.outvars):
@@ -441,7 +439,7 @@ def _zeroed(e: _Eqn, made_by: dict[int, str]) -> list[int]:
     first in the step, live through the whole backward pass)."""
     p = e.eqn.params
     if e.name == "scan":
-        n, carries = p["num_consts"], p["num_carry"]
+        n, carries = scan_operands(p)
     elif e.name == "while":
         n, carries = p["cond_nconsts"] + p["body_nconsts"], len(e.outs)
     else:
@@ -458,7 +456,7 @@ def _loop(e: _Eqn, op: Op, backing: dict[int, list[Buffer]], ctx: _Context) -> N
     p = e.eqn.params
     if e.name == "scan":
         body = jaxpr_of(p["jaxpr"])
-        n_xs = len(body.invars) - p["num_consts"] - p["num_carry"]
+        n_xs = len(body.invars) - sum(scan_operands(p))
         op.body = _body(body, n_xs, ctx)
         op.body.length = p["length"]
     elif e.name == "while":

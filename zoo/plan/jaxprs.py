@@ -51,6 +51,16 @@ def jaxpr_of(x: Any) -> core.Jaxpr:
     return x.jaxpr if isinstance(x, ClosedJaxpr) else x
 
 
+def scan_operands(params: Any) -> tuple[int, int]:
+    """A scan equation's constants and carries among its operands, in that order before its
+    scanned inputs: ``num_consts`` and ``num_carry`` up to jax 0.12.0, the sizes of the first two
+    groups of ``ft_in`` from 0.12.1."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()
+    return len(consts), len(carries)
+
+
 def call_jaxpr(eqn: core.JaxprEqn) -> Any:
     """The jaxpr a call equation runs (its ``jaxpr``, ``call_jaxpr`` or ``fun_jaxpr``); None if none."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
