@@ -181,6 +181,17 @@ def shape_bytes(text: str) -> int:
 
 
 def _groups(line: str, n_devices: int) -> list[list[int]]:
+    """A collective's device groups, from any of XLA's spellings: listed (``{{0,1},{2,3}}``), an
+    iota (``[2,2]<=[4]``), or from jax 0.12.1 the mesh and the axes it runs over
+    (``mesh['fsdp'=2,'expert'=4] {'expert'}``: devices numbered row-major over the mesh)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        listed = re.findall(r"'([\w-]+)'=(\d+)", m.group(1))
+        names, dims = [a for a, _ in listed], [int(s) for _, s in listed]
+        over = [names.index(a) for a in re.findall(r"'([\w-]+)'", m.group(2))]
+        rest = [i for i in range(len(names)) if i not in over]
+        ids = np.arange(math.prod(dims)).reshape(dims).transpose(rest + over)
+        return ids.reshape(-1, math.prod(dims[i] for i in over)).tolist()
     m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
     if m:
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
