@@ -32,7 +32,12 @@ def test_gpu_set_for_a_cuda_target_each_option_with_why_and_source():
     assert cuda["xla_gpu_enable_host_memory_offloading"] is True
     assert cuda["xla_gpu_enable_pipelined_host_offloading"] is True
     assert cuda["xla_gpu_all_gather_combine_threshold_bytes"] == 128 * 2**20
-    assert {"xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_while_loop_double_buffering"} <= set(cuda)
+    assert "xla_gpu_enable_while_loop_double_buffering" in cuda
+    # Each option under its name or, for an XLA before the name (jaxlib < 0.12.1), an older spelling.
+    for option in runtime.GPU_OPTIONS:
+        spelt = [(n, v) for n, v in ((option.name, option.value), *option.older) if n in cuda]
+        assert len(spelt) == 1 and cuda[spelt[0][0]] == spelt[0][1], (option.name, spelt)
+    assert {"xla_gpu_pipeline_all_gather", "xla_gpu_enable_pipelined_all_gather"} & set(cuda)
     for option in (*runtime.GPU_OPTIONS, *runtime.TPU_OPTIONS):
         assert option.why and option.source, option.name
     assert runtime.step_xla_options("cpu") == {}  # CPU runs and tests compile as before
@@ -54,8 +59,8 @@ def test_unknown_options_are_dropped_with_one_warning():
 
 
 def test_overrides_and_no_defaults():
-    got = runtime.step_xla_options("gpu", {"xla_gpu_enable_pipelined_all_reduce": False})
-    assert got["xla_gpu_enable_pipelined_all_reduce"] is False and len(got) == len(runtime.GPU_OPTIONS)
+    got = runtime.step_xla_options("gpu", {"xla_gpu_enable_highest_priority_async_stream": False})
+    assert got["xla_gpu_enable_highest_priority_async_stream"] is False and len(got) == len(runtime.GPU_OPTIONS)
     only = runtime.step_xla_options("gpu", {"xla_gpu_enable_latency_hiding_scheduler": True}, defaults=False)
     assert only == {"xla_gpu_enable_latency_hiding_scheduler": True}
     assert runtime.parse_xla_option("--xla_gpu_enable_pipelined_all_reduce=false") == (
@@ -198,3 +203,23 @@ def test_measure_host_link_times_both_directions():
 
     to_host, to_device = measure_host_link(nbytes=4 * 2**20, repeats=2)
     assert all(np.isfinite(r) and r > 1e6 for r in (to_host, to_device)), (to_host, to_device)  # > 1 MB/s: it ran
+
+
+def test_an_option_this_xla_knows_only_by_an_older_name_is_set_by_that_name(monkeypatch):
+    """jaxlib 0.12.1 renamed the collective pipelining switches (xla_gpu_pipeline_* modes for the
+    xla_gpu_enable_pipelined_* booleans): a default goes by the first spelling the installed XLA
+    takes, silently; a user's value under an older spelling replaces the default's."""
+    renamed = runtime.XlaOption("xla_gpu_no_such_option_yet", 3, "why", "source",
+                                (("xla_gpu_not_this_one_either", 1), ("xla_gpu_enable_latency_hiding_scheduler", False)))  # fmt: skip
+    monkeypatch.setitem(runtime.XLA_OPTIONS, "gpu", (renamed,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime.step_xla_options("gpu") == {"xla_gpu_enable_latency_hiding_scheduler": False}
+    assert runtime.step_xla_options("gpu", {"xla_gpu_enable_latency_hiding_scheduler": True}) == {
+        "xla_gpu_enable_latency_hiding_scheduler": True}  # fmt: skip
+    text = runtime.describe_xla_options("gpu", {"xla_gpu_enable_latency_hiding_scheduler": False})
+    assert "(why; source)" in text
+    gone = runtime.XlaOption("xla_gpu_no_such_option_yet", 3, "why", "source", (("xla_gpu_nor_this", 1),))
+    monkeypatch.setitem(runtime.XLA_OPTIONS, "gpu", (gone,))
+    with pytest.warns(runtime.XlaOptionWarning, match="xla_gpu_no_such_option_yet"):
+        assert runtime.step_xla_options("gpu") == {}

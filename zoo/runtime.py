@@ -11,7 +11,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -88,18 +88,22 @@ def reset_resident_peak() -> int | None:
 
 @dataclass(frozen=True)
 class XlaOption:
-    """One XLA option the train step is compiled with: its value, why it is set, where it is published."""
+    """One XLA option the train step is compiled with: its value, why it is set, where it is published;
+    ``older``: the ``(name, value)`` spellings an older XLA takes in its place, tried in order where the
+    installed one does not know ``name``."""
 
     name: str
     value: bool | int | str
     why: str
     source: str
+    older: tuple[tuple[str, bool | int | str], ...] = ()
 
 
 _TOOLBOX = "NVIDIA JAX-Toolbox, rosetta/docs/GPU_performance.md"
 _MAXTEXT_GPU = "MaxText, MaxText/configs/a3/llama_2_7b/1vm.sh (XLA_FLAGS)"
 _MAXTEXT_TPU = "MaxText, benchmarks/xla_flags_library.py (HOST_OFFLOAD_FLAGS)"
 _XLA = "XLA, xla/debug_options_flags.cc"
+_PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"  # XLA's DebugOptions.CollectivePipeliningMode
 
 # The GPU set: the scheduler and host offloading that let activation copies overlap compute (the
 # placement maps' pinned_host names), then the collective settings of the published JAX GPU recipes.
@@ -122,13 +126,17 @@ GPU_OPTIONS: tuple[XlaOption, ...] = (
               "all-gathers combined up to 128 MiB (FSDP's per-layer weight gathers)", _MAXTEXT_GPU),
     XlaOption("xla_gpu_reduce_scatter_combine_threshold_bytes", 67108864,
               "reduce-scatters combined up to 64 MiB (FSDP's per-layer gradient scatters)", _MAXTEXT_GPU),
-    XlaOption("xla_gpu_enable_pipelined_all_gather", True,
-              "FSDP: the next layer's weights are gathered while this layer computes", f"{_TOOLBOX}; {_MAXTEXT_GPU}"),
-    XlaOption("xla_gpu_enable_pipelined_reduce_scatter", True,
+    # jaxlib 0.12.1's XLA spells the pipelining switches as modes (xla_gpu_pipeline_*: DEFAULT, OFF, ON,
+    # EXPLICIT; ON is the old flags' true); older ones take the booleans.
+    XlaOption("xla_gpu_pipeline_all_gather", _PIPELINE_ON,
+              "FSDP: the next layer's weights are gathered while this layer computes", f"{_TOOLBOX}; {_MAXTEXT_GPU}",
+              (("xla_gpu_enable_pipelined_all_gather", True),)),
+    XlaOption("xla_gpu_pipeline_reduce_scatter", _PIPELINE_ON,
               "FSDP: a layer's gradient scatter finishes under the previous layer's backward",
-              f"{_TOOLBOX}; {_MAXTEXT_GPU}"),
-    XlaOption("xla_gpu_enable_pipelined_all_reduce", True,
-              "data parallelism: gradient all-reduces inside the layer scan overlap the next iteration", _MAXTEXT_GPU),
+              f"{_TOOLBOX}; {_MAXTEXT_GPU}", (("xla_gpu_enable_pipelined_reduce_scatter", True),)),
+    XlaOption("xla_gpu_pipeline_all_reduce", _PIPELINE_ON,
+              "data parallelism: gradient all-reduces inside the layer scan overlap the next iteration", _MAXTEXT_GPU,
+              (("xla_gpu_enable_pipelined_all_reduce", True),)),
     XlaOption("xla_gpu_enable_while_loop_double_buffering", True,
               "the layer scan unrolled by two, so one iteration's pipelined transfers overlap the other's compute",
               f"{_TOOLBOX}; {_MAXTEXT_GPU}"),
@@ -216,11 +224,21 @@ def step_xla_options(platform: str, overrides: Mapping[str, Any] | None = None, 
     """The compile options of a train step on ``platform``: its set (:data:`XLA_OPTIONS`, unless
     ``defaults=False``) with ``overrides`` on top. Options the installed XLA does not know are dropped
     with one :class:`XlaOptionWarning` naming them, never an error at the step's compile."""
-    options = {o.name: o.value for o in XLA_OPTIONS.get(backend_platform(platform), ())} if defaults else {}
-    options.update(overrides or {})
+    backend = backend_platform(platform)
+    chosen = XLA_OPTIONS.get(backend, ()) if defaults else ()
+    given = dict(overrides or {})
+    # A default given under an older spelling is the user's: the default's own spelling goes.
+    options = {o.name: o.value for o in chosen if not any(n in given for n, _ in o.older)}
+    options.update(given)
     if not options:
         return {}
-    bad = dict(_known(backend_platform(platform), tuple(sorted(options.items()))))
+    bad = dict(_known(backend, tuple(sorted(options.items()))))
+    for o in chosen:  # a default this XLA knows under an older spelling only: that spelling
+        if o.name in bad and o.name not in given:
+            alt = next(((n, v) for n, v in o.older if not _known(backend, ((n, v),))), None)
+            if alt is not None:
+                del bad[o.name], options[o.name]
+                options[alt[0]] = alt[1]
     if bad:
         unknown = [n for n, why in bad.items() if "No such compile option" in why]
         refused = [f"{n}={options[n]!r} ({why})" for n, why in bad.items() if n not in unknown]
@@ -232,7 +250,8 @@ def step_xla_options(platform: str, overrides: Mapping[str, Any] | None = None, 
 
 def describe_xla_options(platform: str, options: Mapping[str, Any]) -> str:
     """The options as a run prints them: one per line, with why and the source for the defaults."""
-    known = {o.name: o for o in XLA_OPTIONS.get(backend_platform(platform), ())}
+    known = {n: replace(o, value=v) for o in XLA_OPTIONS.get(backend_platform(platform), ())
+             for n, v in ((o.name, o.value), *o.older)}  # fmt: skip
     if not options:
         return f"XLA options of the step ({backend_platform(platform)}): none (XLA's defaults)"
     lines = [f"XLA options of the step ({backend_platform(platform)}):"]
