@@ -5,6 +5,7 @@ placement map whose offload cannot happen stops the run naming the tensor."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ def test_every_named_tensor_s_ops_run_under_its_scope():
     step = ztrain.make_train_step(model, cfg, tx, placement="remat")
     lowered = step.lower(params, tx.init(params), ids[None], jnp.int32(0))
     text = lowered.as_text(dialect="hlo", debug_info=True)
-    assert 'op_name="decoder_layer/query/bsd,dhk->bshk/dot_general"' in text  # the query projection
+    # The query projection (jax 0.12.1 writes the whole scope path, "jit(step)/.../decoder_layer/...").
+    assert re.search(r'op_name="(?:[^"]*/)?decoder_layer/query/bsd,dhk->bshk/dot_general"', text)
     scopes = {trace_report.named_region(s) for s in trace_report.hlo_sources(text).values()}
     names = set(zoo.LlamaPlacement.names())
     assert names - scopes <= {"layer_input"} and len(names) == 12

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import version
 
 import pytest
 
@@ -36,10 +37,14 @@ def _faults(mode: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt settings are glibc's")
 def test_retained_memory_is_not_faulted_back_in():
-    plain, retained = _faults("plain"), _faults("retain")
-    # 32-48 MB of temporaries is 8,000-12,000 pages of 4 KiB, faulted in again on every call by
-    # default. Retained, the heap still takes fresh pages now and then (a 16-32 MB block after
-    # fragmentation; measured 4 of 28 calls, 16% of the default's faults), never every call.
-    assert plain > 20 * 5000, plain
-    assert retained < plain * 0.5, (retained, plain)
+    # 32-48 MB of temporaries is 8,000-12,000 pages of 4 KiB. jaxlib 0.10.2 faults them in again on
+    # every call by default (measured 164,000 over the 20 calls); 0.12.1's default keeps some
+    # itself (5,000-131,000 over 20 calls, run to run). Retained, the heap still takes fresh pages
+    # now and then (a 16-32 MB block after fragmentation; measured 1-49,000 over the 20 calls),
+    # never every call: fewer than 5,000 pages a call on average.
+    retained = _faults("retain")
+    assert retained < 20 * 5000, retained
+    if tuple(int(p) for p in version("jaxlib").split(".")[:3]) < (0, 12, 1):  # a default that faults every call
+        plain = _faults("plain")
+        assert plain > 20 * 5000 and retained < plain * 0.5, (retained, plain)
 
