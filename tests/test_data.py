@@ -606,6 +606,9 @@ def test_the_documented_corpus_command_leaves_the_committed_fixture_alone(tmp_pa
     spec.loader.exec_module(script)
     script.main(["--jsonl", str(tmp_path / "docstrings.jsonl")])
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
-    assert len((tmp_path / "docstrings.jsonl").read_text().splitlines()) == 7335
+    lines = (tmp_path / "docstrings.jsonl").read_text().splitlines()
+    assert len(lines) == len(script.docstrings()) and all(json.loads(line)["text"] for line in lines)
+    if sys.version_info[:2] == (3, 11):  # docs/data.md's figure is Python 3.11's standard library
+        assert len(lines) == 7335
     with pytest.raises(SystemExit):
         script.main([])
