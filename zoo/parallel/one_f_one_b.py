@@ -310,9 +310,10 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     slots = ring_slots(stages, m, virtual)
     waits = min(m, 2 * stages)  # micro-batches whose head's residuals, rows or per-layer gradients a stage holds
 
-    def ring_of(shapes, spaces, n):
-        """Zeros for ``n`` slots of each of ``shapes``, in the memory each is in (host: offloaded)."""
-        out = [like(s, (n,)) for s in shapes]
+    def ring_of(shapes, spaces, n, by_stage=True):
+        """Zeros for ``n`` slots of each of ``shapes``, in the memory each is in (host: offloaded);
+        ``by_stage``: typed as varying over the pipeline (the values differ by stage)."""
+        out = [_zeros_of(s, (n,), {PIPELINE} if by_stage else set()) for s in shapes]
         return [jax.device_put(r, sp) if sp == jax.memory.Space.Host else r for r, sp in zip(out, spaces)]
 
     # A slot more than the ring's: a stage with no forward pass at a tick writes there. (Written
@@ -335,7 +336,10 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
         "fwd": jax.tree.map(like, y_shape),  # what the previous stage handed over
         "bwd": jax.tree.map(like, y_shape),  # the cotangent the next stage handed back
         "ring": ring,
-        "head": ring_of(head_shapes, head_layout["spaces"], waits),  # the head's residuals, by micro-batch
+        # The head's residuals, by micro-batch: every stage runs the same head, so they are typed as
+        # the head keeps them (a residual read back varying over the pipeline gave its custom VJP a
+        # cotangent of another type, which jax 0.12.1 refuses).
+        "head": ring_of(head_shapes, head_layout["spaces"], waits, by_stage=False),
         "rows": [like(s, (waits,)) for s in jax.tree.leaves(row_shapes)],  # the per-row inputs, by micro-batch
         "outs": [like(s, (slots + 1,)) for s in out_shapes],  # per-layer outputs awaiting the tail
         "counts": [like(s, (slots + 1,)) for s in count_shapes],
