@@ -297,7 +297,7 @@ def measure_host_link(device: Any = None, nbytes: int = 256 * 2**20, repeats: in
     (a few hundred MB: about a second). One device transferring alone: with every device of the
     host transferring at once, as the table's ``host_link`` assumes, each gets less."""
     device = device or jax.devices()[0]
-    on_device = jax.sharding.SingleDeviceSharding(device)
+    on_device = jax.sharding.make_single_device_sharding(device)
     on_host = on_device.with_memory_kind("pinned_host")
     x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), on_device).block_until_ready()
     host = jax.device_put(x, on_host).block_until_ready()

@@ -204,7 +204,7 @@ def _known(platform: str, items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str
         device = jax.devices(platform)[0]
     except RuntimeError:
         device = jax.devices()[0]
-    x = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    x = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.make_single_device_sharding(device))
     lowered = jax.jit(lambda v: v + 1).lower(x)
     try:
         lowered.compile(dict(items))

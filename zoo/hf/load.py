@@ -194,7 +194,7 @@ def _load_sharded(source: _TensorSource, p: Param, sizes: Mapping[str, int], dty
         if host.shape != tuple(b - a for a, b in bounds):
             host = np.pad(host, [(0, (b - a) - h) for (a, b), h in zip(bounds, host.shape)])
         for device in devices:
-            arrays.append(jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)))
+            arrays.append(jax.device_put(host, jax.sharding.make_single_device_sharding(device, memory_kind=sharding.memory_kind)))
         del host
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 

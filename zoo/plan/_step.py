@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, make_single_device_sharding
 
 from zoo import lora, parallel, train
 from zoo.core.layout import is_laid_out, model_specs
@@ -259,10 +259,10 @@ class Step:
             mesh, device = None, jax.devices()[0]
 
             def put(tree, kind):
-                sharding = SingleDeviceSharding(device, memory_kind=kind)
+                sharding = make_single_device_sharding(device, memory_kind=kind)
                 return jax.tree.map(lambda x: SDS(x.shape, x.dtype, sharding=sharding), tree, is_leaf=_is_sds)
 
-            batch = index = SingleDeviceSharding(device)
+            batch = index = make_single_device_sharding(device)
         params, opt, ids, idx = self.arguments()
         args = (
             put(params, self.param_memory),

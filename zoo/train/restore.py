@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, SingleDeviceSharding
+from jax.sharding import AbstractMesh, make_single_device_sharding
 
 from zoo import parallel
 from zoo.core.params import is_param
@@ -215,7 +215,7 @@ def load_run(run_dir: str | Path, *, compute_dtype: Any = None) -> tuple[Any, in
     opt_state = jax.eval_shape(optimizer(TrainConfig(steps=2, warmup=1), abstract).init, params)
     # Restored onto this process's first device, whatever devices the run saved from: orbax
     # otherwise lays each array out as saved, which another device count cannot.
-    here = SingleDeviceSharding(jax.local_devices()[0])
+    here = make_single_device_sharding(jax.local_devices()[0])
     params, opt_state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), (params, opt_state)
     )
