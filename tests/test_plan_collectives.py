@@ -63,6 +63,23 @@ def test_traced_collective_bytes_equal_the_compiled_hlo(case):
     assert counted == hlo
 
 
+@pytest.mark.parametrize(
+    "over, groups",
+    [  # jaxlib 0.10.2's listing of the same program's groups (1 x 2 x 4 mesh: data, fsdp, expert)
+        ("'expert'", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        ("'fsdp'", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("'fsdp','expert'", [list(range(8))]),
+    ],
+)
+def test_replica_groups_read_in_each_spelling(over, groups):
+    """jaxlib 0.12.1 gives a collective's groups as its mesh and axes, where 0.10.2 listed them:
+    both read as the same device groups (the collectives' bytes were 0 on 0.12.1 before)."""
+    listed = "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
+    old = f"%all-to-all = f32[8,16] all-to-all(%p), channel_id=1, replica_groups={listed}, dimensions={{0}}"
+    new = f"%all-to-all = f32[8,16] all-to-all(%p), channel_id=1, replica_groups=mesh['data'=1,'fsdp'=2,'expert'=4] {{{over}}}, dimensions={{0}}"
+    assert collectives._groups(old, 8) == collectives._groups(new, 8) == groups
+
+
 def test_links_follow_the_device_order():
     """The last mesh axes vary fastest: on 8-GPU HGX nodes tensor=8 stays on NVLink and a data
     axis over the nodes crosses InfiniBand; on a 72-GPU NVLink domain fsdp=8 after tensor=8
