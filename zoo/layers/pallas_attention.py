@@ -13,7 +13,7 @@ CPU). Semantics are those of :func:`zoo.layers.attention.causal_attention`: caus
 - :func:`pallas_gpu_attention`: ``jax.experimental.pallas.ops.gpu.attention.mha``. Needs one
   head size for q, k and v and as many key as query heads: keys and values are repeated over the
   R query heads of a group (their gradients summed back by autodiff) and values zero-padded to K.
-  JAX 0.12.1 removed that module (its GPU kernels are Mosaic GPU's, Hopper-only, now):
+  JAX 0.12.1 removed that module (the GPU kernels it ships are Mosaic GPU's now):
   :func:`gpu_kernel_available` says whether this JAX has it, and without it the path refuses.
 
 Inside ``shard_map`` (every zoo.parallel step) the kernels run on each device's shards. JAX's
