@@ -4,7 +4,8 @@ float32 dense attention's values and gradients.
     python benchmarks/attention.py [--dtype bfloat16] [--seqs 1024,4096] [--repeats 3]
 
 Every path :func:`zoo.layers.attention.causal_attention` has that runs compiled here (``xla``
-and ``blockwise`` everywhere, ``cudnn`` and ``pallas_gpu`` on a GPU, ``splash`` on a TPU; a
+and ``blockwise`` everywhere, ``cudnn`` and ``pallas_gpu`` on a GPU (this JAX permitting: 0.12.1 dropped
+the Triton kernel), ``splash`` on a TPU; a
 Pallas kernel off its backend would only be interpreted, so it is left out), on Llama 3.1 8B's
 attention shape (32 query heads, 8 key/value heads of 128), batch 1, each S of ``--seqs``, one
 document a row and packed rows (four documents a row: segment ids). For each: milliseconds per
@@ -43,7 +44,8 @@ def paths_here(dtype, packed: bool) -> list[str]:
     paths = ["xla", "blockwise"]
     if use_cudnn(dtype, packed):
         paths.append("cudnn")
-    paths += [k for k, backend in pallas_attention.BACKENDS.items() if backend == jax.default_backend()]
+    paths += [k for k, backend in pallas_attention.BACKENDS.items() if backend == jax.default_backend()
+              and (k != "pallas_gpu" or pallas_attention.gpu_kernel_available())]  # (gone from jax 0.12.1)
     return paths
 
 
