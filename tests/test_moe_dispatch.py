@@ -18,7 +18,7 @@ from zoo import parallel
 from zoo.errors import ConfigError
 from zoo.hooks.step import step_context
 from zoo.layers.moe import Routing, pair_mlp_for, routed_experts, routed_experts_dense
-from zoo.layers.moe_dispatch import Dispatch, slot_rows
+from zoo.layers.moe_dispatch import Dispatch, ragged_all_to_all_padded, slot_rows
 
 T, D, M, E, K = 64, 16, 24, 8, 2  # tokens per device, width, expert hidden, experts, top-k
 MESHES = ["expert=8", "fsdp=2,expert=4", "data=2,expert=4"]
@@ -156,6 +156,8 @@ def test_dispatch_settings_are_checked_naming_the_field():
         Dispatch(0.0)
     with pytest.raises(ConfigError, match="overflow"):
         Dispatch(1.0, "sometimes")
+    with pytest.raises(ConfigError, match=r"Dispatch\.transport must be one of \['auto', 'padded', 'ragged'\]"):
+        Dispatch(1.0, "dropless", "sparse")
     from zoo.deepseek_v3.config import DeepseekV3Config
 
     with pytest.raises(ConfigError, match=r"DeepseekV3Config\.moe_overflow"):
@@ -242,3 +244,55 @@ def test_a_filling_row_gather_is_the_gather_and_select_it_replaces():
             assert np.asarray(a.astype(jnp.float32)).tobytes() == np.asarray(b.astype(jnp.float32)).tobytes()
     traced = [e for e in jax.make_jaxpr(new)(jnp.ones((9, 4))).jaxpr.eqns if e.primitive.name == "select_n"]
     assert all(e.outvars[0].aval.ndim < 3 for e in traced)  # the indices' select only, not the rows'
+
+
+def test_the_emulated_ragged_all_to_all_follows_jax_semantics():
+    """:func:`ragged_all_to_all_padded` (XLA:CPU's stand-in for ``jax.lax.ragged_all_to_all``)
+    does what JAX's docstring says the collective does: each device sends ``operand[input_offsets
+    [d] : +send_sizes[d]]`` to device ``d``, which writes it at the sender's ``output_offsets[d]``;
+    every row of ``output`` not written keeps its value. Checked against NumPy on 8 devices with
+    random sizes and offsets, empty slices included."""
+    n, rows, m, out_rows = 8, 40, 5, 48
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, m + 1, (n, n)).astype(np.int32)  # sizes[s, d]: rows s sends to d
+    sizes[0, 3] = 0
+    in_off = np.stack([rng.integers(0, rows - m, n) for _ in range(n)]).astype(np.int32)
+    # where s's rows land at d: the sources one after another, from a random start
+    base = rng.integers(0, out_rows - n * m, n)
+    out_off = (base[None, :] + np.cumsum(sizes, axis=0) - sizes).astype(np.int32)  # [s, d]
+    operand = rng.normal(size=(n, rows, 3)).astype(np.float32)
+    output = rng.normal(size=(n, out_rows, 3)).astype(np.float32)
+    want = output.copy()
+    for s in range(n):
+        for d in range(n):
+            want[d, out_off[s, d] : out_off[s, d] + sizes[s, d]] = operand[s, in_off[s, d] : in_off[s, d] + sizes[s, d]]
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    body = lambda op, out, io, ss, oo, rs: ragged_all_to_all_padded(op[0], out[0], io[0], ss[0], oo[0], rs[0],
+                                                                    axis_name="x", max_rows=m)[None]  # fmt: skip
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    got = f(operand, output, in_off, sizes, out_off, np.ascontiguousarray(sizes.T))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize(("spec", "overflow"), [("expert=8", "dropless"), ("fsdp=2,expert=4", "dropless"),
+                                                ("expert=8", "drop")])  # fmt: skip
+def test_the_ragged_transport_computes_what_the_padded_one_does(spec, overflow):
+    """A round's rows sent by ragged all-to-alls (their real rows only, into the same slots;
+    XLA:CPU runs the emulation) give the padded all-to-all's output, dropped count and every
+    gradient bit for bit: adversarial routing, so later rounds (dropless) or dropped pairs
+    (drop) are taken too. The compiled program's all-to-alls are the emulation's."""
+    mesh = parallel.make_mesh(spec)
+    x, experts, weights, w = inputs("adversarial", 8, seed=4)
+    cot = jr.normal(jr.key(5), x.shape)
+    got = {
+        t: sharded_experts(mesh, Dispatch(1.0, overflow, t))(x, experts, weights, *w, cot) for t in ("padded", "ragged")
+    }
+    assert int(got["ragged"][1]) == (0 if overflow == "dropless" else int(got["padded"][1])) and (
+        overflow == "dropless" or int(got["ragged"][1]) > 0)  # fmt: skip
+    for a, b in zip(jax.tree.leaves(got["padded"]), jax.tree.leaves(got["ragged"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_auto_transport_is_ragged_where_xla_has_it():
+    assert not Dispatch().ragged("cpu") and Dispatch().ragged("gpu") and Dispatch().ragged("tpu")
+    assert not Dispatch(transport="padded").ragged("gpu") and Dispatch(transport="ragged").ragged("cpu")

@@ -307,7 +307,7 @@ def varying_over(x: Shaped[Array, "*shape"] | None, axes: Sequence[str]) -> Shap
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def varying_like(x: Float[Array, "*shape"], *likes: Array) -> Float[Array, "*shape"]:
+def varying_like(x: Shaped[Array, "*shape"], *likes: Array) -> Shaped[Array, "*shape"]:
     """``x`` typed as varying over the mesh axes any of ``likes`` varies over.
 
     A scan carry that starts as a constant (a zero accumulator) and accumulates per-device

@@ -6,8 +6,15 @@ destination (``P / n``): the all-to-all moves and the receiver holds ``n·S ≈ 
 rows, whatever the group size ``n``. Pairs past a destination's slot either wait for further
 rounds (``overflow="dropless"``: as many as the step's most loaded destination needs, agreed over
 the group; the step stays exact) or are dropped (``overflow="drop"``: their output is zero and
-they are counted). ``jax.lax.ragged_all_to_all`` would send just the real rows, but XLA:CPU does
-not implement it (jax 0.10 to 0.12), and the tests run there.
+they are counted).
+
+How a round's rows travel (``transport``): a **padded** all-to-all sends every slot, filled or
+not (``n·S`` rows each way); a **ragged** one (``jax.lax.ragged_all_to_all``) sends only each
+destination's real rows, into the same slots, so the bytes on the wire are the routed rows. The
+receiver's layout is the same either way, and so are the numerics. ``"auto"`` is ragged where
+XLA implements it (GPU, TPU) and padded elsewhere: XLA:CPU does not (jax 0.10 to 0.12), so there
+a forced ``"ragged"`` runs :func:`ragged_all_to_all_padded`, the same semantics by padded
+all-to-alls (the tests' check of the ragged bookkeeping; it saves nothing).
 
 Dimension letters: T tokens · D model width · P (token, expert) pairs (``T·K``) · N devices of
 the expert group · S slot rows per destination and round · E local experts.
@@ -23,7 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from zoo.core.mesh import axis_size
 from zoo.errors import ConfigError
@@ -31,6 +38,9 @@ from zoo.hooks.step import current_step, varying_like
 from zoo.layers.rows import take_rows
 
 OVERFLOWS = ("dropless", "drop")
+TRANSPORTS = ("auto", "padded", "ragged")
+# Platforms whose XLA implements ragged_all_to_all.
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 # The name scope of the later rounds' loops (forward and backward). The planner prices them as
 # not run, the aux-loss-free bias keeping each destination's load within its slot
 # (zoo.plan.jaxprs.later_rounds); memory is counted for them all the same.
@@ -45,9 +55,16 @@ class Dispatch:
 
     capacity_factor: float = 1.25
     overflow: str = "dropless"  # one of OVERFLOWS (checked: a clear error, not a type error)
+    transport: str = "auto"  # one of TRANSPORTS: how a round's rows travel (the module's docstring)
 
     def __post_init__(self):
         check_dispatch(self.capacity_factor, self.overflow, "Dispatch.capacity_factor", "Dispatch.overflow")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"Dispatch.transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+
+    def ragged(self, platform: str) -> bool:
+        """Whether a round's rows travel by ``ragged_all_to_all`` on ``platform``."""
+        return self.transport == "ragged" or (self.transport == "auto" and platform in RAGGED_PLATFORMS)
 
 
 def check_dispatch(capacity_factor: float, overflow: str, factor_name: str, overflow_name: str) -> None:
@@ -65,6 +82,14 @@ def dispatch_of(config) -> Dispatch:
     name = type(config).__name__
     check_dispatch(config.capacity_factor, config.moe_overflow, f"{name}.capacity_factor", f"{name}.moe_overflow")
     return Dispatch(config.capacity_factor, config.moe_overflow)
+
+
+def mesh_platform(mesh) -> str:
+    """The platform of ``mesh``'s devices (an abstract mesh has none: the default backend's)."""
+    try:
+        return mesh.devices.flat[0].platform
+    except (AttributeError, ValueError):  # jax's AbstractMesh raises ValueError
+        return jax.default_backend()
 
 
 def slot_rows(pairs: int, devices: int, capacity_factor: float) -> int:
@@ -86,6 +111,7 @@ class Exchange(NamedTuple):
     local_expert: Int[Array, " P"]
     round_of: Int[Array, " P"]
     row_of: Int[Array, " P"]
+    sorted_at: Int[Array, " P"]  # pair p is the sorted_at[p]-th: the inverse of order
 
 
 def exchange_layout(flat: Int[Array, " P"], devices: int, local_experts: int, slot: int) -> Exchange:
@@ -94,9 +120,10 @@ def exchange_layout(flat: Int[Array, " P"], devices: int, local_experts: int, sl
     dest = (flat // local_experts).astype(jnp.int32)
     count = jnp.bincount(dest, length=devices).astype(jnp.int32)
     start = jnp.cumsum(count) - count
-    rank = jnp.argsort(order).astype(jnp.int32) - start[dest]  # a pair's place among its destination's
+    sorted_at = jnp.argsort(order).astype(jnp.int32)
+    rank = sorted_at - start[dest]  # a pair's place among its destination's
     return Exchange(order, count, start, (flat - dest * local_experts).astype(jnp.int32), rank // slot,
-                    dest * slot + rank % slot)  # fmt: skip
+                    dest * slot + rank % slot, sorted_at)  # fmt: skip
 
 
 def rounds_needed(layout: Exchange, slot: int) -> Int[Array, ""]:
@@ -106,9 +133,68 @@ def rounds_needed(layout: Exchange, slot: int) -> Int[Array, ""]:
     return jax.lax.pmax(mine, "expert")
 
 
-def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int):
+def ragged_all_to_all_padded(
+    operand: Shaped[Array, "R *rest"],
+    output: Shaped[Array, "O *rest"],
+    input_offsets: Int[Array, " N"],
+    send_sizes: Int[Array, " N"],
+    output_offsets: Int[Array, " N"],
+    recv_sizes: Int[Array, " N"],
+    *,
+    axis_name: str,
+    max_rows: int,
+) -> Shaped[Array, "O *rest"]:
+    """``jax.lax.ragged_all_to_all`` (one slice per device) by a padded all-to-all of
+    ``max_rows`` rows per destination, no slice being longer: the same result, the padded bytes
+    moved. For backends whose XLA lacks the ragged collective (XLA:CPU)."""
+    n, i = input_offsets.shape[0], jnp.arange(max_rows, dtype=jnp.int32)
+    at_src = jnp.where(i < send_sizes[:, None], input_offsets[:, None] + i, operand.shape[0])  # out of range: zeros
+    send = jnp.take(operand, at_src, axis=0, mode="fill", fill_value=0)  # [N, m, ...]
+    recv = jax.lax.all_to_all(send.reshape(n * max_rows, *operand.shape[1:]), axis_name, 0, 0, tiled=True)
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each source's rows go here
+    dest = jnp.where(i < recv_sizes[:, None], at[:, None] + i, output.shape[0])  # out of range: not written
+    return output.at[dest.reshape(-1)].set(recv, mode="drop", unique_indices=True)
+
+
+def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, emulate: bool, max_rows: int):
+    if emulate:
+        return ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                        axis_name="expert", max_rows=max_rows)  # fmt: skip
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name="expert")  # fmt: skip
+
+
+def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, emulate: bool):
+    """Round ``r`` as :func:`_round` computes it, the rows travelling by ragged all-to-alls:
+    each destination's real rows of the round (at most ``S``) land in the sender's slot of the
+    same ``N·S`` received rows, and come back to their places among the sender's sorted pairs."""
+    n, pairs = layout.count.shape[0], layout.order.shape[0]
+    e_local = weights[0].shape[0]
+    sent = jnp.clip(layout.count - r * slot, 0, slot)  # [N] rows to each destination this round
+    first = layout.start + r * slot  # [N] where they start among the sorted pairs
+    recv_sizes = jax.lax.all_to_all(sent, "expert", 0, 0, tiled=True)  # [N] rows from each source
+    slot_here = varying_like(jnp.full((n,), slot, jnp.int32), sent) * jax.lax.axis_index("expert")
+    move = functools.partial(_ragged, emulate=emulate, max_rows=slot)
+    rows = jnp.take(x, layout.order // k, axis=0)  # [P, D] the pairs' token rows, sorted by expert
+    recv_x = move(rows, varying_like(jnp.zeros((n * slot, x.shape[-1]), x.dtype), rows), first, sent, slot_here,
+                  recv_sizes)  # fmt: skip
+    ids = jnp.take(layout.local_expert, layout.order)
+    recv_e = move(ids, varying_like(jnp.full((n * slot,), e_local, ids.dtype), ids), first, sent, slot_here,
+                  recv_sizes)  # fmt: skip
+    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(pairs, n * slot))
+    mine = jnp.arange(n, dtype=jnp.int32) * slot  # source s's rows are in slot s
+    back_at = jax.lax.all_to_all(first, "expert", 0, 0, tiled=True)  # where they came from at source s
+    back = move(out, varying_like(jnp.zeros((pairs, out.shape[-1]), out.dtype), out), varying_like(mine, sent),
+                recv_sizes, back_at, sent)  # fmt: skip
+    return jnp.take(back, layout.sorted_at, axis=0)  # zeros for the pairs of other rounds
+
+
+def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged: str = "no"):
     """Round ``r``: each destination's slot rows ``r·S ...`` sent, run through its experts, sent
-    back; each pair of this round gets its output, every other pair zeros."""
+    back; each pair of this round gets its output, every other pair zeros. ``ragged``: ``"no"``
+    (padded all-to-alls), ``"xla"`` (``ragged_all_to_all``) or ``"emulated"``."""
+    if ragged != "no":
+        return _round_ragged(pair_mlp, x, weights, layout, r, k, slot, emulate=ragged == "emulated")
     n = layout.count.shape[0]
     e_local = weights[0].shape[0]
     place = r * slot + jnp.arange(slot, dtype=jnp.int32)[None, :]  # [1, S]
@@ -124,31 +210,31 @@ def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int):
     return take_rows(back, layout.row_of, layout.round_of == r)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
-def _later_rounds(pair_mlp, x, weights, layout, k, slot):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
+def _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged):
     """Rounds 1 on, as many as :func:`rounds_needed` (a loop whose trip count follows the
     routing; none when every destination's pairs fit its slot)."""
-    return _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot)[0]
+    return _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged)[0]
 
 
 def _zeros_like_out(x, weights, pairs):
     return varying_like(jnp.zeros((pairs, x.shape[-1]), x.dtype), x, weights[0], weights[-1])
 
 
-def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot):
-    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot)
+def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged):
+    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot, ragged)
     zero = _zeros_like_out(x, weights, layout.order.shape[0])
     with jax.named_scope(LATER_ROUNDS):
         out = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zero)
     return out, (x, weights, layout)
 
 
-def _later_rounds_bwd(pair_mlp, k, slot, residuals, dout):
+def _later_rounds_bwd(pair_mlp, k, slot, ragged, residuals, dout):
     # Each later round recomputed for its gradient: rounds past the first are the rare case.
     x, weights, layout = residuals
 
     def body(r, grads):
-        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, r, k, slot), x, weights)
+        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, r, k, slot, ragged), x, weights)
         dx, dw = vjp(dout)
         return grads[0] + dx, jax.tree.map(jnp.add, grads[1], dw)
 
@@ -172,13 +258,16 @@ def exchange_experts(
     """Each local pair's expert output (pair ``p``: token ``p // k`` through global expert
     ``flat[p]``), its experts living on the devices of the ``expert`` group; and the pairs
     dropped (always 0 when ``dispatch.overflow`` is ``"dropless"``)."""
-    n, e_local = axis_size(current_step().mesh, "expert"), weights[0].shape[0]
+    mesh = current_step().mesh
+    n, e_local = axis_size(mesh, "expert"), weights[0].shape[0]
     pairs = flat.shape[0]
     slot = slot_rows(pairs, n, dispatch.capacity_factor)
     layout = exchange_layout(flat, n, e_local, slot)
-    out = _round(pair_mlp, x, weights, layout, 0, k, slot)
+    platform = mesh_platform(mesh)
+    ragged = "no" if not dispatch.ragged(platform) else "xla" if platform in RAGGED_PLATFORMS else "emulated"
+    out = _round(pair_mlp, x, weights, layout, 0, k, slot, ragged)
     if dispatch.overflow == "drop":
         return out, jnp.sum(layout.round_of > 0, dtype=jnp.int32)
     if slot < pairs:  # a slot of every pair needs no second round
-        out = out + _later_rounds(pair_mlp, x, weights, layout, k, slot)
+        out = out + _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged)
     return out, jnp.zeros((), jnp.int32)
