@@ -296,3 +296,30 @@ def test_the_ragged_transport_computes_what_the_padded_one_does(spec, overflow):
 def test_auto_transport_is_ragged_where_xla_has_it():
     assert not Dispatch().ragged("cpu") and Dispatch().ragged("gpu") and Dispatch().ragged("tpu")
     assert not Dispatch(transport="padded").ragged("gpu") and Dispatch(transport="ragged").ragged("cpu")
+
+
+def test_the_planner_prices_the_ragged_bytes_where_the_hardware_has_them():
+    """The planner traces a step for the hardware it prices (``Hardware.platform``): on GPU and
+    TPU the dispatch's all-to-alls are ragged and priced at the routed rows (a device's T·K
+    pairs), on CPU padded at the slots' ``expert x S`` rows. DeepSeek-V3 small, float32, one row
+    of 64 tokens per device on ``fsdp=2,expert=4``, capacity factor 1.25."""
+    from zoo import registry
+    from zoo.hardware import hardware
+    from zoo.layers.moe_dispatch import target_platform
+    from zoo.plan import collectives
+    from zoo.plan._step import make_step, mesh_sizes
+
+    assert [hardware(h).platform for h in ("cpu", "h100", "gb200", "tpu-v5p")] == ["cpu", "gpu", "gpu", "tpu"]
+    cfg = registry.by_model_type("deepseek_v3").config_cls.preset("small", "deepseek_v3")
+    spec, n, pairs = "fsdp=2,expert=4", 4, 64 * cfg.num_experts_per_tok
+    slots, d = n * slot_rows(pairs, n, cfg.capacity_factor), cfg.hidden_size
+
+    def moved(platform: str) -> set[int]:
+        with target_platform(platform):
+            jaxpr = make_step(cfg, batch_size=8, seq_len=64, placement="remat", mesh=spec).trace()
+        found = collectives.traced(jaxpr, mesh_sizes(spec))
+        return {c.nbytes for c in found if c.kind == "all_to_all" and c.nbytes > 4 * n}  # not the counts' exchange
+
+    assert slots > pairs
+    assert moved("cpu") == {slots * d * 4, slots * 4}  # token rows (and their gradients), expert ids
+    assert moved("gpu") == moved("tpu") == {pairs * d * 4, pairs * 4}

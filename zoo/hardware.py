@@ -71,6 +71,13 @@ class Hardware:
     # share ``hbm_bytes``, the machine's memory, rather than each having it.
     simulated: bool = False
 
+    @property
+    def platform(self) -> str:
+        """The JAX platform the step runs on: ``"cpu"`` (one memory), ``"tpu"`` (a ``tpu-`` name),
+        else ``"gpu"``. It decides what the program does where backends differ (the MoE dispatch's
+        transport, :mod:`zoo.layers.moe_dispatch`)."""
+        return "cpu" if self.unified else "tpu" if self.name.startswith("tpu") else "gpu"
+
     def memory_per_device(self, devices: int) -> float:
         """Device memory per device of a mesh of ``devices``: ``hbm_bytes``, or (``simulated``)
         the machine's memory divided among them."""

@@ -22,9 +22,11 @@ the expert group · S slot rows per destination and round · E local experts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -84,12 +86,27 @@ def dispatch_of(config) -> Dispatch:
     return Dispatch(config.capacity_factor, config.moe_overflow)
 
 
+_TARGET: ContextVar[str | None] = ContextVar("zoo_dispatch_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str) -> Iterator[None]:
+    """Steps traced on an abstract mesh inside this block dispatch as on ``platform`` (the
+    planner traces for the hardware it prices, whatever machine it runs on)."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def mesh_platform(mesh) -> str:
-    """The platform of ``mesh``'s devices (an abstract mesh has none: the default backend's)."""
+    """The platform of ``mesh``'s devices; an abstract mesh has none: :func:`target_platform`'s,
+    else the default backend's."""
     try:
         return mesh.devices.flat[0].platform
     except (AttributeError, ValueError):  # jax's AbstractMesh raises ValueError
-        return jax.default_backend()
+        return _TARGET.get() or jax.default_backend()
 
 
 def slot_rows(pairs: int, devices: int, capacity_factor: float) -> int:

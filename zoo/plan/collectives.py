@@ -37,7 +37,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
 _PRIMITIVES = {
     "all_gather": "all_gather", "all_gather_invariant": "all_gather", "reduce_scatter": "reduce_scatter",
     "psum_invariant": "all_reduce",
-    "psum": "all_reduce", "all_to_all": "all_to_all", "ppermute": "permute",
+    "psum": "all_reduce", "all_to_all": "all_to_all", "ppermute": "permute", "ragged_all_to_all": "all_to_all",
 }  # fmt: skip
 
 
@@ -77,6 +77,10 @@ def _axes(eqn: core.JaxprEqn) -> tuple[str, ...]:
 def _buffer(kind: str, eqn: core.JaxprEqn) -> int:
     if kind == "all_gather":
         return sum(nbytes(v.aval) for v in eqn.outvars)
+    if eqn.primitive.name == "ragged_all_to_all":
+        # Only the slices sent move: at most the smaller of what is sent from and written into
+        # (the MoE dispatch's sorted pairs, then on the way back the pairs they return to).
+        return min(nbytes(eqn.invars[0].aval), nbytes(eqn.invars[1].aval))
     return sum(nbytes(v.aval) for v in eqn.invars if isinstance(v, core.Var))
 
 
@@ -169,7 +173,7 @@ def totals(collectives: list[Collective], floor: int = 0) -> dict[tuple[str, tup
 # -- the compiled program -----------------------------------------------------------------------
 
 _HLO_KIND = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
-             "all-to-all": "all_to_all", "collective-permute": "permute"}  # fmt: skip
+             "all-to-all": "all_to_all", "collective-permute": "permute", "ragged-all-to-all": "all_to_all"}  # fmt: skip
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.-]+ = (.+?) ([a-z][\w-]*)\((.*)$")
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64)\[([\d,]*)\]")
@@ -259,6 +263,8 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                 size = (
                     sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
                 )
+                if base == "ragged-all-to-all":  # the slices sent: at most the smaller of operand and output
+                    size = min(map(shape_bytes, re.findall(r"\w+\[[\d,]*\]", m.group(3))[:2]))
                 if kind == "permute":  # the axes any (source, target) pair differs along
                     axes = tuple(a for a in AXES if any(a in axes_of(g) for g in groups))
                 else:

@@ -11,12 +11,15 @@ the search (:mod:`zoo.plan.search`) tries.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from zoo.errors import ConfigError, MeshError
 from zoo.hardware import Hardware
 from zoo.hardware import hardware as lookup
+from zoo.layers.moe_dispatch import target_platform
 from zoo.parallel import BATCH_AXES
 from zoo.placement import resolve
 from zoo.plan import _flops
@@ -33,7 +36,23 @@ TREE_PLACES = ("device", "pinned_host")
 VIRTUAL_TOLERANCE = 0.01
 SCHEDULES = ("gpipe", "1f1b")  # a pipelined step's schedules (TrainConfig.schedule)
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
+
+def _traced_for_hardware(fn: _F) -> _F:
+    """``fn`` traces its steps as they run on its ``hardware``'s platform (the MoE dispatch's
+    transport: ragged on GPU and TPU), not on this machine's."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        hw = lookup(kwargs.get("hardware") if kwargs.get("hardware") is not None else "cpu")
+        with target_platform(hw.platform):
+            return fn(*args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]
+
+
+@_traced_for_hardware
 def plan_mesh(
     model_or_config: Any,
     *,
@@ -190,6 +209,7 @@ def price(
     return tuple(out)
 
 
+@_traced_for_hardware
 def cost_model(
     model_or_config: Any,
     *,

@@ -22,6 +22,7 @@ from zoo.core.mesh import PIPELINE
 from zoo.core.registry import family_of
 from zoo.errors import MeshError
 from zoo.hardware import Hardware
+from zoo.layers.moe_dispatch import Dispatch
 from zoo.plan import collectives
 from zoo.plan._step import abstract_mesh
 
@@ -180,8 +181,10 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
         dense = getattr(config, "first_k_dense_replace", 0) or 0
         moe_rows = (stage_layers * ticks if stages > 1 else (layers - dense) * rows)
         # A round's slots hold capacity_factor x the routed rows (zoo.layers.moe_dispatch), at
-        # most all of them; the later rounds are priced as not run.
-        moved = min(sizes["expert"], getattr(config, "capacity_factor", 1.0)) * tokens * k * d * item
+        # most all of them, and a padded all-to-all moves them all; a ragged one (GPU, TPU) moves
+        # the routed rows. The later rounds are priced as not run.
+        slots = 1.0 if Dispatch().ragged(hw.platform) else min(sizes["expert"], getattr(config, "capacity_factor", 1.0))
+        moved = slots * tokens * k * d * item
         a2a = 6 * moe_rows * t("all_to_all", moved, ("expert",))
     # The pipeline: a row handed on forward and its gradient back at every tick; all-reduced over
     # the stages, a row per row each for the last stage's output, the embedding's lookups, the
