@@ -1,6 +1,7 @@
 """The MoE dispatch's bytes moved and held per device against the routed rows.
 
     python benchmarks/moe_dispatch.py [--tokens 2048] [--width 512] [--hidden 256] [--experts 32] [--top-k 4]
+                                      [--tpu-topology v5e:2x4]
 
 One MoE layer's routed experts (forward and backward, ``zoo.layers.moe.routed_experts`` with
 the ``capacity`` kernel) on 8 simulated CPU devices, tokens split over the batch axes, for
@@ -14,6 +15,11 @@ a cluster's network).
 The peer is zoo's previous dispatch, a slot per destination for all of a device's T·K pairs
 (the worst case: ``capacity_factor = expert``, which this module reproduces exactly), measured
 in the same run; the ratios are against it.
+
+``--tpu-topology``: on a machine with a TPU, compile the same programs ahead of time for eight
+chips of that topology (``jax.experimental.topologies``; nothing runs, so no times) and add the
+ragged transport's rows (``Dispatch.transport="ragged"``: ``ragged_all_to_all``, which XLA:CPU
+lacks). A ragged all-to-all's bytes are its smaller of operand and output (what it can send).
 """
 
 from __future__ import annotations
@@ -31,12 +37,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--tpu-topology", default=None, help="compile for 8 chips of this TPU topology, e.g. v5e:2x4")
     args = p.parse_args(argv)
 
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
+    if args.tpu_topology is None:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+        devices = None
+    else:
+        from jax.experimental import topologies
+
+        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=args.tpu_topology).devices)
+        if len(devices) != 8:
+            raise SystemExit(f"--tpu-topology {args.tpu_topology}: {len(devices)} chips, the benchmark's meshes need 8")
     import jax.numpy as jnp
     import jax.random as jr
     from jax.sharding import PartitionSpec as P
@@ -45,7 +60,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from zoo.hooks.step import step_context
     from zoo.layers.moe import Routing, pair_mlp_for, routed_experts, routed_experts_dense
     from zoo.layers.moe_dispatch import Dispatch
-    from zoo.plan.collectives import hlo_traffic, shape_bytes
+    from zoo.plan.collectives import hlo_traffic
 
     t, d, m, e, k = args.tokens, args.width, args.hidden, args.experts, args.top_k
     kx, kr, kw, kg, ku, kd = jr.split(jr.key(0), 6)
@@ -74,36 +89,60 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      out_specs=(P(), (tok, tok, (ex, ex, ex))), check_vma=True))  # fmt: skip
 
     rows = []
-    print(f"one MoE layer, forward + backward: {t} tokens/device, D={d}, M={m}, E={e}, K={k}; 8 CPU devices\n")
-    print("| mesh | dispatch | rows moved / routed | all-to-all MiB / step | temp MiB | ms / step "
+    where = "8 CPU devices" if devices is None else f"8 chips of TPU {args.tpu_topology}, compiled ahead of time"
+    print(f"one MoE layer, forward + backward: {t} tokens/device, D={d}, M={m}, E={e}, K={k}; {where}\n")
+    # What the routed rows need a step: the token rows there and back and their two transposes
+    # (float32), and the expert ids once.
+    routed = t * k * (4 * d * 4 + 4)
+    print("| mesh | dispatch | bytes moved / routed rows' | all-to-all MiB / step | temp MiB | ms / step "
           "| bytes vs peer | temp vs peer | time vs peer |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    dispatches = [("capacity_factor 1.25, dropless", Dispatch(1.25, transport="padded")),
+                  ("capacity_factor 1.0, dropless", Dispatch(1.0, transport="padded"))]  # fmt: skip
+    if devices is not None:
+        dispatches += [("capacity_factor 1.25, dropless, ragged", Dispatch(1.25, transport="ragged")),
+                       ("capacity_factor 1.0, dropless, ragged", Dispatch(1.0, transport="ragged"))]  # fmt: skip
     for spec in ("expert=8", "fsdp=2,expert=4"):
-        mesh = parallel.make_mesh(spec)
+        mesh = parallel.make_mesh(spec, devices=devices)
         n = mesh.shape["expert"]
         peer = None
-        for label, dispatch in ((f"peer: worst-case slot (= capacity_factor {n})", Dispatch(float(n))),
-                                ("capacity_factor 1.25, dropless", Dispatch(1.25)),
-                                ("capacity_factor 1.0, dropless", Dispatch(1.0))):  # fmt: skip
+        for label, dispatch in [(f"peer: worst-case slot (= capacity_factor {n})", Dispatch(float(n), transport="padded")),
+                                *dispatches]:  # fmt: skip
             fn = program(mesh, dispatch)
-            compiled = fn.lower(x, experts, weights, *w).compile()
+            if devices is None:
+                compiled = fn.lower(x, experts, weights, *w).compile()
+            else:
+                compiled = fn.lower(*(abstract(a, mesh) for a in (x, experts, weights)),
+                                    *(abstract(a, mesh, "expert") for a in w)).compile()  # fmt: skip
             hlo = compiled.as_text()
             moved = hlo_traffic(hlo, dict(mesh.shape)).get(("all_to_all", ("expert",)), 0)
-            results = [line.split(" all-to-all(")[0].split("=", 1)[1] for line in hlo.splitlines() if " all-to-all(" in line]
-            token_rows = max(shape_bytes(r) for r in results) // (4 * d)  # the largest: a token buffer
             temp = compiled.memory_analysis().temp_size_in_bytes
-            times = []
-            for _ in range(args.steps + 1):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(x, experts, weights, *w))
-                times.append(time.perf_counter() - start)
-            ms = 1e3 * statistics.median(times[1:])
-            row = {"mesh": spec, "dispatch": label, "rows": token_rows / (t * k), "bytes": moved, "temp": temp, "ms": ms}
+            ms = float("nan")
+            if devices is None:
+                times = []
+                for _ in range(args.steps + 1):
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(x, experts, weights, *w))
+                    times.append(time.perf_counter() - start)
+                ms = 1e3 * statistics.median(times[1:])
+            row = {"mesh": spec, "dispatch": label, "rows": moved / routed, "bytes": moved, "temp": temp, "ms": ms}
             peer = peer or row
             rows.append(row)
-            print(f"| {spec} | {label} | {row['rows']:.2f}x | {moved / 2**20:.1f} | {temp / 2**20:.1f} | {ms:.0f} "
-                  f"| {moved / peer['bytes']:.3f}x | {temp / peer['temp']:.3f}x | {ms / peer['ms']:.2f}x |")  # fmt: skip
+            timed = f"{ms:.0f}" if devices is None else "not run"
+            ratio = f"{ms / peer['ms']:.2f}x" if devices is None else "-"
+            print(f"| {spec} | {label} | {row['rows']:.2f}x | {moved / 2**20:.1f} | {temp / 2**20:.1f} | {timed} "
+                  f"| {moved / peer['bytes']:.3f}x | {temp / peer['temp']:.3f}x | {ratio} |")  # fmt: skip
     return rows
+
+
+def abstract(a, mesh, axis=None):
+    """``a``'s shape and dtype, split over ``mesh``'s batch axes (or ``axis``), for an ahead-of-time compile."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    axes = axis or tuple(x for x in ("data", "fsdp", "expert") if mesh.shape[x] > 1)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P(axes)))
 
 
 if __name__ == "__main__":

@@ -300,8 +300,9 @@ def test_auto_transport_is_ragged_where_xla_has_it():
 
 def test_the_planner_prices_the_ragged_bytes_where_the_hardware_has_them():
     """The planner traces a step for the hardware it prices (``Hardware.platform``): on GPU and
-    TPU the dispatch's all-to-alls are ragged and priced at the routed rows (a device's T·K
-    pairs), on CPU padded at the slots' ``expert x S`` rows. DeepSeek-V3 small, float32, one row
+    TPU the dispatch's token rows travel by ragged all-to-alls, priced at the routed rows (a
+    device's T·K pairs), on CPU padded, at the slots' ``expert x S`` rows; the expert ids are
+    padded on both (XLA:TPU would pad a ragged row of one id to 128 lanes). DeepSeek-V3 small, float32, one row
     of 64 tokens per device on ``fsdp=2,expert=4``, capacity factor 1.25."""
     from zoo import registry
     from zoo.hardware import hardware
@@ -322,4 +323,4 @@ def test_the_planner_prices_the_ragged_bytes_where_the_hardware_has_them():
 
     assert slots > pairs
     assert moved("cpu") == {slots * d * 4, slots * 4}  # token rows (and their gradients), expert ids
-    assert moved("gpu") == moved("tpu") == {pairs * d * 4, pairs * 4}
+    assert moved("gpu") == moved("tpu") == {pairs * d * 4, slots * 4}  # the ids still padded: 4 bytes a slot

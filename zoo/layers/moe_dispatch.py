@@ -170,7 +170,7 @@ def ragged_all_to_all_padded(
     recv = jax.lax.all_to_all(send.reshape(n * max_rows, *operand.shape[1:]), axis_name, 0, 0, tiled=True)
     at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each source's rows go here
     dest = jnp.where(i < recv_sizes[:, None], at[:, None] + i, output.shape[0])  # out of range: not written
-    return output.at[dest.reshape(-1)].set(recv, mode="drop", unique_indices=True)
+    return output.at[dest.reshape(-1)].set(recv, mode="drop")
 
 
 def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, emulate: bool, max_rows: int):
@@ -181,12 +181,20 @@ def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_siz
                                      axis_name="expert")  # fmt: skip
 
 
+def _slot_pairs(layout: Exchange, r, slot: int, e_local: int) -> tuple[Int[Array, "N S"], Int[Array, "N S"]]:
+    """Round ``r``'s slots: the pair in each destination's slot row (any where empty) and its
+    local expert (``e_local`` where empty: no pair)."""
+    place = r * slot + jnp.arange(slot, dtype=jnp.int32)[None, :]  # [1, S]
+    valid = place < layout.count[:, None]  # [N, S]
+    pair = jnp.take(layout.order, jnp.where(valid, layout.start[:, None] + place, 0))
+    return pair, jnp.where(valid, jnp.take(layout.local_expert, pair), e_local)
+
+
 def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, emulate: bool):
     """Round ``r`` as :func:`_round` computes it, the rows travelling by ragged all-to-alls:
     each destination's real rows of the round (at most ``S``) land in the sender's slot of the
     same ``N·S`` received rows, and come back to their places among the sender's sorted pairs."""
     n, pairs = layout.count.shape[0], layout.order.shape[0]
-    e_local = weights[0].shape[0]
     sent = jnp.clip(layout.count - r * slot, 0, slot)  # [N] rows to each destination this round
     first = layout.start + r * slot  # [N] where they start among the sorted pairs
     recv_sizes = jax.lax.all_to_all(sent, "expert", 0, 0, tiled=True)  # [N] rows from each source
@@ -195,9 +203,10 @@ def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, 
     rows = jnp.take(x, layout.order // k, axis=0)  # [P, D] the pairs' token rows, sorted by expert
     recv_x = move(rows, varying_like(jnp.zeros((n * slot, x.shape[-1]), x.dtype), rows), first, sent, slot_here,
                   recv_sizes)  # fmt: skip
-    ids = jnp.take(layout.local_expert, layout.order)
-    recv_e = move(ids, varying_like(jnp.full((n * slot,), e_local, ids.dtype), ids), first, sent, slot_here,
-                  recv_sizes)  # fmt: skip
+    # The expert ids by a padded all-to-all: 4 bytes a slot, where XLA:TPU's ragged one pads
+    # each row to 128 lanes (512 bytes a row of one id).
+    _, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
+    recv_e = jax.lax.all_to_all(send_e.reshape(n * slot), "expert", 0, 0, tiled=True)
     out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(pairs, n * slot))
     mine = jnp.arange(n, dtype=jnp.int32) * slot  # source s's rows are in slot s
     back_at = jax.lax.all_to_all(first, "expert", 0, 0, tiled=True)  # where they came from at source s
@@ -213,12 +222,8 @@ def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged:
     if ragged != "no":
         return _round_ragged(pair_mlp, x, weights, layout, r, k, slot, emulate=ragged == "emulated")
     n = layout.count.shape[0]
-    e_local = weights[0].shape[0]
-    place = r * slot + jnp.arange(slot, dtype=jnp.int32)[None, :]  # [1, S]
-    valid = place < layout.count[:, None]  # [N, S]
-    pair = jnp.take(layout.order, jnp.where(valid, layout.start[:, None] + place, 0))
-    send_x = take_rows(x, pair // k, valid)
-    send_e = jnp.where(valid, jnp.take(layout.local_expert, pair), e_local)
+    pair, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
+    send_x = take_rows(x, pair // k, send_e < weights[0].shape[0])
     recv_x, recv_e = (jax.lax.all_to_all(a.reshape(n * slot, *a.shape[2:]), "expert", 0, 0, tiled=True)
                       for a in (send_x, send_e))  # fmt: skip
     # About P of the N·S received rows are real in the first round (each source's P/N).

@@ -235,6 +235,11 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
             continue
         if current is not None:
             comps[current].append(line)
+    results = {}  # an instruction's result shape by its name (operands are printed by name alone on TPU)
+    for lines in comps.values():
+        for line in lines:
+            if d := re.match(r"^\s*(?:ROOT\s+)?%([\w.-]+) = (\w+\[[\d,]*\])", line):
+                results[d.group(1)] = d.group(2)
     shape = [sizes.get(a, 1) for a in AXES]
     n = math.prod(shape)
     out: dict[tuple[str, tuple[str, ...]], int] = {}
@@ -264,7 +269,8 @@ def hlo_traffic(hlo: str, sizes: Mapping[str, int], floor: int = 0) -> dict[tupl
                     sum(parts) if kind == "all_to_all" and sum(parts) >= floor else sum(b for b in parts if b >= floor)
                 )
                 if base == "ragged-all-to-all":  # the slices sent: at most the smaller of operand and output
-                    size = min(map(shape_bytes, re.findall(r"\w+\[[\d,]*\]", m.group(3))[:2]))
+                    operands = re.findall(r"(?:(\w+\[[\d,]*\])\S*\s+)?%([\w.-]+)", m.group(3))[:2]
+                    size = min(shape_bytes(s or results.get(name, result)) for s, name in operands)
                 if kind == "permute":  # the axes any (source, target) pair differs along
                     axes = tuple(a for a in AXES if any(a in axes_of(g) for g in groups))
                 else:
