@@ -80,6 +80,28 @@ def test_replica_groups_read_in_each_spelling(over, groups):
     assert collectives._groups(old, 8) == collectives._groups(new, 8) == groups
 
 
+def test_a_ragged_all_to_all_is_read_at_what_it_can_send():
+    """``hlo_traffic`` reads a ragged all-to-all (the MoE dispatch's transport on GPU and TPU) as
+    the smaller of its operand and output, whether the operands' shapes are printed inline or,
+    as XLA:TPU prints them, by name only (the lines are XLA:TPU's, 2026-12-06, shortened)."""
+    by_name = """HloModule m
+ENTRY %main (p: f32[64,512]) -> f32[160,512] {
+  %rows = f32[64,512]{1,0} parameter(0)
+  %zeros = f32[160,512]{1,0} broadcast(f32[] %c), dimensions={}
+  %io = s32[8]{0} iota(), iota_dimension=0
+  ROOT %ragged_all_to_all.299 = f32[160,512]{1,0} ragged-all-to-all(%rows, %zeros, %io, %io, %io, /*index=5*/%io), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+}
+"""
+    inline = by_name.replace(
+        "ragged-all-to-all(%rows, %zeros", "ragged-all-to-all(f32[64,512]{1,0} %rows, f32[160,512]{1,0} %zeros"
+    )
+    back = by_name.replace("(%rows, %zeros", "(%zeros, %rows").replace(
+        "ROOT %ragged_all_to_all.299 = f32[160,512]", "ROOT %ragged_all_to_all.299 = f32[64,512]"
+    )
+    for hlo in (by_name, inline, back):
+        assert collectives.hlo_traffic(hlo, {"expert": 8}) == {("all_to_all", ("expert",)): 64 * 512 * 4}
+
+
 def test_links_follow_the_device_order():
     """The last mesh axes vary fastest: on 8-GPU HGX nodes tensor=8 stays on NVLink and a data
     axis over the nodes crosses InfiniBand; on a 72-GPU NVLink domain fsdp=8 after tensor=8
