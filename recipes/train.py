@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--moe-overflow", choices=["dropless", "drop"], default=None,
                    help="MoE: past a round's slots, more rounds (dropless, the default: exact) or token dropping "
                         "(dropped pairs counted and logged)")  # fmt: skip
+    m.add_argument("--moe-transport", choices=["auto", "padded", "ragged"], default=None,
+                   help="MoE expert parallelism: how a round's rows travel; auto (default): ragged all-to-alls "
+                        "(only the routed rows) on GPU and TPU, padded (every slot) elsewhere")  # fmt: skip
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib",
                    help="'stdlib' (embedded), a .npy token file, or comma-separated text files, JSON lines (.jsonl), "

@@ -162,6 +162,8 @@ def test_dispatch_settings_are_checked_naming_the_field():
 
     with pytest.raises(ConfigError, match=r"DeepseekV3Config\.moe_overflow"):
         DeepseekV3Config.preset("tiny").__class__(**{**DeepseekV3Config.preset("tiny").__dict__, "moe_overflow": "x"})
+    with pytest.raises(ConfigError, match=r"DeepseekV3Config\.moe_transport must be one of"):
+        dataclasses.replace(DeepseekV3Config.preset("tiny"), moe_transport="sparse")
 
 
 def test_the_recipe_flags_set_the_dispatch_and_refuse_a_dense_model(tmp_path, capsys):
@@ -173,12 +175,12 @@ def test_the_recipe_flags_set_the_dispatch_and_refuse_a_dense_model(tmp_path, ca
     from zoo.train import setup
     from zoo.train.metrics import MetricsLog
 
-    flags = type("Flags", (), {"capacity_factor": 1.0, "moe_overflow": "drop"})()
+    flags = type("Flags", (), {"capacity_factor": 1.0, "moe_overflow": "drop", "moe_transport": "padded"})()
     common = {"checkpoint": None, "preset": "tiny", "attention": "auto", "seed": 0, "mesh": None,
               "param_dtype": jnp.float32, "compute_dtype": jnp.float32}  # fmt: skip
     model = setup.build_model(model_type="deepseek_v3", moe=setup.moe_settings(flags), **common)
-    assert (model.config.capacity_factor, model.config.moe_overflow) == (1.0, "drop")
-    with pytest.raises(ConfigError, match="--capacity-factor and --moe-overflow: Llama has no routed experts"):
+    assert (model.config.capacity_factor, model.config.moe_overflow, model.config.moe_transport) == (1.0, "drop", "padded")
+    with pytest.raises(ConfigError, match="--capacity-factor, --moe-overflow and --moe-transport: Llama has no routed experts"):
         setup.build_model(model_type="llama", moe=setup.moe_settings(flags), **common)
     log = MetricsLog(None, 4)
     log.write({"step": 1, "loss": 2.0, "moe_dropped_pairs": 480})

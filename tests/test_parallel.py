@@ -295,6 +295,8 @@ LAYOUTS = [
     ("deepseek_v3", "data=8", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "fsdp=4,tensor=2", parallel.BATCH_AXES, {}),
     ("deepseek_v3", "fsdp=2,expert=4", parallel.BATCH_AXES, {}),  # tokens split over the expert group
+    # The dispatch's ragged transport (GPU's and TPU's; XLA:CPU runs its emulation) through the config.
+    ("deepseek_v3", "fsdp=2,expert=4", parallel.BATCH_AXES, {"moe_transport": "ragged"}),
     # Tokens shared by the expert group; the capacity kernel (the default on CPU is the tile loop).
     ("deepseek_v3", "data=2,expert=4", ("data", "fsdp"), {"expert_impl": "capacity"}),
     # TPU's kernel (ragged_dot) against the single-device tiled one: both dropless, equal.
@@ -319,10 +321,15 @@ LAYOUTS = [
 
 def with_attention(model, attention: str):
     """The same weights on another attention path (``config.attention``)."""
+    return with_config(model, attention=attention)
+
+
+def with_config(model, **fields):
+    """The same weights under a config with ``fields`` replaced (settings, not architecture)."""
     from zoo.params import flatten
 
     extra = {"expert_impl": model.expert_impl} if hasattr(model, "expert_impl") else {}
-    config = dataclasses.replace(model.config, attention=attention)
+    config = dataclasses.replace(model.config, **fields)
     return type(model)(config, arrays=flatten(model), compute_dtype=model.compute_dtype, **extra)
 
 
@@ -338,6 +345,8 @@ def test_sharded_step_equals_single_device(name, spec, batch_axes, kwargs):
         model = model.with_expert_impl(kwargs.pop("expert_impl"))
     if "attention" in kwargs:
         model = with_attention(model, kwargs.pop("attention"))
+    if "moe_transport" in kwargs:
+        model = with_config(model, moe_transport=kwargs.pop("moe_transport"))
     layout = LAYOUT[name]
     mesh = parallel.make_mesh(spec)
     sharded = parallel.shard(model, mesh)

@@ -74,9 +74,11 @@ class DeepseekV3Config(DecoderConfig):
     aux_loss_alpha: float = 0.0
     # Not architecture (never in config.json): expert parallelism's all-to-all rounds, a slot of
     # capacity_factor x the mean rows per destination, and past it "dropless" (more rounds) or
-    # "drop" (dropped, counted): zoo.layers.moe_dispatch.
+    # "drop" (dropped, counted); the rows travel by ragged all-to-alls where XLA has them
+    # ("auto"), or "padded" / "ragged": zoo.layers.moe_dispatch.
     capacity_factor: float = 1.25
     moe_overflow: str = "dropless"
+    moe_transport: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
@@ -185,7 +187,7 @@ class DeepseekV3Config(DecoderConfig):
     # -- Hugging Face config.json ---------------------------------------------------------
     @classmethod
     def from_hf(cls, data: dict[str, Any], source: str = "config.json", *, mtp: bool = False,
-                capacity_factor: float = 1.25, moe_overflow: str = "dropless") -> DeepseekV3Config:  # fmt: skip
+                capacity_factor: float = 1.25, moe_overflow: str = "dropless", moe_transport: str = "auto") -> DeepseekV3Config:  # fmt: skip
         c = HFConfig(data, source)
         scoring = c.get("scoring_func", str, "sigmoid")
         if scoring != "sigmoid":
@@ -215,6 +217,7 @@ class DeepseekV3Config(DecoderConfig):
             mtp=mtp,
             capacity_factor=capacity_factor,
             moe_overflow=moe_overflow,
+            moe_transport=moe_transport,
             aux_loss_alpha=c.get("aux_loss_alpha", float, 0.0),
         )
 

@@ -60,30 +60,34 @@ class Dispatch:
     transport: str = "auto"  # one of TRANSPORTS: how a round's rows travel (the module's docstring)
 
     def __post_init__(self):
-        check_dispatch(self.capacity_factor, self.overflow, "Dispatch.capacity_factor", "Dispatch.overflow")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"Dispatch.transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        check_dispatch(self.capacity_factor, self.overflow, "Dispatch.capacity_factor", "Dispatch.overflow",
+                       self.transport, "Dispatch.transport")  # fmt: skip
 
     def ragged(self, platform: str) -> bool:
         """Whether a round's rows travel by ``ragged_all_to_all`` on ``platform``."""
         return self.transport == "ragged" or (self.transport == "auto" and platform in RAGGED_PLATFORMS)
 
 
-def check_dispatch(capacity_factor: float, overflow: str, factor_name: str, overflow_name: str) -> None:
-    """A clear error naming the setting that is not a positive finite factor or an overflow rule."""
+def check_dispatch(capacity_factor: float, overflow: str, factor_name: str, overflow_name: str,
+                   transport: str = "auto", transport_name: str = "transport") -> None:  # fmt: skip
+    """A clear error naming the setting that is not a positive finite factor, an overflow rule or
+    a transport."""
     cf = capacity_factor
     if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf"):
         raise ConfigError(f"{factor_name} must be a positive finite number, got {cf!r}")
     if overflow not in OVERFLOWS:
         raise ConfigError(f"{overflow_name} must be one of {list(OVERFLOWS)}, got {overflow!r}")
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"{transport_name} must be one of {list(TRANSPORTS)}, got {transport!r}")
 
 
 def dispatch_of(config) -> Dispatch:
-    """A MoE family config's dispatch settings (its ``capacity_factor`` and ``moe_overflow``
-    fields), checked; an error names the config's field."""
+    """A MoE family config's dispatch settings (its ``capacity_factor``, ``moe_overflow`` and
+    ``moe_transport`` fields), checked; an error names the config's field."""
     name = type(config).__name__
-    check_dispatch(config.capacity_factor, config.moe_overflow, f"{name}.capacity_factor", f"{name}.moe_overflow")
-    return Dispatch(config.capacity_factor, config.moe_overflow)
+    check_dispatch(config.capacity_factor, config.moe_overflow, f"{name}.capacity_factor", f"{name}.moe_overflow",
+                   config.moe_transport, f"{name}.moe_transport")  # fmt: skip
+    return Dispatch(config.capacity_factor, config.moe_overflow, config.moe_transport)
 
 
 _TARGET: ContextVar[str | None] = ContextVar("zoo_dispatch_platform", default=None)

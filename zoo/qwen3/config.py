@@ -78,9 +78,11 @@ class Qwen3Config(GQAConfig):
     max_position_embeddings: int = 40960
     # Not architecture (never in config.json): expert parallelism's all-to-all rounds, a slot of
     # capacity_factor x the mean rows per destination, and past it "dropless" (more rounds) or
-    # "drop" (dropped, counted): zoo.layers.moe_dispatch.
+    # "drop" (dropped, counted); the rows travel by ragged all-to-alls where XLA has them
+    # ("auto"), or "padded" / "ragged": zoo.layers.moe_dispatch.
     capacity_factor: float = 1.25
     moe_overflow: str = "dropless"
+    moe_transport: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
@@ -223,7 +225,7 @@ class Qwen3Config(GQAConfig):
     # -- Hugging Face config.json ---------------------------------------------------------
     @classmethod
     def from_hf(cls, data: dict[str, Any], source: str = "config.json", *, capacity_factor: float = 1.25,
-                moe_overflow: str = "dropless") -> Qwen3Config:  # fmt: skip
+                moe_overflow: str = "dropless", moe_transport: str = "auto") -> Qwen3Config:  # fmt: skip
         c = HFConfig(data, source)
         model_type = c.get("model_type", str)
         if c.get("attention_bias", bool, False):
@@ -259,6 +261,7 @@ class Qwen3Config(GQAConfig):
             **moe,
             capacity_factor=capacity_factor,
             moe_overflow=moe_overflow,
+            moe_transport=moe_transport,
         )
 
     def to_hf(self) -> dict[str, Any]:

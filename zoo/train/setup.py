@@ -152,7 +152,7 @@ def run_config(checkpoint: str | None, model_type: str, preset: str, attention: 
 
 
 # The MoE dispatch's flags (zoo.layers.moe_dispatch), each a config field of the MoE families.
-MOE_FLAGS = {"capacity_factor": "--capacity-factor", "moe_overflow": "--moe-overflow"}
+MOE_FLAGS = {"capacity_factor": "--capacity-factor", "moe_overflow": "--moe-overflow", "moe_transport": "--moe-transport"}
 
 
 def moe_settings(flags: Any) -> dict[str, Any]:
@@ -173,7 +173,8 @@ def build_model(*, checkpoint: str | None, model_type: str, preset: str, attenti
     if moe:
         family = read_config(hub.resolve(checkpoint))[0] if checkpoint else registry.by_model_type(model_type, "--model")
         if not set(moe) <= {f.name for f in dataclasses.fields(family.config_cls)}:
-            flags = " and ".join(MOE_FLAGS[f] for f in moe)
+            named = [MOE_FLAGS[f] for f in MOE_FLAGS if f in moe]
+            flags = " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named)
             raise ConfigError(f"{flags}: {family.__name__} has no routed experts to dispatch")
     if checkpoint and quantized and mesh is None:
         load = formats.format_module(quantized).from_pretrained
