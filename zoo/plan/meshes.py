@@ -183,7 +183,8 @@ def quick_time(config: Any, sizes: dict[str, int], seq_len: int, hw: Hardware, d
         # A round's slots hold capacity_factor x the routed rows (zoo.layers.moe_dispatch), at
         # most all of them, and a padded all-to-all moves them all; a ragged one (GPU, TPU) moves
         # the routed rows. The later rounds are priced as not run.
-        slots = 1.0 if Dispatch().ragged(hw.platform) else min(sizes["expert"], getattr(config, "capacity_factor", 1.0))
+        ragged = Dispatch(transport=getattr(config, "moe_transport", "auto")).ragged(hw.platform)
+        slots = 1.0 if ragged else min(sizes["expert"], getattr(config, "capacity_factor", 1.0))
         moved = slots * tokens * k * d * item
         a2a = 6 * moe_rows * t("all_to_all", moved, ("expert",))
     # The pipeline: a row handed on forward and its gradient back at every tick; all-reduced over
