@@ -1,7 +1,7 @@
 """The MoE dispatch's bytes moved and held per device against the routed rows.
 
     python benchmarks/moe_dispatch.py [--tokens 2048] [--width 512] [--hidden 256] [--experts 32] [--top-k 4]
-                                      [--tpu-topology v5e:2x4]
+                                      [--tpu-topology v5e:2x4] [--hlo-dir DIR]
 
 One MoE layer's routed experts (forward and backward, ``zoo.layers.moe.routed_experts`` with
 the ``capacity`` kernel) on 8 simulated CPU devices, tokens split over the batch axes, for
@@ -20,11 +20,14 @@ in the same run; the ratios are against it.
 chips of that topology (``jax.experimental.topologies``; nothing runs, so no times) and add the
 ragged transport's rows (``Dispatch.transport="ragged"``: ``ragged_all_to_all``, which XLA:CPU
 lacks). A ragged all-to-all's bytes are its smaller of operand and output (what it can send).
+``--hlo-dir DIR`` writes each compiled program's optimized HLO there, one file a row.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import re
 import statistics
 import time
 
@@ -38,6 +41,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tpu-topology", default=None, help="compile for 8 chips of this TPU topology, e.g. v5e:2x4")
+    p.add_argument("--hlo-dir", default=None, help="write each compiled program's optimized HLO in this folder")
     args = p.parse_args(argv)
 
     import jax
@@ -115,6 +119,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 compiled = fn.lower(*(abstract(a, mesh) for a in (x, experts, weights)),
                                     *(abstract(a, mesh, "expert") for a in w)).compile()  # fmt: skip
             hlo = compiled.as_text()
+            if args.hlo_dir:
+                name = re.sub(r"[^a-z0-9]+", "_", f"{spec} {label}".lower()).strip("_")
+                pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+                (pathlib.Path(args.hlo_dir) / f"{name}.hlo").write_text(hlo)
             moved = hlo_traffic(hlo, dict(mesh.shape)).get(("all_to_all", ("expert",)), 0)
             temp = compiled.memory_analysis().temp_size_in_bytes
             ms = float("nan")
