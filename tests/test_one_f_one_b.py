@@ -94,6 +94,7 @@ def test_1f1b_qwen3_moe_balance_loss_equals_one_device(rows, microbatches, packe
 
 @pytest.mark.parametrize("spec, layers, microbatches, virtual, packed", [
     ("pipeline=4,fsdp=2", 6, 8, 2, True),  # 6 layers padded to 8: 2 chunks of one a stage; tied, packed
+    ("pipeline=2,fsdp=4", 5, 4, 2, False),  # 5 layers padded to 6: chunks of 2 and 1 a stage (uneven)
 ])  # fmt: skip
 def test_interleaved_1f1b_equals_one_device(spec, layers, microbatches, virtual, packed):
     """Interleaved 1F1B: each stage's layers in V chunks, the model in stage order, micro-batches

@@ -20,7 +20,9 @@ import pytest
 
 import zoo
 from zoo import parallel
+from zoo.core.mesh import virtual_options
 from zoo.errors import MeshError
+from zoo.hooks.pipeline import chunk_layers, in_layer_order
 from zoo.llama import preset
 from zoo.params import flatten
 from zoo.pipeline import bubble, reorder_stacks, stage_order, to_stage_order
@@ -124,7 +126,9 @@ def test_the_schedule_passes_activations_point_to_point():
 @pytest.mark.parametrize(
     "spec, layers, microbatches, virtual, tied, packed, placement",
     [("pipeline=4,fsdp=2", 6, 4, 2, True, True, None),  # 6 layers padded to 8: 2 chunks of 1 per stage; tied; packed
-     ("pipeline=2,fsdp=4", 4, 4, 2, False, False, "save_matmuls")],  # a map: the chunk picked again in the backward
+     # 5 layers padded to 6: chunks of 2 and 1 a stage (a short last chunk); a map: the chunk
+     # picked again in the backward
+     ("pipeline=2,fsdp=4", 5, 4, 2, False, False, "save_matmuls")],
 )
 def test_the_interleaved_schedule_equals_one_device(spec, layers, microbatches, virtual, tied, packed, placement):
     """V chunks per stage, the stacks in stage order (device s holds layers s, s + P, ... in
@@ -141,6 +145,18 @@ def test_stage_order_and_the_interleaved_bubble(tmp_path):
     np.testing.assert_array_equal(stage_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])  # stage 0: chunks 0, 2
     np.testing.assert_array_equal(stage_order(8, 4, 2), [0, 4, 1, 5, 2, 6, 3, 7])
     np.testing.assert_array_equal(stage_order(6, 2, 1), np.arange(6))  # GPipe: contiguous stages
+    # Uneven chunks (Megatron's layouts): 3 layers a stage in chunks of 2 and 1; the ring runs
+    # chunk 0 of both stages (layers 0-1, 2-3), then chunk 1 (4, 5).
+    np.testing.assert_array_equal(stage_order(6, 2, 2), [0, 1, 4, 2, 3, 5])
+    np.testing.assert_array_equal(chunk_layers(2, 2, 3), [[[0, 1], [4, -1]], [[2, 3], [5, -1]]])
+    # DeepSeek-V3's 58 MoE layers padded to 60 on Megatron-Bridge's PP 4, VP 4: chunks of 4, 4, 4, 3.
+    order = stage_order(60, 4, 4)
+    assert sorted(order) == list(range(60)) and list(order[:15]) == [0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50]
+    assert virtual_options(15) == [1, 2, 3, 4, 5, 8, 15]  # 6: chunks of 3 leave the sixth empty
+    # A per-layer output laid out over the chunks' places [V, P, c] comes back in layer order.
+    table = chunk_layers(4, 4, 15)
+    full = np.where(table >= 0, table, -7).transpose(1, 0, 2).ravel()  # [V, P, c] of layer ids
+    np.testing.assert_array_equal(np.asarray(in_layer_order(jax.numpy.asarray(full), 4, 4, 15, 58)), np.arange(58))
     assert bubble(4, 8, 2) == pytest.approx(3 / 19) and bubble(4, 8) == pytest.approx(3 / 11)
     model = _llama(4)
     mesh = parallel.make_mesh("pipeline=2,fsdp=4")
@@ -175,7 +191,7 @@ def test_stage_order_and_the_interleaved_bubble(tmp_path):
         to_stage_order(placed, mesh, 2, inverse=True)
     with pytest.raises(MeshError, match=r"microbatches \(1\) a multiple of the 2 stages"):
         parallel.value_and_grad(_loss, mesh, microbatches=1, virtual_stages=2)(there, ids)
-    with pytest.raises(MeshError, match="2 stages x 3 virtual stages do not divide 4 layers"):
+    with pytest.raises(MeshError, match=r"virtual_stages=3 cannot split a stage's 2 layers .*possible: \[1, 2\]"):
         to_stage_order(placed, mesh, 3)
     from zoo.qwen3 import preset as qwen3_preset  # two dense layers a repeat: stage order moves single layers
 
@@ -323,9 +339,10 @@ def _qwen3_reference(model_type: str, overrides: tuple, packed: bool):
         # heads and expert hidden units split over tensor inside each stage.
         ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,tensor=2,fsdp=2",
          {"dense_layers": 3, "moe_layers": 3}, False, 1),
-        # The same on the interleaved schedule: 2 chunks of one repeat per stage (4 with padding).
-        ("qwen3_moe", {"num_layers": 6, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,expert=4",
-         {"dense_layers": 3, "moe_layers": 3}, False, 2),
+        # The same on the interleaved schedule, 6 repeats: chunks of 2 repeats and 1 a stage (a
+        # short last chunk, so the per-layer outputs come back from the chunks out of order).
+        ("qwen3_moe", {"num_layers": 12, "mlp_only_layers": (), "decoder_sparse_step": 2}, "pipeline=2,expert=4",
+         {"dense_layers": 6, "moe_layers": 6}, False, 2),
     ],
     ids=["qwen3-untied", "qwen3-4-stages-packed", "qwen3-tensor-packed", "qwen3_moe-dense-first", "qwen3_moe-fsdp",
          "qwen3_moe-4-stages-packed",

@@ -194,27 +194,31 @@ def test_the_plan_interleaves_where_it_helps_and_says_so():
     assert (b, v) == (4, 2)
 
 
-def test_virtual_stages_that_do_not_divide_the_stage_are_never_chosen():
-    """Llama tiny with 6 layers on 2 stages: 3 per stage, so V is 1 or 3, never 2, and more
-    than 1 only with M a multiple of P; the planner's choice takes 3, and asking for 2 names the rule."""
-    cfg = dataclasses.replace(config("llama"), num_layers=6)
+def test_virtual_stages_that_cannot_chunk_the_stage_are_never_chosen():
+    """Llama tiny with 10 layers on 2 stages: 5 per stage, so V is 1, 2, 3 or 5 (chunks of 3 and
+    2, of 2, 2 and 1, of one), never 4 (chunks of 2 would leave the fourth empty), and more
+    than 1 only with M a multiple of P; the planner's choice takes 5, and asking for 4 names the rule."""
+    cfg = dataclasses.replace(config("llama"), num_layers=10)
     cm = cost_model(cfg, seq_len=64, mesh="pipeline=2,data=4", hardware="cpu")
-    assert [cm.virtual_stages(b) for b in (2, 3, 4, 6)] == [[1, 3], [1], [1, 3], [1, 3]]
+    assert [cm.virtual_stages(b) for b in (2, 3, 4, 6)] == [[1, 2, 3, 5], [1], [1, 2, 3, 5], [1, 2, 3, 5]]
     chosen = [mesh_plan._choose(cm, b, 2.0**30, 0.0)[-1] for b in (3, 4, 6)]  # (map, b, pm, om, V)
-    assert chosen == [1, 3, 3] and cm.bubble(4, 3) == 1 / (3 * 4 + 1)
+    assert chosen == [1, 5, 5] and cm.bubble(4, 5) == 1 / (5 * 4 + 1)
     assert mesh_plan._choose(cm, None, 2.0**30, 0.0, virtual=1)[-1] == 1  # plan(virtual_stages=1): GPipe's
-    with pytest.raises(ConfigError, match=r"virtual_stages=2 cannot run at 4 rows per device on pipeline=2.*\[1, 3\]"):
-        cm.check_virtual(4, 2)  # what plan(virtual_stages=2) and price(virtual_stages=2) raise
+    with pytest.raises(ConfigError, match=r"virtual_stages=4 cannot run at 4 rows per device on pipeline=2.*\[1, 2, 3, 5\]"):
+        cm.check_virtual(4, 4)  # what plan(virtual_stages=4) and price(virtual_stages=4) raise
+    # A short last chunk still costs a whole chunk's tick: 3 chunks of 2 layers for the 5.
+    body = next(b for b in cm.bodies if cm._pipelined(b))
+    assert cm._work(body, 4, 3) == (2, 3 * 4 + 1) and cm._work(body, 4, 5) == (1, 5 * 4 + 1)
     # From the configs alone: 405B's 126 layers on 16 stages are 8 per stage (padded); Qwen3
     # 235B-A22B's 94 MoE layers on 8 stages 12, its dense stack (no layers) aside.
-    assert virtual_choices(config("llama", "llama3.1-405b"), 16, 48) == [1, 2, 4, 8]
+    assert virtual_choices(config("llama", "llama3.1-405b"), 16, 48) == [1, 2, 3, 4, 8]
     assert virtual_choices(config("qwen3_moe", "qwen3-235b-a22b"), 8, 256) == [1, 2, 3, 4, 6, 12]
     assert virtual_choices(config("qwen3_moe", "qwen3-235b-a22b"), 8, 12) == [1]
     with pytest.raises(ConfigError, match=r"virtual_stages=3 needs a pipeline axis; the mesh 'one device' has none"):
         plan.price(cfg, {"remat": "remat"}, seq_len=64, batch_size=1, virtual_stages=3)
     # The step the planner compiles refuses it as the training step does (validate_mesh's chunks).
     with pytest.raises(MeshError, match="virtual_stages"):
-        make_step(cfg, batch_size=8, seq_len=64, mesh="pipeline=2,data=4", microbatches=2, virtual_stages=2)
+        make_step(cfg, batch_size=8, seq_len=64, mesh="pipeline=2,data=4", microbatches=2, virtual_stages=4)
 
 
 def test_1f1b_keeps_fewer_ticks_and_the_plan_takes_it_where_gpipe_does_not_fit():

@@ -661,7 +661,7 @@ def test_pipeline_settings_the_run_cannot_use_are_refused_before_its_run_dir(cor
             setup.make_mesh(spec, flags(flag, "2"))
     mesh = parallel.make_mesh("pipeline=2,data=4")
     model = zoo.Llama(preset("tiny"), key=jr.key(0))  # 2 layers: 1 a stage
-    with pytest.raises(zoo.ConfigError, match=r"^--virtual-stages 2: virtual_stages=2 does not divide the 1 layers "
+    with pytest.raises(zoo.ConfigError, match=r"^--virtual-stages 2: virtual_stages=2 cannot split the 1 layers "
                                               r"per stage of LlamaConfig.num_layers = 2 on pipeline=2"):  # fmt: skip
         setup.check_model(model, seq_len=32, placement=None, mesh=mesh, virtual_stages=2)
     # 6 layers, 3 a stage: 3 chunks divide them (the vocabulary, 128 rows a stage, is no layer stack).

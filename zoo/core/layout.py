@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size
+from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size, virtual_fits, virtual_options
 from zoo.core.params import Param, flatten, init_with_stacks, is_array, is_deferred, map_params, path_name
 from zoo.core.protocol import Wrapper
 from zoo.core.registry import family_of, is_model
@@ -313,12 +313,13 @@ def validate_mesh(mesh: AnyMesh, config: Any, *, virtual_stages: int = 1) -> Non
     layers = {p.names[0] for p in family_of(config).param_specs(config).values() if is_layer_stack(p)}
     for letter, axis in split:
         per_stage = -(-sizes[letter] // stages)  # padded to whole stages
-        if virtual_stages > 1 and letter in layers and axis_names(axis) == (PIPELINE,) and per_stage % virtual_stages:
-            divisors = [v for v in range(1, per_stage + 1) if per_stage % v == 0]
+        if (virtual_stages > 1 and letter in layers and axis_names(axis) == (PIPELINE,)
+                and not virtual_fits(per_stage, virtual_stages)):  # fmt: skip
             raise MeshError(
-                f"virtual_stages={virtual_stages} does not divide the {per_stage} layers per stage of "
+                f"virtual_stages={virtual_stages} cannot split the {per_stage} layers per stage of "
                 f"{name}.{rules[letter].field} = {sizes[letter]} on pipeline={stages} (the interleaved schedule "
-                f"runs each stage's layers in virtual_stages equal chunks; possible here: {divisors})"
+                f"runs each stage's layers in virtual_stages chunks of ceil({per_stage}/virtual_stages), the "
+                f"last holding the rest, none empty; possible here: {virtual_options(per_stage)})"
             )
     family_of(config).check_layout(config, mesh, virtual_stages=virtual_stages)
 

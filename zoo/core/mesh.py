@@ -81,3 +81,24 @@ def axis_names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
 def axis_size(mesh: AnyMesh, axis: str | tuple[str, ...]) -> int:
     """Devices along ``axis`` of ``mesh``, or along several axes together (1 for an axis the mesh lacks)."""
     return math.prod(int(mesh.shape.get(a, 1)) for a in axis_names(axis))
+
+
+# -- the interleaved pipeline's chunks --------------------------------------------------------
+
+
+def chunk_size(per_stage: int, virtual: int) -> int:
+    """Layers in each of a stage's ``virtual`` chunks: ``ceil(per_stage / V)``; the last chunk
+    holds what is left, which may be fewer (Megatron's uneven layouts: 15 layers a stage in 4
+    chunks of 4, 4, 4 and 3)."""
+    return -(-per_stage // virtual)
+
+
+def virtual_fits(per_stage: int, virtual: int) -> bool:
+    """Whether a stage of ``per_stage`` layers runs as ``virtual`` chunks of :func:`chunk_size`,
+    none of them empty."""
+    return 1 <= virtual <= per_stage and (virtual - 1) * chunk_size(per_stage, virtual) < per_stage
+
+
+def virtual_options(per_stage: int) -> list[int]:
+    """Every ``virtual`` a stage of ``per_stage`` layers can run (:func:`virtual_fits`)."""
+    return [v for v in range(1, per_stage + 1) if virtual_fits(per_stage, v)]

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PyTree, Shaped
 
-from zoo.core.mesh import PIPELINE
+from zoo.core.mesh import PIPELINE, chunk_size, virtual_fits, virtual_options
 from zoo.errors import MeshError
 from zoo.hooks.step import PipelineSplit, global_sum, varying_axes
 
@@ -48,17 +48,53 @@ def bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
+def chunk_layers(stages: int, virtual: int, per_stage: int) -> Int[np.ndarray, "P V c"]:
+    """The layer (in stack order, padding included) at position ``j`` of chunk ``v`` of stage
+    ``s``, ``-1`` past the end of a short last chunk. A micro-batch runs the chunks in the
+    ring's order, chunk ``v`` of every stage before chunk ``v + 1``, so the layers number the
+    chunks' positions in that order; with equal chunks of ``c``, ``(v·P + s)·c + j``."""
+    if not virtual_fits(per_stage, virtual):
+        raise MeshError(
+            f"pipeline: virtual_stages={virtual} cannot split a stage's {per_stage} layers into chunks of "
+            f"{chunk_size(per_stage, max(virtual, 1))} (one would be empty); possible: {virtual_options(per_stage)}"
+        )
+    c = chunk_size(per_stage, virtual)
+    held = np.arange(virtual)[:, None] * c + np.arange(c)[None, :] < per_stage  # [V, c]
+    held = np.broadcast_to(held[:, None, :], (virtual, stages, c)).ravel()  # ring order: [V, P, c]
+    layer = np.where(held, np.cumsum(held) - 1, -1)
+    return layer.reshape(virtual, stages, c).transpose(1, 0, 2)
+
+
+def chunk_positions(stages: int, virtual: int, per_stage: int, n_layers: int) -> Int[np.ndarray, " n"]:
+    """For each of the first ``n_layers`` layers, its place among every stage's chunk positions
+    laid out ``[V, P, c]`` (flattened): where a layer's per-layer output is in that layout."""
+    table = chunk_layers(stages, virtual, per_stage).transpose(1, 0, 2).ravel()
+    where = np.empty(stages * per_stage, np.int64)
+    where[table[table >= 0]] = np.flatnonzero(table >= 0)
+    return where[:n_layers]
+
+
+def in_layer_order(full: Shaped[Array, "n *rest"], stages: int, virtual: int, per_stage: int,
+                   n_layers: int) -> Shaped[Array, "layers *rest"]:  # fmt: skip
+    """Per-layer values laid out over every stage's chunk positions ``[V·P·c, ...]``, as the
+    first ``n_layers`` layers in stack order (:func:`chunk_positions`)."""
+    where = chunk_positions(stages, virtual, per_stage, n_layers)
+    return full[:n_layers] if np.array_equal(where, np.arange(n_layers)) else full[where]
+
+
 def stage_order(layers: int, stages: int, virtual: int) -> Int[np.ndarray, " L"]:
-    """For a stack of ``layers`` (padded: ``stages · virtual`` divides it) in stage order, the
-    layer at each stored position: device ``s`` holds its ``virtual`` chunks of ``c`` layers,
-    chunk ``v`` being layers ``(v·P + s)·c ..``; stored position ``s·V·c + v·c + j`` holds
-    layer ``(v·P + s)·c + j``. ``virtual=1`` is the identity (contiguous stages)."""
-    if layers % (stages * virtual):
-        raise MeshError(f"pipeline: {stages} stages x {virtual} virtual stages do not divide {layers} layers")
-    c = layers // (stages * virtual)
+    """For a stack of ``layers`` (padded: ``stages`` divides it) in stage order, the layer at
+    each stored position: device ``s`` holds its ``virtual`` chunks (:func:`chunk_layers`),
+    one after another, chunk ``v`` being the ``v``-th of every stage's around the ring; with
+    equal chunks of ``c`` layers, stored position ``s·V·c + v·c + j`` holds layer
+    ``(v·P + s)·c + j``. ``virtual=1`` is the identity (contiguous stages)."""
+    if layers % stages:
+        raise MeshError(f"pipeline: {stages} stages do not divide {layers} layers")
+    per_stage = layers // stages
+    table, c = chunk_layers(stages, virtual, per_stage), chunk_size(per_stage, virtual)
     r = np.arange(layers)
-    s, v, j = r // (virtual * c), r % (virtual * c) // c, r % c
-    return (v * stages + s) * c + j
+    s, q = r // per_stage, r % per_stage
+    return table[s, q // c, q % c]
 
 
 def interleaved_items(stages: int, microbatches: int, virtual: int) -> tuple[np.ndarray, np.ndarray]:
@@ -149,18 +185,20 @@ def pipelined_scan(
             f"pipeline: microbatches={m} must divide each device's {n_rows} rows (the batch over its batch axes)"
         )
     per_stage = jax.tree.leaves(stacked)[0].shape[0]
-    if virtual > 1 and (m % stages or per_stage % virtual):
+    if virtual > 1 and (m % stages or not virtual_fits(per_stage, virtual)):
         raise MeshError(
             f"pipeline: the interleaved schedule (virtual_stages={virtual}) needs microbatches ({m}) a multiple of "
-            f"the {stages} stages and virtual_stages to divide each stage's {per_stage} layers"
+            f"the {stages} stages and each stage's {per_stage} layers in virtual_stages chunks, none empty "
+            f"(possible: {virtual_options(per_stage)})"
         )
-    chunk = per_stage // virtual
+    chunk = chunk_size(per_stage, virtual)
+    layer_at = jnp.asarray(chunk_layers(stages, virtual, per_stage), jnp.int32)  # [P, V, chunk]
     stage = jax.lax.axis_index(PIPELINE)
     micro = _split_rows(carry, m, n_rows, "carry")
     micro_rows = _split_rows(rows, m, n_rows, "row input")
     item_batch, item_chunk = (jnp.asarray(a, jnp.int32) for a in interleaved_items(stages, m, virtual))
 
-    def chunk_layers(c, r, v):
+    def run_chunk(c, r, v):
         """This stage's chunk ``v`` on one micro-batch; padding layers (past ``n_layers``) skipped."""
 
         def one(c, layer_j):
@@ -168,11 +206,13 @@ def pipelined_scan(
             if virtual == 1:
                 new, out = layer_fn(c, layer, r)
             elif pick is not None:
-                new, out = pick(c, (stacked, v * chunk + j), r)
+                new, out = pick(c, (stacked, jnp.minimum(v * chunk + j, per_stage - 1)), r)
             else:
-                layer = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v * chunk + j, keepdims=False), stacked)
+                at = jnp.minimum(v * chunk + j, per_stage - 1)  # past a short last chunk: skipped below
+                layer = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), stacked)
                 new, out = layer_fn(c, layer, r)
-            real = (v * stages + stage) * chunk + j < n_layers
+            index = layer_at[stage, v, j]
+            real = (index >= 0) & (index < n_layers)
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
         return jax.lax.scan(one, c, (stacked if virtual == 1 else None, jnp.arange(chunk)))
@@ -197,7 +237,7 @@ def pipelined_scan(
         mb, v = item_batch[i], item_chunk[i]
         fed = jax.tree.map(lambda x: x[mb], micro)
         inputs = jax.tree.map(lambda a, b: jnp.where((stage == 0) & (v == 0), a, b), fed, received)
-        y, outs = chunk_layers(inputs, jax.tree.map(lambda x: x[mb], micro_rows), v)
+        y, outs = run_chunk(inputs, jax.tree.map(lambda x: x[mb], micro_rows), v)
         keep = active & (stage == stages - 1) & (v == virtual - 1)
         outputs = jax.tree.map(
             lambda o, new: jax.lax.dynamic_update_index_in_dim(o, jnp.where(keep, new, o[mb]), mb, 0), outputs, y
@@ -209,10 +249,10 @@ def pipelined_scan(
     last = stage == stages - 1
     whole = jax.tree.map(lambda o: jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), PIPELINE), outputs)
     carry_out = jax.tree.map(lambda o: o.reshape(n_rows, *o.shape[2:]), whole)
-    return carry_out, _gather_outputs(per_tick, _combine_kinds(combine, per_tick), stage, split, chunk, n_layers)
+    return carry_out, _gather_outputs(per_tick, _combine_kinds(combine, per_tick), stage, split, per_stage, n_layers)
 
 
-def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit, chunk: int, n_layers: int):
+def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit, per_stage: int, n_layers: int):
     """The per-layer outputs of every stage's layers, ``[n_layers, ...]`` on every stage (in
     layer order), from this stage's per-tick outputs ``[ticks, chunk, ...]``: stage ``s`` did
     item ``i`` (:func:`interleaved_items`) at tick ``s + i``; padding layers' outputs zeroed and cut off."""
@@ -220,8 +260,9 @@ def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit
     item_batch, item_chunk = interleaved_items(stages, m, virtual)
     by_chunk = np.zeros((virtual, m), np.int64)  # [v, micro-batch] -> item
     by_chunk[item_chunk, item_batch] = np.arange(m * virtual)
-    layer = (np.arange(virtual)[:, None] * stages + stage) * chunk + np.arange(chunk)[None, :]  # [V, chunk]
-    real = layer < n_layers
+    chunk = chunk_size(per_stage, virtual)
+    layer = jnp.asarray(chunk_layers(stages, virtual, per_stage), jnp.int32)[stage]  # [V, chunk]
+    real = (layer >= 0) & (layer < n_layers)
     mine = jnp.arange(stages) == stage
 
     def one(y, kind):
@@ -239,7 +280,7 @@ def _gather_outputs(per_tick: PyTree, kinds: PyTree, stage, split: PipelineSplit
         # follows the stack must be.
         full = jnp.where(mine.reshape(1, -1, *(1,) * (y.ndim - 1)), y[:, None], jnp.zeros_like(y)[:, None])
         full = jax.lax.psum(full.reshape(virtual * stages * chunk, *y.shape[2:]), PIPELINE)
-        return full[:n_layers]
+        return in_layer_order(full, stages, virtual, per_stage, n_layers)
 
     return jax.tree.map(one, per_tick, kinds)
 

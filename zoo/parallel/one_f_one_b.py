@@ -67,7 +67,18 @@ from jaxtyping import Array, Float, PyTree
 
 from zoo.core.mesh import PIPELINE
 from zoo.errors import MeshError
-from zoo.hooks.pipeline import AtStack, StackCut, StackReached, interleaved_items, split_at_stack
+from zoo.hooks.pipeline import (
+    AtStack,
+    StackCut,
+    StackReached,
+    chunk_layers,
+    chunk_size,
+    in_layer_order,
+    interleaved_items,
+    split_at_stack,
+    virtual_fits,
+    virtual_options,
+)
 from zoo.hooks.step import PipelineSplit, varying_axes
 
 LossOf = Callable[[PyTree, PyTree], tuple[Float[Array, ""], Any]]
@@ -223,12 +234,14 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     head_vjp, head_back, head_layout = _kept_vjp(head, "the loss before its stack")
     again_rest = (True,) * len(rest_leaves)  # the parameters are given to the backward pass again
     per_stage = jax.tree.leaves(stacked)[0].shape[0]
-    if virtual > 1 and (m % stages or per_stage % virtual or at.pick is None):
+    if virtual > 1 and (m % stages or not virtual_fits(per_stage, virtual) or at.pick is None):
         raise MeshError(
             f"schedule='1f1b' with virtual_stages={virtual} (interleaved 1F1B) needs microbatches ({m}) a multiple of "
-            f"the {stages} stages and virtual_stages to divide each stage's {per_stage} layers"
+            f"the {stages} stages and each stage's {per_stage} layers in virtual_stages chunks, none empty "
+            f"(possible: {virtual_options(per_stage)})"
         )
-    chunk = per_stage // virtual
+    chunk = chunk_size(per_stage, virtual)
+    layer_at = jnp.asarray(chunk_layers(stages, virtual, per_stage), jnp.int32)  # [P, V, chunk]
     items = virtual * m  # (micro-batch, chunk) pairs a stage runs forward and backward
     fwd_mb, fwd_chunk, bwd_mb, bwd_chunk, bwd_item = (jnp.asarray(a, jnp.int32) for a in _orders(stages, m, virtual))
     # Per-layer outputs (router statistics): each stage's, for the layers it runs, wait from the
@@ -251,8 +264,9 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             if virtual == 1:
                 new, out = at.layer_fn(c, layer, r)
             else:
-                new, out = at.pick(c, (block, v * chunk + j), r)
-            real = (v * stages + stage) * chunk + j < at.n_layers
+                new, out = at.pick(c, (block, jnp.minimum(v * chunk + j, per_stage - 1)), r)
+            index = layer_at[stage, v, j]  # -1 past a short last chunk: skipped, as padding is
+            real = (index >= 0) & (index < at.n_layers)
             out = [jnp.where(real, o, jnp.zeros_like(o)) for o in jax.tree.leaves(out)]
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
@@ -274,7 +288,8 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             mine = next(outs) if jnp.issubdtype(shape.dtype, jnp.inexact) else next(counts)  # [V, chunk, ...]
             full = jnp.zeros((virtual, stages, *mine.shape[1:]), mine.dtype)
             full = jax.lax.dynamic_update_index_in_dim(_vary(full, varying_axes(mine)), mine, stage, 1)
-            full = jax.lax.psum(full, PIPELINE).reshape(virtual * stages * chunk, *mine.shape[2:])[: at.n_layers]
+            full = jax.lax.psum(full, PIPELINE).reshape(virtual * stages * chunk, *mine.shape[2:])
+            full = in_layer_order(full, stages, virtual, per_stage, at.n_layers)
             leaves_.append(full / m if kind == "mean" else full)
         return jax.tree.unflatten(out_def, leaves_)
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from zoo import lora, parallel
-from zoo.core.mesh import PIPELINE
+from zoo.core.mesh import PIPELINE, chunk_size, virtual_fits
 from zoo.core.params import path_name
 from zoo.errors import ConfigError
 from zoo.hardware import Hardware
@@ -217,7 +217,7 @@ class CostModel:
         one per tick; any other stack whole on ``b`` rows. Interleaved (``virtual`` chunks), a
         chunk of the stage on each of ``V·b + P - 1`` rows."""
         if self._pipelined(body):
-            return -(-body.layers // self.stages) // virtual, virtual * b + MICROBATCH_ROWS * (self.stages - 1)
+            return chunk_size(-(-body.layers // self.stages), virtual), virtual * b + MICROBATCH_ROWS * (self.stages - 1)
         return body.layers, b
 
     def virtual_stages(self, b: int) -> list[int]:
@@ -236,7 +236,7 @@ class CostModel:
             raise ConfigError(
                 f"virtual_stages={virtual} cannot run at {b} rows per device on pipeline={self.stages}: the "
                 f"interleaved schedule needs the micro-batches (here {self.microbatches(b)}, one row each) a "
-                f"multiple of the stages and virtual_stages dividing each stage's layers; possible here: "
+                f"multiple of the stages and each stage's layers in virtual_stages chunks, none empty; possible here: "
                 f"{self.virtual_stages(b)}"
             )
 
@@ -472,13 +472,14 @@ class CostModel:
 
 
 def virtual_choices(config: Any, stages: int, microbatches: int) -> list[int]:
-    """1 (GPipe), and each ``V > 1`` dividing every pipelined stack's layers per stage (padding
-    included; a stack of no layers, Qwen3-MoE's dense one where every layer is MoE, aside), where
-    the micro-batches are a multiple of the ``stages`` (:func:`zoo.pipeline.pipelined_scan`'s rules)."""
+    """1 (GPipe), and each ``V > 1`` that splits every pipelined stack's layers per stage
+    (padding included; a stack of no layers, Qwen3-MoE's dense one where every layer is MoE,
+    aside) into chunks, none empty (:func:`zoo.core.mesh.virtual_fits`: the last may be short),
+    where the micro-batches are a multiple of the ``stages`` (:func:`zoo.pipeline.pipelined_scan`'s rules)."""
     per_stage = [-(-n // stages) for n in pipelined_layers(config) if n > 0]
     if not per_stage or microbatches % stages:
         return [1]
-    return [v for v in range(1, min(per_stage) + 1) if all(n % v == 0 for n in per_stage)]
+    return [v for v in range(1, min(per_stage) + 1) if all(virtual_fits(n, v) for n in per_stage)]
 
 
 def _streamed(step: Step) -> tuple[float, float]:

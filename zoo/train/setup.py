@@ -238,8 +238,8 @@ def built_on_mesh(model: Any, resident_before: int | None) -> str:
 
 def check_model(model: Any, *, seq_len: int, placement: str | None, mesh: Any = None, virtual_stages: int = 1,
                 precision: str | None = None) -> None:  # fmt: skip
-    """``--seq-len`` within the model's positions, ``--virtual-stages`` chunks that divide each
-    pipeline stage's layers (and a layer pattern the family can pipeline so), and a
+    """``--seq-len`` within the model's positions, ``--virtual-stages`` chunks that split each
+    pipeline stage's layers (none empty) (and a layer pattern the family can pipeline so), and a
     ``--placement`` (name or map, not ``auto``) and ``--precision`` that fit the model, named
     before anything compiles or a run dir is written."""
     if seq_len > model.config.max_position_embeddings:
