@@ -148,7 +148,9 @@ def plan_mesh(
     verified = verify_offloads(probe.model, placement, seq_len) if verify and cm.can_offload else ()
     # The table's rows fit the budgets the plan was chosen within (less the margin): at the full
     # budgets a preset's larger batch showed faster than the plan and was never in reach.
-    candidates = _candidates(cm, fixed_b, *usable, best[:5])
+    # With the batch and the virtual stages both given, the presets' rows run that schedule too.
+    row_v = virtual_stages if virtual_stages is not None and fixed_b is not None else 1
+    candidates = _candidates(cm, fixed_b, *usable, best[:5], virtual=row_v)
     key = (_Where.of(placement), b, pm, om) + ((v,) if v != 1 else ())
     return Plan(
         placement=placement, batch_size=b * shards, param_memory=pm, opt_memory=om, step_time=t,
@@ -348,13 +350,13 @@ def _choose(cm: CostModel, fixed_b: int | None, device_budget: float, host_budge
     return best[1]
 
 
-def _candidates(cm: CostModel, fixed_b, device_budget, host_budget, chosen=None) -> tuple[Candidate, ...]:
+def _candidates(cm: CostModel, fixed_b, device_budget, host_budget, chosen=None, virtual: int = 1) -> tuple[Candidate, ...]:
     P = cm.map_cls
     rows: list[tuple[str, Any]] = [("no map", None), ("full remat", P.preset("remat"))]
     rows += [(f"preset {name}", P.preset(name)) for name in P.preset_names() if name != "remat"]
     out = []
     for label, m in rows:
-        out.append(_candidate(cm, label, m, fixed_b, device_budget, host_budget))
+        out.append(_candidate(cm, label, m, fixed_b, device_budget, host_budget, virtual))
     if chosen is None:
         return tuple(out)
     placement, b, pm, om, v = chosen
@@ -365,7 +367,9 @@ def _candidates(cm: CostModel, fixed_b, device_budget, host_budget, chosen=None)
     return tuple(out)
 
 
-def _candidate(cm: CostModel, label: str, m: Any, fixed_b, device_budget, host_budget) -> Candidate:
+def _candidate(cm: CostModel, label: str, m: Any, fixed_b, device_budget, host_budget, virtual: int = 1) -> Candidate:
+    """A map's row: its largest batch that fits (or the given one) at its best tree places, on
+    ``virtual`` stages (1: GPipe's order, or 1F1B's V = 1)."""
     best = None
     for pm in TREE_PLACES:
         for om in TREE_PLACES:
@@ -373,9 +377,9 @@ def _candidate(cm: CostModel, label: str, m: Any, fixed_b, device_budget, host_b
                 continue
             if m is not None and not cm.can_offload and m.placed("pinned_host"):
                 continue
-            b = _largest(cm, m, pm, om, fixed_b, device_budget, host_budget)
+            b = _largest(cm, m, pm, om, fixed_b, device_budget, host_budget, virtual)
             if b:
-                t, _ = cm.time(m, b, pm, om)
+                t, _ = cm.time(m, b, pm, om, virtual)
                 key = (b, -t)
                 if best is None or key > best[0]:
                     best = (key, b, pm, om)
@@ -385,14 +389,14 @@ def _candidate(cm: CostModel, label: str, m: Any, fixed_b, device_budget, host_b
     else:
         _, b, pm, om = best
         fits = b * cm.shards
-    t, flops = cm.time(m, b, pm, om)
-    d, h = cm.memory(m, b, pm, om)
-    return Candidate(label, m, pm, om, fits, d, h, t, flops / (t * cm.peak), b * cm.shards * cm.seq_len / t)
+    t, flops = cm.time(m, b, pm, om, virtual)
+    d, h = cm.memory(m, b, pm, om, virtual)
+    return Candidate(label, m, pm, om, fits, d, h, t, flops / (t * cm.peak), b * cm.shards * cm.seq_len / t, virtual)
 
 
-def _largest(cm, m, pm, om, fixed_b, device_budget, host_budget) -> int:
+def _largest(cm, m, pm, om, fixed_b, device_budget, host_budget, virtual: int = 1) -> int:
     if fixed_b is not None:
-        return fixed_b if _fits(cm, m, fixed_b, pm, om, device_budget, host_budget) else 0
+        return fixed_b if _fits(cm, m, fixed_b, pm, om, device_budget, host_budget, virtual) else 0
     if not _fits(cm, m, 1, pm, om, device_budget, host_budget):
         return 0
     lo, hi = 1, 2
