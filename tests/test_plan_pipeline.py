@@ -187,6 +187,11 @@ def test_the_plan_interleaves_where_it_helps_and_says_so():
     gpipe = next(c for c in p.candidates if c.label == "preset device")
     assert p.placement == gpipe.placement and gpipe.virtual_stages == 1 and p.candidates[-1].virtual_stages == 2
     assert p.step_time < 0.95 * gpipe.step_time and p.candidates[-1].device_bytes < gpipe.device_bytes
+    # Given the batch and V, the preset rows run that schedule too (they were priced on GPipe's
+    # order beside a plan on another, as --virtual-stages 4 showed for Megatron's DeepSeek-V3).
+    fixed = plan.plan(config("llama", "small"), virtual_stages=2, **kw)
+    assert {c.virtual_stages for c in fixed.candidates} == {2}
+    assert next(c for c in fixed.candidates if c.label == "preset device").step_time < 0.95 * gpipe.step_time
     # The plan's cost model (its temporaries a line through local batches 1 and 4; this one's, 1 and 2).
     cm = small("pipeline=2,data=4")
     assert cm.memory(p.placement, 4, "device", "device", 2)[0] == pytest.approx(p.candidates[-1].device_bytes, rel=1e-3)
