@@ -133,15 +133,15 @@ RUNS: tuple[Run, ...] = (
         "parallelism of -g (25.04.01: ici_fsdp 8, dcn_fsdp 16, per_device_batch_size 2)", HELD_OUT,
         note="the recipe page does not state remat_policy: MaxText's default, full; Llama 3 70B is Llama 3.1 "
         "70B's shape"),  # fmt: skip
-    # -- Megatron-Bridge, GB200: interleaved 1F1B pipelines, not zoo's all-in-flight schedules: not comparable
+    # -- Megatron-Bridge, GB200, BF16: interleaved 1F1B pipelines, which zoo runs too; listed only (see the notes)
     Run("DeepSeek-V3, 256 GB200 (PP 4)", "deepseek-v3-671b", "gb200", 256, "pipeline=4,expert=64", 16, 4096,
         "TP 1, PP 4, VP 4, EP 64, GBS 4096, MBS 1", None, 3139.0, _MBRIDGE, comparable=False,
-        note="pipeline schedule differs: interleaved 1F1B (VP 4, at most about PP micro-batches in flight) against "
-        "zoo's schedules (GPipe or interleaved: every micro-batch in flight)"),  # fmt: skip
+        note="GB200's efficiency is uncalibrated and the recompute policy is not published beside the figure; "
+        "priced in docs/planning.md on zoo's interleaved 1F1B (VP 4, chunks of 4, 4, 4, 3)"),  # fmt: skip
     Run("Qwen3 235B-A22B, 256 GB200 (PP 8)", "qwen3-235b-a22b", "gb200", 256, "pipeline=8,expert=32", 32, 4096,
         "TP 1, PP 8, VP 3, EP 32, GBS 8192, MBS 1", None, 4916.0, _MBRIDGE, comparable=False,
-        note="pipeline schedule differs: interleaved 1F1B (VP 3, at most about PP micro-batches in flight) against "
-        "zoo's schedules (GPipe or interleaved: every micro-batch in flight)"),  # fmt: skip
+        note="GB200's efficiency is uncalibrated and the recompute policy is not published beside the figure; "
+        "priced in docs/planning.md on zoo's interleaved 1F1B (VP 3)"),  # fmt: skip
     # -- Megatron-Bridge, GB200, FP8 (issue 40): listed with what keeps each from being predicted
     Run("Llama 3 70B, 64 GB200, FP8-CS", "llama3.1-70b", "gb200", 64, "fsdp=64", 4, 8192,
         "Megatron FSDP, MBS 2, GBS 256, FP8 current scaling, activations of 40 of the 80 layers offloaded to CPU",
