@@ -1,6 +1,6 @@
 """The 1F1B schedule against GPipe: XLA's compiled temporaries as the micro-batches grow.
 
-    python benchmarks/one_f_one_b.py [--seq 128] [--layers 8] [--micro 4,8,16] [--out FILE]
+    python benchmarks/one_f_one_b.py [--seq 128] [--layers 8] [--micro 4,8,16] [--out FILE] [--tpu-topology v5e:2x4]
 
 A Llama (``zoo.llama.preset("tiny")`` widened to d_model 128, MLP 384, ``--layers`` layers)
 on 8 simulated CPU devices, ``pipeline=4,data=2``, one row per micro-batch and device (the
@@ -13,6 +13,13 @@ update) under GPipe (the peer, measured in the same run) and 1F1B, their ratio, 
 planner's estimate of each (``zoo.plan.estimate``) against XLA's. Under GPipe a stage keeps all M
 micro-batches' saved tensors; under 1F1B at most 2P - 1 = 7, whatever M (beyond that, the
 micro-batches' own inputs: the stack's input and its cotangent, the RoPE tables, the ids).
+
+``--tpu-topology``: on a machine with a TPU, compile the same steps ahead of time for eight chips
+of that topology (``jax.experimental.topologies``, ``zoo.plan._step.Step.compile(...,
+devices)``; nothing runs). The figure is then XLA:TPU's ``peak_memory_in_bytes`` per chip, not its
+temporaries: XLA:TPU reports 0 bytes of temporaries for a GPipe step whose peak is 46 MB (its
+buffers for the loops' saved tensors are not among them), and the planner's columns compare its
+device estimate (separate device and host memories) with that peak.
 """
 
 from __future__ import annotations
@@ -28,14 +35,34 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--micro", default="4,8,16", help="micro-batch counts M, comma-separated")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    p.add_argument("--tpu-topology", default=None, help="compile for 8 chips of this TPU topology, e.g. v5e:2x4")
     args = p.parse_args(argv)
 
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
+    devices, where, unified = None, "8 CPU devices", True
+    if args.tpu_topology is None:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+    else:
+        from jax.experimental import topologies
+
+        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=args.tpu_topology).devices)
+        if len(devices) != 8:
+            raise SystemExit(f"--tpu-topology {args.tpu_topology}: {len(devices)} chips, the benchmark's mesh needs 8")
+        where, unified = f"8 chips of TPU {args.tpu_topology}, compiled ahead of time", False
     from zoo.llama import preset
     from zoo.plan import estimate, measure
+    from zoo.plan._step import make_step
+
+    def xla(**kw) -> float:
+        if devices is None:
+            return measure(config, **kw).temporaries
+        return make_step(config, **kw).compile(None, devices)[1].memory_analysis().peak_memory_in_bytes
+
+    def planned(**kw) -> float:
+        e = estimate(config, unified_memory=unified, **kw)
+        return e.temporaries if devices is None else e.device_bytes
 
     config = dataclasses.replace(preset("tiny"), hidden_size=128, intermediate_size=384, num_layers=args.layers)
     rows = []
@@ -46,13 +73,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for schedule in ("gpipe", "1f1b"):
                     kw = {"batch_size": 2 * m, "seq_len": args.seq, "mesh": "pipeline=4,data=2", "placement": placement,
                           "microbatches": m, "schedule": schedule, "virtual_stages": virtual}  # fmt: skip
-                    row[schedule] = measure(config, **kw).temporaries
-                    row[f"{schedule} planned"] = estimate(config, unified_memory=True, **kw).temporaries
+                    row[schedule], row[f"{schedule} planned"] = xla(**kw), planned(**kw)
                 rows.append(row)
                 print(row, flush=True)
     lines = [
-        (f"Llama d_model 128, {args.layers} layers, seq {args.seq}, pipeline=4,data=2 (8 CPU devices), one row per "
-         "micro-batch and device; XLA's compiled temporaries per device, KiB"),
+        (f"Llama d_model 128, {args.layers} layers, seq {args.seq}, pipeline=4,data=2 ({where}), one row per "
+         "micro-batch and device; " + ("XLA's compiled temporaries per device, KiB" if devices is None else
+                                         "XLA:TPU's peak memory per chip, KiB")),
         "",
         "| V | map | M | GPipe (peer) | 1F1B | 1F1B / GPipe | planner: GPipe / XLA | planner: 1F1B / XLA |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
@@ -230,21 +230,21 @@ class Step:
         """The step's jaxpr on the abstract mesh (per-device shapes inside ``shard_map``)."""
         return jax.make_jaxpr(self.function())(*self.arguments())
 
-    def compile(self, compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
-        """The step traced once on the devices present (a mesh of ``sizes`` over them) and
-        compiled: ``(jaxpr, compiled)``."""
-        fn, args = self._concrete()
+    def compile(self, compiler_options: Mapping[str, Any] | None = None,
+                devices: Sequence[Any] | None = None) -> tuple[Any, Any]:  # fmt: skip
+        """The step traced once on ``devices`` (default: the devices present; a mesh of
+        ``sizes`` over them) and compiled: ``(jaxpr, compiled)``. A TPU topology's devices
+        (``jax.experimental.topologies``) compile it ahead of time for chips not present."""
+        fn, args = self._concrete(list(jax.devices()) if devices is None else list(devices))
         traced = fn.trace(*args)
         return traced.jaxpr, traced.lower().compile(dict(compiler_options or {}))
 
-    def _concrete(self) -> tuple[Any, tuple[Any, ...]]:
+    def _concrete(self, devices: list[Any]) -> tuple[Any, tuple[Any, ...]]:
         n = self.devices
-        if n > len(jax.devices()):
-            raise MeshError(
-                f"mesh {mesh_spec(self.sizes)} has {n} devices; {len(jax.devices())} are present to compile for"
-            )
+        if n > len(devices):
+            raise MeshError(f"mesh {mesh_spec(self.sizes)} has {n} devices; {len(devices)} are present to compile for")
         if n > 1:
-            mesh = parallel.make_mesh(self.sizes, devices=jax.devices()[:n])
+            mesh = parallel.make_mesh(self.sizes, devices=devices[:n])
 
             def put(tree, kind):
                 specs = self.specs(tree)
@@ -256,7 +256,7 @@ class Step:
             batch = NamedSharding(mesh, PartitionSpec(None, self.axes if self.axes else None))
             index = NamedSharding(mesh, PartitionSpec())
         else:
-            mesh, device = None, jax.devices()[0]
+            mesh, device = None, devices[0]
 
             def put(tree, kind):
                 sharding = make_single_device_sharding(device, memory_kind=kind)
