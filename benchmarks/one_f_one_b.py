@@ -15,8 +15,8 @@ micro-batches' saved tensors; under 1F1B at most 2P - 1 = 7, whatever M (beyond 
 micro-batches' own inputs: the stack's input and its cotangent, the RoPE tables, the ids).
 
 ``--tpu-topology``: on a machine with a TPU, compile the same steps ahead of time for eight chips
-of that topology (``jax.experimental.topologies``, ``zoo.plan._step.Step.compile(...,
-devices)``; nothing runs). The figure is then XLA:TPU's ``peak_memory_in_bytes`` per chip, not its
+of that topology (``jax.experimental.topologies``, ``zoo.plan.measure(..., devices=...)``;
+nothing runs). The figure is then XLA:TPU's ``peak_memory_in_bytes`` per chip, not its
 temporaries: XLA:TPU reports 0 bytes of temporaries for a GPipe step whose peak is 46 MB (its
 buffers for the loops' saved tensors are not among them), and the planner's columns compare its
 device estimate (separate device and host memories) with that peak.
@@ -53,12 +53,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         where, unified = f"8 chips of TPU {args.tpu_topology}, compiled ahead of time", False
     from zoo.llama import preset
     from zoo.plan import estimate, measure
-    from zoo.plan._step import make_step
 
     def xla(**kw) -> float:
-        if devices is None:
-            return measure(config, **kw).temporaries
-        return make_step(config, **kw).compile(None, devices)[1].memory_analysis().peak_memory_in_bytes
+        got = measure(config, devices=devices, **kw)
+        return got.temporaries if devices is None else got.peak_bytes
 
     def planned(**kw) -> float:
         e = estimate(config, unified_memory=unified, **kw)

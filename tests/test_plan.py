@@ -167,9 +167,16 @@ def test_plan_fits_every_budget_between_full_remat_and_everything_on_device():
     full remat's; the table lists every candidate."""
     cfg = config("llama")
     kw = {"batch_size": 8, "seq_len": 128}
-    low = plan.measure(cfg, placement="remat", compiler_options=FAST, **kw).device_bytes
+    measured = plan.measure(cfg, placement="remat", compiler_options=FAST, **kw)
+    low = measured.device_bytes
     high = plan.measure(cfg, placement="device", compiler_options=FAST, **kw).device_bytes
     assert high > 1.3 * low
+    # Compiled for given devices (a TPU topology's, where the benchmarks compile ahead of time):
+    # here another CPU device, the same program; XLA's own peak comes with it.
+    there = plan.measure(cfg, placement="remat", compiler_options=FAST, devices=jax.devices()[3:], **kw)
+    assert there.device_bytes == low and there.peak_bytes == measured.peak_bytes > 0
+    with pytest.raises(MeshError, match=r"mesh fsdp=8 has 8 devices; 4 are present to compile for"):
+        plan.measure(cfg, placement="remat", mesh="fsdp=8", devices=jax.devices()[:4], **kw)
     for frac in (0.25, 0.75):
         budget = low + frac * (high - low)
         p = plan.plan(cfg, device_budget=budget, hardware="cpu", **kw)

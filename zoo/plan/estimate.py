@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Unpack
 
@@ -58,6 +58,10 @@ class Estimate:
     update: int = 0
     # A measurement's estimate of the same traced program (None for an estimate).
     predicted: Estimate | None = None
+    # A measurement's ``peak_memory_in_bytes`` per device, XLA's own (0 for an estimate). On
+    # XLA:TPU it is the figure to read: its temporaries leave out buffers the peak holds (0 bytes
+    # for a pipelined step whose peak is 46 MB: benchmarks/one_f_one_b.py).
+    peak_bytes: int = 0
 
     @property
     def residual_device(self) -> int:
@@ -221,25 +225,26 @@ def estimate(
 
 def measure(
     model_or_config: Any, *, batch_size: int, seq_len: int, compiler_options: Mapping[str, Any] | None = None,
-    **options: Unpack[StepOptions],
+    devices: Sequence[Any] | None = None, **options: Unpack[StepOptions],
 ) -> Estimate:
     """The same figures from XLA: the step compiled on the devices present (the mesh must fit
-    them), its ``memory_analysis()`` per device: arguments + outputs + temporaries - aliases,
-    device and host. Nothing is run.
+    them; ``devices``: these instead, e.g. a TPU topology's, ``jax.experimental.topologies``, for
+    chips that are not present), its ``memory_analysis()`` per device: arguments + outputs +
+    temporaries - aliases, device and host, and XLA's own peak (``peak_bytes``). Nothing is run.
 
     What XLA:CPU counts: one memory (``unified``); offloaded residuals and parameters in
     pinned host memory are among the device figures, and no host figure is reported. The
     residual and layer parts are the estimate's (XLA reports totals only), and ``predicted`` is
     the whole estimate of the same traced program (``unified`` on CPU)."""
     step = make_step(model_or_config, batch_size=batch_size, seq_len=seq_len, **options)
-    jaxpr, compiled = step.compile(compiler_options)
+    jaxpr, compiled = step.compile(compiler_options, devices)
     m = compiled.memory_analysis()
     device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     host = (
         m.host_argument_size_in_bytes + m.host_output_size_in_bytes + m.host_temp_size_in_bytes
         - m.host_alias_size_in_bytes
     )  # fmt: skip
-    platform = jax.devices()[0].platform
+    platform = (jax.devices() if devices is None else devices)[0].platform
     est = _from_step(step, unified=platform == "cpu", jaxpr=jaxpr)
     notes = [f"XLA:{platform.upper()} memory_analysis of the compiled step"]
     if platform == "cpu":
@@ -253,4 +258,5 @@ def measure(
         source="measure",
         notes=tuple(notes),
         predicted=est,
+        peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
     )
