@@ -17,7 +17,7 @@ micro-batches' own inputs: the stack's input and its cotangent, the RoPE tables,
 ``--tpu-topology``: on a machine with a TPU, compile the same steps ahead of time for eight chips
 of that topology (``jax.experimental.topologies``, ``zoo.plan.measure(..., devices=...)``;
 nothing runs). The figure is then XLA:TPU's ``peak_memory_in_bytes`` per chip, not its
-temporaries: XLA:TPU reports 0 bytes of temporaries for a GPipe step whose peak is 46 MB (its
+temporaries: XLA:TPU reports 0 bytes of temporaries for a GPipe step whose peak is 45.8 MiB (its
 buffers for the loops' saved tensors are not among them), and the planner's columns compare its
 device estimate (separate device and host memories) with that peak.
 """

@@ -60,7 +60,7 @@ class Estimate:
     predicted: Estimate | None = None
     # A measurement's ``peak_memory_in_bytes`` per device, XLA's own (0 for an estimate). On
     # XLA:TPU it is the figure to read: its temporaries leave out buffers the peak holds (0 bytes
-    # for a pipelined step whose peak is 46 MB: benchmarks/one_f_one_b.py).
+    # for a pipelined step whose peak is 45.8 MiB: benchmarks/one_f_one_b.py).
     peak_bytes: int = 0
 
     @property
