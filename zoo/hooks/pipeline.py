@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, PyTree, Shaped
+from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from zoo.core.mesh import PIPELINE, chunk_size, virtual_fits, virtual_options
 from zoo.errors import MeshError
@@ -63,6 +63,15 @@ def chunk_layers(stages: int, virtual: int, per_stage: int) -> Int[np.ndarray, "
     held = np.broadcast_to(held[:, None, :], (virtual, stages, c)).ravel()  # ring order: [V, P, c]
     layer = np.where(held, np.cumsum(held) - 1, -1)
     return layer.reshape(virtual, stages, c).transpose(1, 0, 2)
+
+
+def chunk_place(layer_at: Int[Array, "P V c"], per_stage: int, n_layers: int, stage: Int[Array, ""],
+                v: Int[Array, ""], j: Int[Array, ""]) -> tuple[Int[Array, ""], Bool[Array, ""]]:  # fmt: skip
+    """Place ``j`` of this stage's chunk ``v``: its position in the stage's stored block (the
+    last one past a short chunk's end, whose result the caller discards) and whether it is a
+    real layer (not padding, not past the chunk's end); ``layer_at``: :func:`chunk_layers`."""
+    index = layer_at[stage, v, j]
+    return jnp.minimum(v * layer_at.shape[2] + j, per_stage - 1), (index >= 0) & (index < n_layers)
 
 
 def chunk_positions(stages: int, virtual: int, per_stage: int, n_layers: int) -> Int[np.ndarray, " n"]:
@@ -203,16 +212,14 @@ def pipelined_scan(
 
         def one(c, layer_j):
             layer, j = layer_j
+            at, real = chunk_place(layer_at, per_stage, n_layers, stage, v, j)
             if virtual == 1:
                 new, out = layer_fn(c, layer, r)
             elif pick is not None:
-                new, out = pick(c, (stacked, jnp.minimum(v * chunk + j, per_stage - 1)), r)
+                new, out = pick(c, (stacked, at), r)
             else:
-                at = jnp.minimum(v * chunk + j, per_stage - 1)  # past a short last chunk: skipped below
                 layer = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), stacked)
                 new, out = layer_fn(c, layer, r)
-            index = layer_at[stage, v, j]
-            real = (index >= 0) & (index < n_layers)
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
         return jax.lax.scan(one, c, (stacked if virtual == 1 else None, jnp.arange(chunk)))

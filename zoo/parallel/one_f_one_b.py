@@ -72,6 +72,7 @@ from zoo.hooks.pipeline import (
     StackCut,
     StackReached,
     chunk_layers,
+    chunk_place,
     chunk_size,
     in_layer_order,
     interleaved_items,
@@ -261,12 +262,11 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
 
         def one(c, layer_j):
             layer, j = layer_j
+            place, real = chunk_place(layer_at, per_stage, at.n_layers, stage, v, j)  # past a short chunk: skipped
             if virtual == 1:
                 new, out = at.layer_fn(c, layer, r)
             else:
-                new, out = at.pick(c, (block, jnp.minimum(v * chunk + j, per_stage - 1)), r)
-            index = layer_at[stage, v, j]  # -1 past a short last chunk: skipped, as padding is
-            real = (index >= 0) & (index < at.n_layers)
+                new, out = at.pick(c, (block, place), r)
             out = [jnp.where(real, o, jnp.zeros_like(o)) for o in jax.tree.leaves(out)]
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 

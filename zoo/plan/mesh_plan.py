@@ -397,14 +397,14 @@ def _candidate(cm: CostModel, label: str, m: Any, fixed_b, device_budget, host_b
 def _largest(cm, m, pm, om, fixed_b, device_budget, host_budget, virtual: int = 1) -> int:
     if fixed_b is not None:
         return fixed_b if _fits(cm, m, fixed_b, pm, om, device_budget, host_budget, virtual) else 0
-    if not _fits(cm, m, 1, pm, om, device_budget, host_budget):
+    if not _fits(cm, m, 1, pm, om, device_budget, host_budget, virtual):
         return 0
     lo, hi = 1, 2
-    while _fits(cm, m, hi, pm, om, device_budget, host_budget) and hi < 1 << 20:
+    while _fits(cm, m, hi, pm, om, device_budget, host_budget, virtual) and hi < 1 << 20:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fits(cm, m, mid, pm, om, device_budget, host_budget) else (lo, mid)
+        lo, hi = (mid, hi) if _fits(cm, m, mid, pm, om, device_budget, host_budget, virtual) else (lo, mid)
     return lo
 
 
