@@ -29,6 +29,7 @@ from zoo.core.registry import family_of
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.safetensors import SafetensorsFile
 from zoo.lora import int8
+from zoo.lora.quantized import QuantizedWeight
 
 ADAPTERS = {
     "llama3_1-tiny-lora": "llama3_1-tiny",
@@ -305,8 +306,8 @@ def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
 # LoRA under zoo.parallel's step, against one device: every kind of split of the weights an
 # adapter updates (FSDP's and the tensor split's blocks, stages, experts over the expert group,
 # a pipelined stack padded to the stages), each device merging its block of the update; QLoRA's
-# quantized base (its codes split as the weight's stacked letters, each device dequantizing a
-# layer's and taking its block).
+# quantized base (its codes split as the weight's stacked letters and over the rest of the mesh
+# on their own dimension, each device gathering a layer's, dequantizing and taking its block).
 MESH_CASES = [
     ("llama", "fsdp=4,tensor=2", {}, None),
     ("llama", "pipeline=2,fsdp=2,tensor=2", {"microbatches": 4, "schedule": "1f1b"}, "nf4"),
@@ -352,9 +353,13 @@ def test_lora_on_a_mesh_equals_one_device(name, spec, options, quantized):
     loss, grads = parallel.value_and_grad(loss_fn, mesh, frozen="none", **options)(placed, ids)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     assert jax.tree.leaves(grads.base) == []  # frozen: not differentiated
-    if quantized:  # the routed experts' codes split over the expert group as their weights are
-        codes = jax.tree.leaves(placed.base.moe_layers.moe.w_up if name == "deepseek_v3" else placed.base.layers.mlp.w_up)
-        assert codes[0].sharding.spec[:2] == (("pipeline", None) if stages > 1 else (None, "expert"))
+    if quantized:  # the codes split as their weights' stacked letters are, and over the rest of the mesh on their own
+        codes = placed.base.moe_layers.moe.w_up if name == "deepseek_v3" else placed.base.layers.mlp.w_up
+        assert codes.codes.sharding.spec[:2] == (None, "expert") if name == "deepseek_v3" else ("pipeline", ("fsdp", "tensor"))
+        for weight in jax.tree.leaves(placed.base, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+            if isinstance(weight, QuantizedWeight):  # each device holds 1/8 of every weight's codes
+                bulk = getattr(weight, next(iter(weight.split)))
+                assert bulk.addressable_shards[0].data.nbytes * mesh.size == bulk.nbytes, weight.param.hf
     grads = parallel.unpad(grads)
     for path in model.adapters:
         for got, ref in ((grads.adapters[path].a, want.adapters[path].a), (grads.adapters[path].b, want.adapters[path].b)):

@@ -22,7 +22,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from zoo.core.mesh import AXES, PIPELINE, AnyMesh, axis_names, axis_size, virtual_fits, virtual_options
 from zoo.core.params import Param, flatten, init_with_stacks, is_array, is_deferred, map_params, path_name
-from zoo.core.protocol import Wrapper
+from zoo.core.protocol import AxisRule, Wrapper
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 
@@ -51,8 +51,22 @@ def rules_of(obj: Any) -> Mapping[str, Any]:
     return type(config).axis_rules
 
 
+# The letter of a quantized weight's codes (zoo.lora's QLoRA base): one dimension of their own,
+# not the weight's letters, stored split over every axis that can split a weight's features,
+# each where it still divides them (as optional axes join), and gathered whole where a layer is
+# dequantized: the frozen base is held a block a device, as FSDP holds a trained one.
+CODES = "codes"
+CODES_RULE = AxisRule(mesh_axis=("fsdp", "expert", "tensor"), field="quantized codes",
+                      optional=("fsdp", "expert", "tensor"))  # fmt: skip
+
+
+def _rule(letter: str, rules: Mapping[str, Any]) -> Any:
+    """The layout rule of ``letter``: the family's, or the codes' shared one."""
+    return rules.get(letter, CODES_RULE if letter == CODES else None)
+
+
 def _mesh_axis(param, letter: str, rules: Mapping[str, Any]) -> tuple[str, ...]:
-    rule = rules.get(letter)
+    rule = _rule(letter, rules)
     if rule is None or (rule.stored_apart_only and letter not in param.stacked):
         return ()
     return axis_names(rule.mesh_axis)
@@ -73,10 +87,12 @@ def param_axes(param, mesh: AnyMesh | None = None, *, rules: Mapping[str, Any], 
     """
     out: list[str | tuple[str, ...] | None] = []
     used: set[str] = set()
+    if param.own_sizes:
+        sizes = {**(sizes or {}), **dict(param.own_sizes)}
     for letter in param.names:
         axes = tuple(a for a in _mesh_axis(param, letter, rules)
                      if a not in used and (mesh is None or axis_size(mesh, a) > 1))  # fmt: skip
-        optional = set(rules[letter].optional) & set(axes) if axes else set()
+        optional = set(_rule(letter, rules).optional) & set(axes) if axes else set()
         if mesh is not None and optional:
             if sizes is None:
                 raise TypeError(f"param_axes: the rule of {letter!r} splits it over {sorted(optional)} only where "
@@ -99,7 +115,7 @@ def gather_axes(param, axes: tuple[str | tuple[str, ...] | None, ...], *, rules:
     stage-split dimensions stay split."""
     out = []
     for letter, entry in zip(param.names, axes):
-        rule = rules.get(letter)
+        rule = _rule(letter, rules)
         gathered = {"fsdp", *(rule.optional if rule is not None else ())}
         out.append(tuple(a for a in axis_names(entry) if a in gathered))
     return tuple(out)

@@ -46,6 +46,8 @@ class Param:
     hf_index: for a stacked axis whose entries are not stored in a run (Qwen3's dense layers
         interleaved with MoE ones), ``((letter, stored indices), ...)``: entry ``i`` of the
         stack is stored under index ``stored[i]`` in the key.
+    own_sizes: ``((letter, size), ...)`` of letters the config does not size (a quantized
+        weight's codes, :data:`zoo.core.layout.CODES`), where the layout needs their size.
     """
 
     axes: str
@@ -54,6 +56,7 @@ class Param:
     init: Init = "normal"
     trainable: bool = True
     hf_index: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    own_sizes: tuple[tuple[str, int], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:

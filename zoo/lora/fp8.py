@@ -82,6 +82,7 @@ class FP8Weight(QuantizedWeight):
     scale_inv: Float32[Array, "*S p q"]
     block: tuple[int, int] = eqx.field(static=True, default=BLOCK)
     format: ClassVar[str] = "fp8"
+    split: ClassVar = {"codes": (2, lambda out, _: out)}  # split by rows
 
     def stored_values(self) -> Float32[Array, "*S v"]:
         return dequantize(self.codes, self.scale_inv, self.block)

@@ -57,6 +57,7 @@ class Int8Weight(QuantizedWeight):
     codes: Int8[Array, "*S o i"]
     stats: Float32[Array, "*S o"]
     format: ClassVar[str] = "int8"
+    split: ClassVar = {"codes": (2, lambda out, _: out)}  # split by rows
 
     def stored_values(self) -> Float32[Array, "*S v"]:
         return dequantize(self.codes, self.stats)

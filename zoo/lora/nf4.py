@@ -124,6 +124,7 @@ class NF4Weight(QuantizedWeight):
     absmax2: Float32[Array, "*S c"]
     offset: Float32[Array, "*S"]
     format: ClassVar[str] = "nf4"
+    split: ClassVar = {"packed": (1, lambda out, in_: out * in_ // 2)}  # two values a byte
 
     def stored_values(self) -> Float32[Array, "*S v"]:
         return dequantize(self.packed, self.absmax, self.absmax2, self.offset)

@@ -21,25 +21,31 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Float32
 
-from zoo.core.layout import is_layer_stack, param_axes
+from zoo.core.layout import CODES, is_layer_stack, param_axes
 from zoo.core.mesh import axis_names
+from zoo.core.named import named
 from zoo.core.params import Deferred, Param, map_params
 from zoo.core.protocol import CausalLM
 from zoo.core.registry import family_of
 from zoo.hf.load import from_pretrained
-from zoo.hooks.step import block_of, current_step
+from zoo.hooks.step import GATHERED, block_of, current_step
 from zoo.lora.adapter import linear_weights, module_of, on_device
 
 
 class QuantizedWeight(Deferred):
     """A layer stack's frozen linear weight in a quantized format: its arrays (codes and
     scales, stacked as the weight is) and what lays the dequantized values out as the family
-    holds the weight. A format implements :meth:`stored_values`."""
+    holds the weight. A format implements :meth:`stored_values`, and names in :attr:`split` its
+    bulk, the codes: stored split over the mesh (:data:`zoo.core.layout.CODES`) and gathered a
+    layer at a time."""
 
     param: Param = eqx.field(static=True)  # the weight's description (its layout and checkpoint letters)
     sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)  # the config's dimension sizes
     dtype: str = eqx.field(static=True)  # the weight's dtype, dequantized
     format: ClassVar[str]
+    # field -> (its dimensions past the stacked ones, the first's size for one stored [out, in]
+    # matrix): the field is split over the mesh on that first dimension, where it divides.
+    split: ClassVar[Mapping[str, tuple[int, Callable[[int, int], int]]]] = {}
 
     def stored_values(self) -> Float32[Array, "*S v"]:
         """The dequantized values of each stored matrix, row-major, stacked axes first."""
@@ -47,9 +53,10 @@ class QuantizedWeight(Deferred):
 
     def value(self) -> Float[Array, "*dims"]:
         """One layer's weight (the layer axis gone; any view's leading axes kept); inside the
-        parallel step, the block of it this device holds (the codes are split over the mesh
-        as the weight's stacked letters are, and held whole otherwise)."""
-        flat = jax.lax.stop_gradient(on_device(self)).stored_values()
+        parallel step, the block of it this device holds (the codes are split over the mesh as
+        the weight's stacked letters are and, on their own dimension, over the axes that split
+        the weight's features: gathered whole here, then dequantized)."""
+        flat = self._gathered(jax.lax.stop_gradient(on_device(self))).stored_values()
         sizes, p = dict(self.sizes), self.param
         names = p.names[1:]
         stacked = [a for a in p.stacked if a in names]
@@ -63,14 +70,37 @@ class QuantizedWeight(Deferred):
     def field_params(self) -> dict[str, Param]:
         """Frozen, and not in checkpoints (a quantized base is made from one): laid out on a mesh
         by the weight's stacked letters (its checkpoint key's, here with the field's name), the
-        rest of each array whole."""
-        p, out = self.param, {}
-        s = " ".join(p.stacked)
+        codes (:attr:`split`) on :data:`~zoo.core.layout.CODES` too, the rest of each array whole."""
+        out = {}
         for f in (f.name for f in dataclasses.fields(self) if not f.metadata.get("static")):
-            inner = max(np.ndim(getattr(self, f)) - len(p.stacked), 0)  # (a planner's skeleton: scalars)
-            out[f] = Param(axes=" ".join([s, *(f"{f}{i}" for i in range(inner))]).strip(),
-                           hf=f"{p.hf[: -len('.weight')]}.{f}", init="zeros", trainable=False)  # fmt: skip
+            inner = max(np.ndim(getattr(self, f)) - len(self.param.stacked), 0)  # (a planner's skeleton: scalars)
+            out[f] = self._field_param(f, inner)
         return out
+
+    def _field_param(self, f: str, inner: int) -> Param:
+        p = self.param
+        letters = [f"{f}{i}" for i in range(inner)]
+        own: tuple[tuple[str, int], ...] = ()
+        if f in self.split and inner == self.split[f][0]:
+            letters[0] = CODES
+            own = ((CODES, self.split[f][1](*p.hf_shape(dict(self.sizes)))),)
+        return Param(axes=" ".join([*p.stacked, *letters]), hf=f"{p.hf[: -len('.weight')]}.{f}", init="zeros",
+                     trainable=False, own_sizes=own)  # fmt: skip
+
+    def _gathered(self, held: QuantizedWeight) -> QuantizedWeight:
+        """``held`` (this layer's slice), inside the parallel step with its codes gathered whole
+        from the devices that split them (never saved for the backward pass: gathered again)."""
+        step = current_step()
+        if step is None:
+            return held
+        for f, (inner, _) in self.split.items():
+            p = self._field_param(f, inner)
+            axes = axis_names(param_axes(p, step.mesh, rules=step.rules, sizes=dict(self.sizes))[len(p.stacked)])
+            if axes:
+                x = getattr(held, f)
+                whole = named(GATHERED, jax.lax.all_gather, x, axes, axis=x.ndim - inner, tiled=True)
+                held = dataclasses.replace(held, **{f: whole})
+        return held
 
 
 # A format: (quantize one stored matrix [out, in] -> its arrays, the arrays' shapes and dtypes
