@@ -319,8 +319,9 @@ MESH_CASES = [
 @pytest.mark.parametrize("name, spec, options, quantized", MESH_CASES,
                          ids=[f"{n}-{s}{'-' + q if q else ''}" for n, s, _, q in MESH_CASES])  # fmt: skip
 def test_lora_on_a_mesh_equals_one_device(name, spec, options, quantized):
-    """Issue 41 ("works under every mesh"): the adapters laid out by their weight's stacked
-    letters (layers over stages, experts over the expert group), whole otherwise; the step's
+    """Issue 41 ("works under every mesh"): the adapters laid out as their weight is (layers
+    over stages, experts over the expert group, a feature of one letter as the weight splits
+    it: one device's block, gathered where the step uses the weight whole); the step's
     loss and adapter gradients equal one device's, and the frozen base gets no gradient."""
     from zoo import parallel
     from zoo.lora import formats
@@ -350,6 +351,10 @@ def test_lora_on_a_mesh_equals_one_device(name, spec, options, quantized):
             assert adapter.a.sharding.spec[0] == ("pipeline" if stages > 1 else None), path
         if ".moe.w_" in path and mesh.shape["expert"] > 1:  # routed experts' over the expert group
             assert adapter.a.sharding.spec[1 if stack else 0] == "expert", path
+    if spec == "fsdp=4,tensor=2":  # a feature of one letter split as the weight splits it (FSDP's D, the tensor split's F)
+        mlp = placed.adapters["layers.mlp.w_down"]
+        assert (placed.adapters["layers.attn.wq"].a.sharding.spec[-1], mlp.a.sharding.spec[-1], mlp.b.sharding.spec[-2]) \
+            == ("fsdp", "tensor", "fsdp")
     loss, grads = parallel.value_and_grad(loss_fn, mesh, frozen="none", **options)(placed, ids)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     assert jax.tree.leaves(grads.base) == []  # frozen: not differentiated

@@ -152,6 +152,44 @@ class Adapter(eqx.Module):
     b: Float[Array, "*S o r"]
 
 
+def adapter_params(p: Param) -> tuple[Param, Param]:
+    """The descriptions of the adapter of weight ``p``: ``A [*stacked, r, i]`` and ``B
+    [*stacked, o, r]`` under PEFT's keys. Laid out on a mesh as the weight is: by its stacked
+    letters, and where its in (out) features are one letter of its own (``D``, ``F``), ``A``'s
+    ``i`` (``B``'s ``o``) is that letter, split as the weight splits it (FSDP's and the tensor
+    split's blocks); ``r``, and features of several letters (``(H K)``), whole."""
+    out_group, in_group = p.hf_groups()
+    stacked, module = " ".join(p.stacked), module_of(p)
+    i = in_group[0] if len(in_group) == 1 else "i"
+    o = out_group[0] if len(out_group) == 1 else "o"
+    return (Param(axes=f"{stacked} r {i}".strip(), hf=peft_key(module, "A")),
+            Param(axes=f"{stacked} {o} r".strip(), hf=peft_key(module, "B")))  # fmt: skip
+
+
+def _held(p: Param, sizes: Mapping[str, int]) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """Inside the parallel step, per letter of ``p``'s in (out) features, the mesh axes whose
+    block of it this device's ``A`` (``B``) holds (:func:`adapter_params`); empty elsewhere."""
+    step = current_step()
+    if step is None:
+        return {}, {}
+    held = []
+    for q, at in zip(adapter_params(p), (-1, -2)):
+        letter = q.names[at]
+        axes = axis_names(param_axes(q, step.mesh, rules=step.rules, sizes=sizes)[at])
+        held.append({letter: axes} if axes else {})
+    return held[0], held[1]
+
+
+def _as_block(x: Float[Array, "..."], dim: int, held: tuple[str, ...], want: tuple[str, ...]) -> Float[Array, "..."]:
+    """``x`` holding on ``dim`` its block over mesh axes ``held`` -> its block over ``want``
+    (as it is where they are the same: the layer scan's weights and adapters)."""
+    if held == want:
+        return x
+    if held:
+        x = jax.lax.all_gather(x, held, axis=dim, tiled=True)
+    return block_of(x, dim, want)
+
+
 def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, lead: tuple[int, ...] | None = None,
           split: Mapping[str, tuple[str, ...]] | None = None) -> Float[Array, "*dims"]:  # fmt: skip
     """``scale · B A`` in the family's layout of ``p`` (its axes, stacked ones included), float32.
@@ -161,14 +199,15 @@ def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, le
     parallel step): the block this device holds, from those blocks of ``B`` and ``A``."""
     out_group, in_group = p.hf_groups()
     split = split or {}
+    held_a, held_b = _held(p, sizes)  # (a feature of one letter: the adapter's block of it, as laid out)
     b, a = adapter.b.astype(jnp.float32), adapter.a.astype(jnp.float32)
-    b = b.reshape(*b.shape[:-2], *(sizes[x] for x in out_group), b.shape[-1])
-    a = a.reshape(*a.shape[:-1], *(sizes[x] for x in in_group))
+    b = b.reshape(*b.shape[:-2], *(sizes[x] for x in out_group), b.shape[-1]) if len(out_group) > 1 else b
+    a = a.reshape(*a.shape[:-1], *(sizes[x] for x in in_group)) if len(in_group) > 1 else a
     n = a.ndim - 1 - len(in_group)  # leading (stacked) dimensions
     for j, x in enumerate(out_group):
-        b = block_of(b, n + j, split.get(x, ()))
+        b = _as_block(b, n + j, held_b.get(x, ()), split.get(x, ()))
     for j, x in enumerate(in_group):
-        a = block_of(a, n + 1 + j, split.get(x, ()))
+        a = _as_block(a, n + 1 + j, held_a.get(x, ()), split.get(x, ()))
     no, ni, r = len(out_group), len(in_group), n + len(out_group) + len(in_group)
     d = scale * jnp.einsum(b, [*range(n + no), r], a, [*range(n), r, *range(n + no, n + no + ni)],
                            [*range(n + no + ni)], precision=jax.lax.Precision.HIGHEST)  # fmt: skip
@@ -412,10 +451,8 @@ def param_specs(model: LoraModel) -> dict[str, Param]:
     ``adapters.['<path>'].a``): the base's parameters ``trainable=False`` (no gradient, no
     optimizer state), the adapters' trainable weight matrices (``init="normal"``: decayed as
     weight matrices are; :func:`init` makes them, not ``init_params``), under PEFT's keys
-    (:mod:`zoo.lora.peft` writes them): laid out on a mesh by their weight's stacked letters (a
-    layer stack's ``L``, the experts' ``E``), their own ``r``, ``i``, ``o`` (rank, in and out
-    features) kept whole. A weight
-    the base holds as what computes it (QLoRA's NF4 codes and scales: :mod:`zoo.lora.nf4`) is
+    (:mod:`zoo.lora.peft` writes them), laid out on a mesh as their weight is
+    (:func:`adapter_params`). A weight the base holds as what computes it (QLoRA's NF4 codes and scales: :mod:`zoo.lora.nf4`) is
     described by its fields' frozen parameters (``base.<path>.packed``, ...)."""
     base = family_of(model.base).param_specs(model.base.config)
     held = jax.tree_util.tree_flatten_with_path(model.base, is_leaf=is_deferred)[0]
@@ -427,9 +464,8 @@ def param_specs(model: LoraModel) -> dict[str, Param]:
         else:
             out[f"base.{k}"] = dataclasses.replace(p, trainable=False)
     for name in model.adapters:
-        stacked, module = " ".join(base[name].stacked), module_of(base[name])
-        out[f"adapters.{jax.tree_util.DictKey(name)}.a"] = Param(axes=f"{stacked} r i".strip(), hf=peft_key(module, "A"))
-        out[f"adapters.{jax.tree_util.DictKey(name)}.b"] = Param(axes=f"{stacked} o r".strip(), hf=peft_key(module, "B"))
+        a, b = adapter_params(base[name])
+        out[f"adapters.{jax.tree_util.DictKey(name)}.a"], out[f"adapters.{jax.tree_util.DictKey(name)}.b"] = a, b
     return out
 
 
@@ -444,10 +480,11 @@ def check_trainable(model: Any, *, mesh: Any = None) -> None:
     """Refuse what zoo.train cannot honour yet: a model with quantized weights but no adapters
     (its base is frozen: only adapters train on it), LoRA dropout (the adapters are merged into
     the weights, so there is no adapter input of its own to drop), and an adapted or quantized
-    weight that the mesh pads. Adapters train on any mesh: laid out by their weight's stacked
-    letters (layers over ``pipeline``, experts over ``expert``), whole otherwise, each device
-    merging the block of the update its weight's block needs; a quantized base's codes likewise,
-    each device dequantizing a layer's and taking its block. A placement map places the
+    weight that the mesh pads. Adapters train on any mesh: laid out as their weight is (layers
+    over ``pipeline``, experts over ``expert``, a feature of one letter as the weight splits
+    it: :func:`adapter_params`), each device merging the block of the update its weight's block
+    needs; a quantized base's codes split over the mesh, each device gathering a layer's,
+    dequantizing it and taking its block. A placement map places the
     base model's named tensors; host memory holds the whole tree (base, quantized codes too,
     adapters and their moments) between steps."""
     if isinstance(model, LoraConfig):  # its first argument was the config until 2026-12-05
