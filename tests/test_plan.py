@@ -137,6 +137,7 @@ def test_a_lora_step_is_estimated_within_10_percent_of_xla():
     assert abs(est.device_bytes / got.device_bytes - 1) <= TOLERANCE, (est.device_bytes, got.device_bytes)
     adapters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.adapters))
     assert est.optimizer == pytest.approx(2 * adapters, abs=64)  # Adam's two moments, adapters only
+    assert est.gradients == adapters  # the frozen base gets none (the table said all parameters' until 2026-12-07)
     # On a mesh (as training runs it): the base split over fsdp, and each adapter as its weight:
     # the side whose features are the model width D (A's in, B's out) split over fsdp, the
     # other (heads x head size, the MLP's hidden units: tensor's) whole; their moments the same.
@@ -148,6 +149,7 @@ def test_a_lora_step_is_estimated_within_10_percent_of_xla():
     assert mine < 0.7 * adapters  # (was all of them before 2026-12-07)
     assert split.params == base_bytes // 8 + mine
     assert split.optimizer == pytest.approx(2 * mine, abs=64)
+    assert split.gradients == mine
 
 
 def test_estimate_is_abstract_and_splits_the_model():

@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, m
 
 from zoo import lora, parallel, train
 from zoo.core.layout import is_laid_out, model_specs
-from zoo.core.params import is_param, path_name
+from zoo.core.params import is_param, map_params, path_name
 from zoo.core.registry import family_of, is_model
 from zoo.errors import ConfigError, MeshError
 from zoo.layers import precision as zoo_precision
@@ -198,6 +198,16 @@ class Step:
         leaves = jax.tree.leaves(tree, is_leaf=_is_sds)
         specs = jax.tree.leaves(self.specs(tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
         return sum(_nbytes(x) // self.divisor(s) for x, s in zip(leaves, specs))
+
+    def gradient_bytes(self) -> int:
+        """Bytes one device holds of the step's gradients: one per trainable parameter (a frozen
+        base, LoRA's or QLoRA's, gets none)."""
+
+        def trained(m: Any) -> Any:
+            specs = model_specs(m)
+            return map_params(lambda path, x: x if path in specs and specs[path].trainable else None, m)
+
+        return self.per_device(jax.tree.map(lambda x: trained(x) if is_laid_out(x) else x, self.params, is_leaf=is_laid_out))
 
     def arguments(self) -> tuple[Any, ...]:
         return (self.params, self.opt, SDS((1, self.batch_size, self.seq_len), jnp.int32), SDS((), jnp.int32))

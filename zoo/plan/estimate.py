@@ -189,7 +189,7 @@ def _from_step(step: Step, *, unified: bool, jaxpr: Any = None) -> Estimate:
     return Estimate(
         **_describe(step),
         params=params,
-        gradients=params,
+        gradients=step.gradient_bytes(),
         optimizer=opt,
         batch=batch,
         residuals=residuals,
