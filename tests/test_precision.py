@@ -214,6 +214,22 @@ def test_a_kept_fp8_gemm_input_costs_half_its_bfloat16_bytes():
     assert bf16 - fp8_kept >= 0.99 * elements, (bf16, fp8_kept, elements)
 
 
+def test_the_planner_traces_the_fp8_step_and_counts_its_fp8_residuals():
+    """The planner traces the step with its precision map (before 2026-12-07 without it: the
+    bf16 step's memory), and a name carried by an FP8 copy and its scale counts their bytes, not
+    the wide tensor it replaces (it counted the last array's shape, the scale, once per array:
+    48 bytes for ``mlp_hidden``). Its estimate is within 10% of XLA:CPU's compiled step."""
+    from zoo import plan
+
+    model = zoo.Llama(SMALL, key=jax.random.key(0))  # float32 (XLA:CPU holds no upcast copies)
+    kw = {"batch_size": 2, "seq_len": 256, "placement": "remat+mlp_hidden=device"}
+    wide = plan.estimate(model, **kw).residuals["mlp_hidden"][0]
+    assert wide == SMALL.num_layers * 512 * SMALL.intermediate_size * 4
+    got = plan.measure(model, precision="mlp_down=tensorwise", **kw)
+    assert got.predicted.residuals["mlp_hidden"][0] == wide // 4 + SMALL.num_layers * 4  # a byte an element, a scale a layer
+    assert abs(got.predicted.device_bytes / got.device_bytes - 1) <= 0.10, (got.predicted.device_bytes, got.device_bytes)
+
+
 def test_an_input_of_several_fp8_gemms_is_kept_as_one_fp8_copy():
     """``attn_norm`` feeds the query, key and value projections and nothing else in the backward
     pass: with all three in FP8 they share one FP8 copy of it (quantized once), which a map keeping

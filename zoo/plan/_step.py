@@ -104,7 +104,7 @@ class Step:
     virtual_stages: int = 1
     schedule: str = "gpipe"  # or "1f1b" (zoo.parallel.one_f_one_b)
     # The family's precision map (zoo.layers.precision): which matmuls the cost model prices as
-    # FP8 products. The traced step (memory) is the one without it: FP8 residuals only shrink it.
+    # FP8 products; the traced step (memory) is the one with it, its FP8 residuals one byte an element.
     precision: Any = None
 
     def __post_init__(self) -> None:
@@ -150,7 +150,7 @@ class Step:
         self.skeleton = jax.tree.map(lambda s: np.zeros((), s.dtype) if _is_sds(s) else s, self.model, is_leaf=_is_sds)
         self.tc = train.TrainConfig(steps=2, batch_size=self.batch_size, seq_len=self.seq_len, warmup=0,
                                     microbatches=self.microbatches, virtual_stages=self.virtual_stages,
-                                    schedule=self.schedule)  # fmt: skip
+                                    schedule=self.schedule, precision=self.precision)  # fmt: skip
         self.tx = train.optimizer(self.tc, self.skeleton)
         self.params = eqx.filter(self.model, _is_sds, is_leaf=_is_sds)
         self.opt = jax.eval_shape(self.tx.init, eqx.filter(self.params, is_param))  # (not a quantized base's codes)
@@ -328,14 +328,16 @@ def make_step(model_or_config: Any, *, batch_size: int, seq_len: int, **options:
 @dataclass(frozen=True)
 class Stack:
     """The named tensors of one layer stack (a scanned body run ``length`` times, or a block
-    outside any scan: ``length`` 1): name -> (occurrences per body, per-device shape).
+    outside any scan: ``length`` 1): name -> per-device bytes per body of the arrays that carry
+    the name there (:func:`_saved_bytes`: an FP8 residual's copy and its scales, not the tensor
+    it replaces).
 
     A pipelined stack (:mod:`zoo.pipeline`) is a scan over ``ticks`` ticks of the GPipe
     schedule, each running this stage's ``length`` layers on one micro-batch (the shapes are a
     micro-batch's): every tick's tensors are saved, the bubble's too."""
 
     length: int
-    names: dict[str, tuple[int, SDS]]
+    names: dict[str, int]
     ticks: int = 1
 
     @property
@@ -378,8 +380,8 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
     saves nothing of a while loop's iterations (a custom VJP around it recomputes them). Names
     in a scan inside a layer's body (the MoE layer's loop over blocks of experts) count once
     per iteration: each iteration's are saved."""
-    scans: list[list] = []  # [(ticks, length), names Counter, shapes, position, length known]
-    outside: list[tuple[int, str, SDS]] = []  # (position, name, shape)
+    scans: list[list] = []  # [(ticks, length), {name: [(dtype, bytes), ...]}, position, length known]
+    outside: list[tuple[int, str, Any, int]] = []  # (position, name, dtype, bytes)
     counter = [0]
 
     def walk(j: Any, scan: list | None, times: int = 1) -> None:
@@ -387,25 +389,23 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
             counter[0] += 1
             if eqn.primitive.name == "name":
                 aval = eqn.outvars[0].aval
-                s = SDS(aval.shape, aval.dtype)
                 if scan is None:
-                    outside.append((counter[0], eqn.params["name"], s))
+                    outside.append((counter[0], eqn.params["name"], aval.dtype, _nbytes(aval)))
                 else:
-                    scan[1][eqn.params["name"]] += times
-                    scan[2][eqn.params["name"]] = s
+                    scan[1].setdefault(eqn.params["name"], []).append((aval.dtype, times * _nbytes(aval)))
             inner, inner_times = scan, times
             if eqn.primitive.name == "while":
                 continue
             if eqn.primitive.name == "scan":
                 n = eqn.params["length"]
                 if scan is None and is_tick_scan(eqn.params["jaxpr"]):
-                    inner = [(n, 1), collections.Counter(), {}, counter[0], False]
+                    inner = [(n, 1), {}, counter[0], False]
                     scans.append(inner)
                 elif scan is None and n > 1:
-                    inner = [(1, n), collections.Counter(), {}, counter[0], True]
+                    inner = [(1, n), {}, counter[0], True]
                     scans.append(inner)
-                elif scan is not None and not scan[4]:
-                    scan[0], scan[4] = (scan[0][0], n), True  # the stage's layers inside a tick (maybe one)
+                elif scan is not None and not scan[3]:
+                    scan[0], scan[3] = (scan[0][0], n), True  # the stage's layers inside a tick (maybe one)
                 elif scan is not None:
                     inner_times = times * n  # a loop inside the layer: each iteration's names
             for sub in subjaxprs(eqn):
@@ -417,32 +417,40 @@ def layer_stacks(jaxpr: Any) -> list[Stack]:
     k = len(named) // 2
     mirrored = len(named) % 2 == 0 and k and [sc[0] for sc in named[k:]] == [sc[0] for sc in named[:k]][::-1]
     if mirrored:  # forward stacks, then their backward copies in reverse order
-        forward, first_backward = named[:k], named[k][3]
+        forward, first_backward = named[:k], named[k][2]
     else:  # some backward bodies recompute nothing named: a copy shares its stack's names
         forward, first_backward = [], math.inf
         for sc in named:
             if any(sc[0] == f[0] and len(set(sc[1]) & set(f[1])) * 2 >= len(sc[1]) for f in forward):
-                first_backward = min(first_backward, sc[3])
+                first_backward = min(first_backward, sc[2])
                 continue
             forward.append(sc)
-    for (ticks, length), names, shapes, *_ in forward:
-        stacks.append(Stack(length, {n: (c, shapes[n]) for n, c in names.items()}, ticks))
+    for (ticks, length), names, *_ in forward:
+        stacks.append(Stack(length, {n: _saved_bytes(e) for n, e in names.items()}, ticks))
     block: dict[str, list] = {}
-    for position, name, shape in outside:
+    for position, name, dtype, nbytes in outside:
         if position < first_backward:
-            entry = block.setdefault(name, [0, shape])
-            entry[0] += 1
+            block.setdefault(name, []).append((dtype, nbytes))
     if block:
-        stacks.append(Stack(1, {n: (c, s) for n, (c, s) in block.items()}))
+        stacks.append(Stack(1, {n: _saved_bytes(e) for n, e in block.items()}))
     return stacks
+
+
+def _saved_bytes(entries: list[tuple[Any, int]]) -> int:
+    """The bytes a name's arrays in one body keep, given in trace order as ``(dtype, bytes)``:
+    all of them, except that an FP8 residual (its copy as ``uint8`` bits, then its scales:
+    :func:`zoo.layers.fp8.matmul`'s ``saved``) is what the backward pass reads in place of the
+    tensor named before it, which is then not kept."""
+    first = next((i for i, (dtype, _) in enumerate(entries) if dtype == jnp.uint8), 0)
+    return sum(n for _, n in entries[first:])
 
 
 def stack_bytes(stacks: list[Stack]) -> dict[str, int]:
     """Per-device bytes of each named tensor over every layer that has it."""
     out: dict[str, int] = {}
     for st in stacks:
-        for name, (count, shape) in st.names.items():
-            out[name] = out.get(name, 0) + st.ticks * st.length * count * _nbytes(shape)
+        for name, nbytes in st.names.items():
+            out[name] = out.get(name, 0) + st.ticks * st.length * nbytes
     return out
 
 

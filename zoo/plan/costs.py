@@ -156,9 +156,9 @@ class CostModel:
         self.per_b: dict[str, float] = collections.Counter()
         self.per_0: dict[str, float] = collections.Counter()
         for st in self.stacks:
-            for n, (count, shape) in st.names.items():
+            for n, nbytes in st.names.items():
                 if n in fields:
-                    nb = float(st.length * count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize)
+                    nb = float(st.length * nbytes)
                     self.per_b[n] += nb  # traced at one row (per micro-batch)
                     if st.pipelined:
                         self.per_0[n] += nb * self.stages
@@ -378,9 +378,9 @@ class CostModel:
             st = self._stack_for[id(body)]
             moved = 0.0
             if st is not None:
-                for n, (count, shape) in st.names.items():
+                for n, nbytes in st.names.items():
                     if placement.get(n) == "pinned_host":
-                        moved += count * math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize * rows
+                        moved += nbytes * rows
             link = moved / self.hw.host_link
             exposed += layers * (max(0.0, link - fwd / rate) + max(0.0, link - (2 * fwd + rec) / rate))
         compute = (executed * _flops.fp8_slowdown(self.fp8_share, self.fp8_ratio) + recompute) / rate
