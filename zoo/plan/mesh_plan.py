@@ -93,7 +93,7 @@ def plan_mesh(
     # The second point of the line: the requested batch itself, where one is given.
     second = batch_size // shards if batch_size is not None and batch_size > shards else 2
     probe2 = make_step(probe.model, batch_size=second * shards, seq_len=seq_len, placement="remat", mesh=mesh,
-                       microbatches=second // MICROBATCH_ROWS)  # fmt: skip
+                       microbatches=second // MICROBATCH_ROWS, precision=probe.precision)  # fmt: skip
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
     cm = CostModel(probe, e1, e2, j1, hw, seq_len, second, jaxpr2=j2, bodies=bodies,
@@ -130,7 +130,7 @@ def plan_mesh(
         placement, b, pm, om, v, s = best
         step = make_step(probe.model, batch_size=b * shards, seq_len=seq_len, placement=placement, mesh=mesh,
                          param_memory=pm, opt_memory=om, microbatches=cm.microbatches(b),
-                         virtual_stages=v, schedule=s)  # fmt: skip
+                         virtual_stages=v, schedule=s, precision=probe.precision)  # fmt: skip
         est = _from_step(step, unified=hw.unified)
         if est.device_bytes <= usable[0] and est.host_bytes <= usable[1]:
             break
@@ -172,7 +172,7 @@ def _precision_note(cm: CostModel, flops_per_s: float) -> str:
         f"precision {cm.base.precision.spec()}: {cm.fp8_share:.1%} of the step's model FLOPs are FP8 products, "
         f"priced at {cm.peak * cm.fp8_ratio / 1e12:.0f} TFLOP/s ({hw.fp8_source or 'no FP8 peak known: as the compute dtype'}); "
         f"{flops_per_s / 1e12:.0f} model TFLOP/s per device, MFU against the compute dtype's peak; the memory "
-        "estimate is the step's without FP8 (FP8 residuals only shrink it)"
+        "estimate is the FP8 step's (a kept FP8 GEMM input is its FP8 copy)"
     )
 
 
@@ -230,7 +230,7 @@ def cost_model(
     j1 = probe.trace()
     e1 = _from_step(probe, unified=hw.unified, jaxpr=j1)
     probe2 = make_step(probe.model, batch_size=2 * shards, seq_len=seq_len, placement="remat", mesh=mesh,
-                       microbatches=2 // MICROBATCH_ROWS)  # fmt: skip
+                       microbatches=2 // MICROBATCH_ROWS, precision=probe.precision)  # fmt: skip
     j2 = probe2.trace()
     e2 = _from_step(probe2, unified=hw.unified, jaxpr=j2)
     return CostModel(probe, e1, e2, j1, hw, seq_len, 2, jaxpr2=j2, third=_third_trace(probe, 2, seq_len, mesh))
@@ -257,7 +257,7 @@ def _third_trace(probe: Step, second: int, seq_len: int, mesh: Any) -> tuple[int
         return None
     b3 = second + 1
     step = make_step(probe.model, batch_size=b3 * probe.batch_size, seq_len=seq_len, placement="remat", mesh=mesh,
-                     microbatches=b3 // MICROBATCH_ROWS)  # fmt: skip
+                     microbatches=b3 // MICROBATCH_ROWS, precision=probe.precision)  # fmt: skip
     return b3, step.trace()
 
 

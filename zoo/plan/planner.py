@@ -78,8 +78,8 @@ def plan(
     backward pass as soon as it leaves the last stage: fewer micro-batches' saved tensors kept);
     ``None`` (default) prices both and takes the faster that fits, GPipe where they tie.
     ``precision``: the family's precision map or its spec (``"fp8_all"``): its tensorwise FP8
-    matmuls are priced at the hardware's FP8 peak (the memory estimate stays the step's without
-    it: FP8 residuals only shrink it).
+    matmuls are priced at the hardware's FP8 peak, and the memory estimate is the FP8 step's (a
+    kept FP8 GEMM input is its FP8 copy and scales).
     ``hardware``: a name of :data:`zoo.hardware.HARDWARE` (default ``"cpu"``, one memory:
     nothing is offloaded). ``margin``: the fraction of each budget kept free for the
     estimate's own error (10% is the worst measured against XLA:CPU on the test grid). Raises :class:`~zoo.errors.MeshError` for a mesh that does not divide
