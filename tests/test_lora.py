@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import shutil
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -21,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import FIXTURES
-from helpers import load_recipe
+from helpers import free_port, load_recipe
 
 import zoo
 from zoo import lora
@@ -404,6 +405,38 @@ def test_the_lora_recipe_on_a_mesh_writes_what_one_device_writes(tmp_path, qlora
             np.testing.assert_allclose(placed.get(key), one.get(key), rtol=1e-5, atol=1e-5, err_msg=key)
     trained = SafetensorsFile(tmp_path / "a-mesh" / "adapter_model.safetensors")
     assert any(np.abs(trained.get(k)).max() > 0 for k in set(trained.keys()) if "lora_B" in k)
+
+
+def test_qlora_on_two_processes_writes_what_one_process_writes(tmp_path):
+    """`recipes/train.py --lora ... --qlora nf4 --mesh fsdp=8` on 2 processes x 4 devices: each
+    process gathers a layer's weights from both and quantizes them (they raised "Fetching value
+    for jax.Array that spans non-addressable devices"), and the adapters, split over fsdp, are
+    gathered to be written (that raised the same since 2026-12-07's split); the adapter equals
+    the one-process run's on the same mesh."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--checkpoint", str(FIXTURES / "tokenizer-tiny"), "--data", str(FIXTURES / "chats.jsonl"), "--data-cache",
+            str(tmp_path / "c"), "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--eval-every", "2", "--lr",
+            "3e-3", "--lora", "r=4,alpha=8,targets=q_proj,down_proj", "--qlora", "nf4", "--peak-tflops", "1",
+            "--mesh", "fsdp=8"]  # fmt: skip
+    _train_recipe().main([*argv, "--run-dir", str(tmp_path / "one"), "--save-adapter", str(tmp_path / "a-one")])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))} | {"PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "recipes" / "train.py"), *argv, "--cpu-devices", "4", "--run-dir",
+           str(tmp_path / "two"), "--save-adapter", str(tmp_path / "a-two"), "--coordinator",
+           f"127.0.0.1:{free_port()}", "--num-processes", "2"]  # fmt: skip
+    procs = [subprocess.Popen([*cmd, "--process-id", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]  # fmt: skip
+    for p in procs:
+        text, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, text[-3000:]
+    one, two = (SafetensorsFile(tmp_path / f"a-{n}" / "adapter_model.safetensors") for n in ("one", "two"))
+    assert set(one.keys()) == set(two.keys())
+    for key in sorted(one.keys()):
+        np.testing.assert_allclose(two.get(key), one.get(key), rtol=1e-5, atol=1e-6, err_msg=key)
+    assert any(np.abs(two.get(k)).max() > 0 for k in one.keys() & two.keys() if "lora_B" in k)
 
 
 @pytest.mark.parametrize("where", [{"placement": "offload_attn"}, {"param_memory": "pinned_host", "opt_memory": "pinned_host"}])

@@ -62,10 +62,10 @@ class HostTensors:
             part = x[idx] if idx else x
             for start in range(0, shape[0], rows):
                 n = min(rows, shape[0] - start)
-                block = _gather(_rows(part, jnp.int32(start), n))
+                block = host_value(_rows(part, jnp.int32(start), n))
                 yield block[(slice(None), *(slice(0, k) for k in shape[1:]))].astype(dtype, copy=False)
             return
-        yield p.to_hf(self._unpadded(path, idx, _gather(x[idx])).astype(dtype, copy=False), sizes)
+        yield p.to_hf(self._unpadded(path, idx, host_value(x[idx])).astype(dtype, copy=False), sizes)
 
 
     def own_blocks(self, path: str, idx: tuple[int, ...], dtype: np.dtype) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
@@ -107,9 +107,9 @@ def _rows(x: jax.Array, start: jax.Array, n: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, start, n)
 
 
-def _gather(x: jax.Array) -> np.ndarray:
+def host_value(x: jax.Array | np.ndarray) -> np.ndarray:
     """A global array's value on the host of every process (one process: from its devices)."""
-    if x.is_fully_addressable:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 

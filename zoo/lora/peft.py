@@ -14,12 +14,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zoo.core.registry import family_of
 from zoo.errors import CheckpointError, ConfigError
 from zoo.hf.safetensors import SafetensorsFile, write_safetensors
+from zoo.hf.stored import host_value
 from zoo.lora.adapter import ALL_LINEAR, Adapter, LoraConfig, LoraModel, dims, resolve_targets
 from zoo.lora.adapter import peft_key as _key
 
@@ -75,20 +77,24 @@ def adapter_config(model: LoraModel, base_model_name_or_path: str | None = None)
 
 
 def save_adapter(model: LoraModel, path: str | Path, *, base_model_name_or_path: str | None = None) -> Path:
-    """Write ``model``'s adapters into directory ``path`` as PEFT does (created if missing)."""
+    """Write ``model``'s adapters into directory ``path`` as PEFT does (created if missing). With
+    several processes every one calls it: each adapter's blocks are gathered from them all, and
+    the first process writes the files."""
     if not isinstance(model, LoraModel):
         raise TypeError(f"save_adapter: a zoo.lora.LoraModel is needed, got {type(model).__name__}")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     specs, sizes = family_of(model.base).param_specs(model.config), model.config.sizes
     tensors = []
     for name, adapter in sorted(model.adapters.items()):
         p = specs[name]
-        a, b = np.asarray(adapter.a), np.asarray(adapter.b)
+        a, b = host_value(adapter.a), host_value(adapter.b)
         for idx, key in p.hf_keys(sizes):
             module = key[: -len(".weight")]
             tensors += [(_key(module, "A"), np.ascontiguousarray(a[idx])), (_key(module, "B"), np.ascontiguousarray(b[idx]))]
     tensors.sort()
+    if jax.process_index() != 0:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
     write_safetensors(path / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(adapter_config(model, base_model_name_or_path), indent=2) + "\n")
     return path

@@ -28,6 +28,7 @@ from zoo.core.params import Deferred, Param, map_params
 from zoo.core.protocol import CausalLM
 from zoo.core.registry import family_of
 from zoo.hf.load import from_pretrained
+from zoo.hf.stored import host_value
 from zoo.hooks.step import GATHERED, block_of, current_step
 from zoo.lora.adapter import linear_weights, module_of, on_device
 
@@ -145,10 +146,17 @@ def quantize_stack(path: str, p: Param, sizes: tuple[tuple[str, int], ...], w: o
         fields = shapes(out_in, path)
         zeros = lambda: {k: jnp.zeros((*stacked, *s), d) for k, (s, d) in fields.items()}  # noqa: E731
         return jax.eval_shape(lambda: weight(**zeros(), **static))
-    per = [quantize(np.asarray(w[idx], np.float32).transpose(_to_hf(p)).reshape(out_in), f"{path}[{idx}]")
-           for idx in np.ndindex(*stacked)]  # fmt: skip
+    # A global array of several processes: each process gathers a stacked entry (a layer) whole
+    # and quantizes all of it; the codes stay on the host, for the mesh's layout to place.
+    several = isinstance(w, jax.Array) and not w.is_fully_addressable
+    per, held = [], None
+    for idx in np.ndindex(*stacked):
+        if several and (held is None or idx[1:] == (0,) * (len(idx) - 1)):
+            held = host_value(w[idx[0]])
+        matrix = held[idx[1:]] if several else w[idx]
+        per.append(quantize(np.asarray(matrix, np.float32).transpose(_to_hf(p)).reshape(out_in), f"{path}[{idx}]"))
     arrays = {k: np.stack([q[k] for q in per]).reshape(*stacked, *np.shape(per[0][k])) for k in per[0]}
-    return weight(**{k: jnp.asarray(v) for k, v in arrays.items()}, **static)
+    return weight(**{k: v if several else jnp.asarray(v) for k, v in arrays.items()}, **static)
 
 
 def load_quantized(path: str | Path, quantize: Quantize, shapes: Shapes, weight: Callable[..., QuantizedWeight],
