@@ -60,7 +60,9 @@ class Estimate:
     predicted: Estimate | None = None
     # A measurement's ``peak_memory_in_bytes`` per device, XLA's own (0 for an estimate). On
     # XLA:TPU it is the figure to read: its temporaries leave out buffers the peak holds (0 bytes
-    # for a pipelined step whose peak is 45.8 MiB: benchmarks/one_f_one_b.py).
+    # for a pipelined step whose peak is 45.8 MiB: benchmarks/one_f_one_b.py), and it is what a
+    # step must fit (one whose device_bytes are 3.6 GiB over the chip runs:
+    # benchmarks/results/tpu-v5e-2026-12-07.md).
     peak_bytes: int = 0
 
     @property
