@@ -452,8 +452,9 @@ def param_specs(model: LoraModel) -> dict[str, Param]:
     optimizer state), the adapters' trainable weight matrices (``init="normal"``: decayed as
     weight matrices are; :func:`init` makes them, not ``init_params``), under PEFT's keys
     (:mod:`zoo.lora.peft` writes them), laid out on a mesh as their weight is
-    (:func:`adapter_params`). A weight the base holds as what computes it (QLoRA's NF4 codes and scales: :mod:`zoo.lora.nf4`) is
-    described by its fields' frozen parameters (``base.<path>.packed``, ...)."""
+    (:func:`adapter_params`). A weight the base holds as what computes it (QLoRA's NF4 codes and
+    scales: :mod:`zoo.lora.nf4`) is described by its fields' frozen parameters
+    (``base.<path>.packed``, ...)."""
     base = family_of(model.base).param_specs(model.base.config)
     held = jax.tree_util.tree_flatten_with_path(model.base, is_leaf=is_deferred)[0]
     deferred = {path_name(at): x for at, x in held if is_deferred(x)}
