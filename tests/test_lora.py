@@ -385,10 +385,12 @@ def _tiny(name: str):
     return make[name]()
 
 
-@pytest.mark.parametrize("qlora", [[], ["--qlora", "nf4"]], ids=["lora", "qlora-nf4"])
+# With --qlora nf4 only (plain LoRA's recipe run was dropped for the suite's time on 2026-12-07:
+# the recipe's LoRA path is the same, and plain LoRA on meshes is checked at the model above).
+@pytest.mark.parametrize("qlora", [["--qlora", "nf4"]], ids=["qlora-nf4"])
 def test_the_lora_recipe_on_a_mesh_writes_what_one_device_writes(tmp_path, qlora):
-    """`recipes/train.py --lora ... [--qlora nf4] --mesh pipeline=2,fsdp=2,tensor=2`: the adapters
-    trained on stages, FSDP and tensor blocks (on NF4 codes split over the stages), saved in PEFT's
+    """`recipes/train.py --lora ... --qlora nf4 --mesh pipeline=2,fsdp=2,tensor=2`: the adapters
+    trained on stages, FSDP and tensor blocks (on NF4 codes split over the mesh), saved in PEFT's
     format and merged into a checkpoint, equal the single-device run's."""
     recipe = _train_recipe()
     argv = ["--checkpoint", str(FIXTURES / "tokenizer-tiny"), "--data", str(FIXTURES / "chats.jsonl"), "--data-cache",

@@ -290,10 +290,12 @@ def _deepseek_v3_reference(packed: bool):
 
 
 @pytest.mark.parametrize(
-    "spec, virtual, packed, schedule", [("pipeline=2,expert=4", 1, False, "gpipe"), ("pipeline=4,fsdp=2", 1, True, "gpipe"),
+    "spec, virtual, packed, schedule", [("pipeline=4,fsdp=2", 1, True, "gpipe"),
                                         ("pipeline=2,tensor=2,fsdp=2", 1, True, "gpipe"),
                                         ("pipeline=2,expert=4", 2, False, "1f1b")],  # interleaved 1F1B: 2 chunks of one MoE layer a stage
 )  # fmt: skip
+# (GPipe on pipeline=2,expert=4 was dropped for the suite's time on 2026-12-07: the stages with
+# an expert group run under interleaved 1F1B here, and GPipe's DeepSeek-V3 on the two meshes above.)
 def test_deepseek_v3_pipelined_equals_one_device(spec, virtual, packed, schedule):
     """The MoE stack (3 layers on 2 stages: one padding layer; on 4, one) pipelined, the dense
     first layer and the MTP block on every stage; the balance loss (a mean over sequences,
