@@ -437,7 +437,8 @@ def test_qlora_on_two_processes_writes_what_one_process_writes(tmp_path):
     one, two = (SafetensorsFile(tmp_path / f"a-{n}" / "adapter_model.safetensors") for n in ("one", "two"))
     assert set(one.keys()) == set(two.keys())
     for key in sorted(one.keys()):
-        np.testing.assert_allclose(two.get(key), one.get(key), rtol=1e-5, atol=1e-6, err_msg=key)
+        ref = one.get(key)  # (two processes reduce the gradients in another order: rounding only)
+        np.testing.assert_allclose(two.get(key), ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()), err_msg=key)
     assert any(np.abs(two.get(k)).max() > 0 for k in sorted(two.keys()) if "lora_B" in k)
 
 

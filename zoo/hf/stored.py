@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jaxtyping import Array, Shaped
 
 from zoo.core.params import Param, flatten
 from zoo.core.registry import family_of
@@ -107,7 +108,7 @@ def _rows(x: jax.Array, start: jax.Array, n: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, start, n)
 
 
-def host_value(x: jax.Array | np.ndarray) -> np.ndarray:
+def host_value(x: Shaped[Array, "*dims"] | Shaped[np.ndarray, "*dims"]) -> Shaped[np.ndarray, "*dims"]:
     """A global array's value on the host of every process (one process: from its devices)."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
