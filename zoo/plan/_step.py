@@ -8,7 +8,6 @@ the one training runs; ``compile`` lowers the same step onto the devices present
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
