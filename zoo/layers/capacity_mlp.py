@@ -409,7 +409,7 @@ def _bwd(k, tile, recipes, residuals, dout):
     else:
         dpair, dws = balanced(dxc, dws)
     # Each token's gradient: its K pairs' row gradients, gathered and summed (no scatter).
-    dx = dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(x.dtype)
+    dx = dpair if k == 1 else dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(x.dtype)
     dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, ws)]
     return (sum_to_varying_of(dx, x), *dws, None)
 
