@@ -240,6 +240,21 @@ def _divisor(aval: Any, ins: list[Any], ctx: _Context) -> int:
     return ctx.shape_div.get(shape, 1)
 
 
+def _live_eqns(flat: list[_Eqn], leaving: list[Any]) -> list[_Eqn]:
+    """``flat`` less the equations nothing reads (those with effects kept, a collective's axis
+    names not counting). The top level's dead code is gone already (``pe.dce_jaxpr``); this is
+    a ``while`` body's or a branch's, which JAX lowers but XLA removes, collectives included
+    (XLA:CPU and XLA:TPU checked): e.g. the output a MoE dispatch's later rounds compute in
+    their backward loop (``jax.vjp`` of a round) and send back, unread."""
+    used = {id(v) for v in leaving if v is not None}
+    keep = []
+    for e in reversed(flat):
+        if any(id(v) in used for v in e.outs) or (e.eqn is not None and pe.has_effects(e.eqn)):
+            keep.append(e)
+            used.update(id(v) for v in e.ins if v is not None)
+    return keep[::-1]
+
+
 def _program(
     jaxpr: core.Jaxpr,
     env: dict[Any, Any],
@@ -257,6 +272,7 @@ def _program(
     same: dict[Any, Any] = {}
     _flatten(jaxpr, env, flat, ctx, local, same)
     leaving_vals = [env.get(v) if isinstance(v, core.Var) else None for v in jaxpr.outvars]
+    flat = _live_eqns(flat, leaving_vals)
     # A body's inputs (no buffer of its own: the loop's state, a conditional's operands) by
     # identity: the last equation reading each, and those it returns.
     input_read: dict[Any, int] = {}
@@ -277,6 +293,15 @@ def _program(
                 if e.name not in FUSIBLE and e.name not in VIEWS:
                     strong.add(id(v))
     leaving = {id(v) for v in leaving_vals if v is not None}
+    # A loop or a conditional reads a fused value through a view (a reshape) as it reads it
+    # directly: materialised, where its producer's operands may die (an expert layer's float32
+    # product cast to bfloat16 and reshaped for the overflow's conditional is its bfloat16 rows
+    # there, not the float32 ones).
+    bound = {id(v) for e in flat if e.name in LOOPS for v in e.ins if v is not None}
+    for e in reversed(flat):
+        if e.name in VIEWS and any(id(v) in bound for v in e.outs):
+            bound.update(id(v) for v in e.ins if v is not None)
+            strong.update(id(v) for v in e.ins if v is not None)
 
     def folded(e: _Eqn) -> bool:  # a transpose only matmuls read folds into them
         return e.name == "transpose" and readers.get(id(e.outs[0]), set()) == {"dot_general"}
