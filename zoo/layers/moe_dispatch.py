@@ -6,10 +6,7 @@ destination (``P / n``): the all-to-all moves and the receiver holds ``n·S ≈ 
 rows, whatever the group size ``n``. Pairs past a destination's slot either wait for further
 rounds (``overflow="dropless"``: as many as the step's most loaded destination needs, agreed over
 the group; the step stays exact) or are dropped (``overflow="drop"``: their output is zero and
-they are counted). A later round's slot is a quarter of the first's (:func:`later_slot_rows`):
-past a slot of the mean there is usually little, and a later round's buffers (received rows,
-the experts' slots, forward and backward) are then a quarter of the first round's, not as
-large again.
+they are counted).
 
 How a round's rows travel (``transport``): a **padded** all-to-all sends every slot, filled or
 not (``n·S`` rows each way); a **ragged** one (``jax.lax.ragged_all_to_all``) sends only each
@@ -20,8 +17,7 @@ a forced ``"ragged"`` runs :func:`ragged_all_to_all_padded`, the same semantics 
 all-to-alls (the tests' check of the ragged bookkeeping; it saves nothing).
 
 Dimension letters: T tokens · D model width · P (token, expert) pairs (``T·K``) · N devices of
-the expert group · S slot rows per destination and round (the first's; ``L``, a later one's) ·
-E local experts.
+the expert group · S slot rows per destination and round · E local experts.
 """
 
 from __future__ import annotations
@@ -51,8 +47,6 @@ RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 # not run, the aux-loss-free bias keeping each destination's load within its slot
 # (zoo.plan.jaxprs.later_rounds); memory is counted for them all the same.
 LATER_ROUNDS = "moe_later_rounds"
-# A later round's slot: the first round's over this.
-LATER_SLOT_DIVISOR = 4
 
 
 @dataclass(frozen=True)
@@ -126,28 +120,22 @@ def slot_rows(pairs: int, devices: int, capacity_factor: float) -> int:
     return min(pairs, max(8, -(-rows // 8) * 8))
 
 
-def later_slot_rows(slot: int) -> int:
-    """Rows per destination in a later round: the first round's ``slot`` over
-    :data:`LATER_SLOT_DIVISOR`, rounded up to a multiple of 8."""
-    return min(slot, max(8, -(-slot // (8 * LATER_SLOT_DIVISOR)) * 8))
-
-
 class Exchange(NamedTuple):
     """Where each of a device's pairs goes: sorted by expert (hence by destination), pair
     ``order[j]`` is the ``j``-th; destination ``d`` gets ``count[d]`` pairs from sorted row
-    ``start[d]`` on. Pair ``p`` goes to device ``dest[p]``, the ``rank[p]``-th of its pairs
-    there: round 0 takes each destination's first ``S``, the later rounds ``L`` more each."""
+    ``start[d]`` on. Pair ``p`` travels in round ``round_of[p]``, in slot row ``row_of[p]`` of
+    the ``N·S`` that come back."""
 
     order: Int[Array, " P"]
     count: Int[Array, " N"]
     start: Int[Array, " N"]
     local_expert: Int[Array, " P"]
-    dest: Int[Array, " P"]
-    rank: Int[Array, " P"]
+    round_of: Int[Array, " P"]
+    row_of: Int[Array, " P"]
     sorted_at: Int[Array, " P"]  # pair p is the sorted_at[p]-th: the inverse of order
 
 
-def exchange_layout(flat: Int[Array, " P"], devices: int, local_experts: int) -> Exchange:
+def exchange_layout(flat: Int[Array, " P"], devices: int, local_experts: int, slot: int) -> Exchange:
     """The layout of pairs routed to global experts ``flat``, ``local_experts`` per device."""
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     dest = (flat // local_experts).astype(jnp.int32)
@@ -155,31 +143,19 @@ def exchange_layout(flat: Int[Array, " P"], devices: int, local_experts: int) ->
     start = jnp.cumsum(count) - count
     sorted_at = jnp.argsort(order).astype(jnp.int32)
     rank = sorted_at - start[dest]  # a pair's place among its destination's
-    return Exchange(order, count, start, (flat - dest * local_experts).astype(jnp.int32), dest, rank, sorted_at)
+    return Exchange(order, count, start, (flat - dest * local_experts).astype(jnp.int32), rank // slot,
+                    dest * slot + rank % slot, sorted_at)  # fmt: skip
 
 
-def rounds_needed(layout: Exchange, slot: int, later: int) -> Int[Array, ""]:
-    """Rounds the step's most loaded (source, destination) needs, at least one (``slot`` rows
-    in the first, ``later`` in each other): the same on every device of the mesh. Every device
-    of the expert group takes part in every round's all-to-all, and the backward loop's weight
-    gradients are summed over the other axes that split the batch (FSDP's), whose devices are in
-    other expert groups: a trip count agreed over the group only hung the step where two groups
-    needed different counts."""
-    mine = 1 + -(-jnp.maximum(jnp.max(layout.count) - slot, 0) // later)
+def rounds_needed(layout: Exchange, slot: int) -> Int[Array, ""]:
+    """Rounds the step's most loaded (source, destination) needs, at least one: the same on
+    every device of the mesh. Every device of the expert group takes part in every round's
+    all-to-all, and the backward loop's weight gradients are summed over the other axes that
+    split the batch (FSDP's), whose devices are in other expert groups: a trip count agreed
+    over the group only hung the step where two groups needed different counts."""
+    mine = jnp.maximum(1, -(-jnp.max(layout.count) // slot))
     axes = tuple(current_step().mesh.axis_names)
     return jax.lax.pmax(varying_over(mine, axes), axes)
-
-
-class Round(NamedTuple):
-    """A round: each destination's pairs ``base ... base + size - 1`` (its ``size`` is static)."""
-
-    base: Int[Array, ""] | int
-    size: int
-
-
-def later_round(r: Int[Array, ""], slot: int, later: int) -> Round:
-    """Round ``r >= 1``: ``later`` pairs per destination from ``slot + (r - 1)·later``."""
-    return Round(slot + (r - 1) * later, later)
 
 
 def ragged_all_to_all_padded(
@@ -213,22 +189,22 @@ def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_siz
                                      axis_name="expert")  # fmt: skip
 
 
-def _slot_pairs(layout: Exchange, rnd: Round, e_local: int) -> tuple[Int[Array, "N S"], Int[Array, "N S"]]:
-    """The round's slots: the pair in each destination's slot row (any where empty) and its
+def _slot_pairs(layout: Exchange, r, slot: int, e_local: int) -> tuple[Int[Array, "N S"], Int[Array, "N S"]]:
+    """Round ``r``'s slots: the pair in each destination's slot row (any where empty) and its
     local expert (``e_local`` where empty: no pair)."""
-    place = rnd.base + jnp.arange(rnd.size, dtype=jnp.int32)[None, :]  # [1, S]
+    place = r * slot + jnp.arange(slot, dtype=jnp.int32)[None, :]  # [1, S]
     valid = place < layout.count[:, None]  # [N, S]
     pair = jnp.take(layout.order, jnp.where(valid, layout.start[:, None] + place, 0))
     return pair, jnp.where(valid, jnp.take(layout.local_expert, pair), e_local)
 
 
-def _round_ragged(pair_mlp, x, weights, layout: Exchange, rnd: Round, k: int, emulate: bool):
-    """The round as :func:`_round` computes it, the rows travelling by ragged all-to-alls:
+def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, emulate: bool):
+    """Round ``r`` as :func:`_round` computes it, the rows travelling by ragged all-to-alls:
     each destination's real rows of the round (at most ``S``) land in the sender's slot of the
     same ``N·S`` received rows, and come back to their places among the sender's sorted pairs."""
-    n, pairs, slot = layout.count.shape[0], layout.order.shape[0], rnd.size
-    sent = jnp.clip(layout.count - rnd.base, 0, slot)  # [N] rows to each destination this round
-    first = layout.start + rnd.base  # [N] where they start among the sorted pairs
+    n, pairs = layout.count.shape[0], layout.order.shape[0]
+    sent = jnp.clip(layout.count - r * slot, 0, slot)  # [N] rows to each destination this round
+    first = layout.start + r * slot  # [N] where they start among the sorted pairs
     recv_sizes = jax.lax.all_to_all(sent, "expert", 0, 0, tiled=True)  # [N] rows from each source
     slot_here = varying_like(jnp.full((n,), slot, jnp.int32), sent) * jax.lax.axis_index("expert")
     move = functools.partial(_ragged, emulate=emulate, max_rows=slot)
@@ -237,7 +213,7 @@ def _round_ragged(pair_mlp, x, weights, layout: Exchange, rnd: Round, k: int, em
                   recv_sizes)  # fmt: skip
     # The expert ids by a padded all-to-all: 4 bytes a slot, where XLA:TPU's ragged one pads
     # each row to 128 lanes (512 bytes a row of one id).
-    _, send_e = _slot_pairs(layout, rnd, weights[0].shape[0])
+    _, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
     recv_e = jax.lax.all_to_all(send_e.reshape(n * slot), "expert", 0, 0, tiled=True)
     out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(pairs, n * slot))
     mine = jnp.arange(n, dtype=jnp.int32) * slot  # source s's rows are in slot s
@@ -247,29 +223,27 @@ def _round_ragged(pair_mlp, x, weights, layout: Exchange, rnd: Round, k: int, em
     return jnp.take(back, layout.sorted_at, axis=0)  # zeros for the pairs of other rounds
 
 
-def _round(pair_mlp, x, weights, layout: Exchange, rnd: Round, k: int, ragged: str = "no"):
-    """A round: each destination's slot rows ``base ...`` sent, run through its experts, sent
+def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged: str = "no"):
+    """Round ``r``: each destination's slot rows ``r·S ...`` sent, run through its experts, sent
     back; each pair of this round gets its output, every other pair zeros. ``ragged``: ``"no"``
     (padded all-to-alls), ``"xla"`` (``ragged_all_to_all``) or ``"emulated"``."""
     if ragged != "no":
-        return _round_ragged(pair_mlp, x, weights, layout, rnd, k, emulate=ragged == "emulated")
-    n, slot = layout.count.shape[0], rnd.size
-    pair, send_e = _slot_pairs(layout, rnd, weights[0].shape[0])
+        return _round_ragged(pair_mlp, x, weights, layout, r, k, slot, emulate=ragged == "emulated")
+    n = layout.count.shape[0]
+    pair, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
     send_x = take_rows(x, pair // k, send_e < weights[0].shape[0])
     recv_x, recv_e = (jax.lax.all_to_all(a.reshape(n * slot, *a.shape[2:]), "expert", 0, 0, tiled=True)
                       for a in (send_x, send_e))  # fmt: skip
     # About P of the N·S received rows are real in the first round (each source's P/N).
     out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(layout.order.shape[0], n * slot))
     back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
-    here = (layout.rank >= rnd.base) & (layout.rank < rnd.base + slot)
-    return take_rows(back, layout.dest * slot + layout.rank - rnd.base, here)
+    return take_rows(back, layout.row_of, layout.round_of == r)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
 def _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged):
     """Rounds 1 on, as many as :func:`rounds_needed` (a loop whose trip count follows the
-    routing; none when every destination's pairs fit its slot), :func:`later_slot_rows` rows
-    per destination each."""
+    routing; none when every destination's pairs fit its slot)."""
     return _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged)[0]
 
 
@@ -278,28 +252,25 @@ def _zeros_like_out(x, weights, pairs):
 
 
 def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged):
-    later = later_slot_rows(slot)
-    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, later_round(r, slot, later), k, ragged)
+    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot, ragged)
     zero = _zeros_like_out(x, weights, layout.order.shape[0])
     with jax.named_scope(LATER_ROUNDS):
-        out = jax.lax.fori_loop(1, rounds_needed(layout, slot, later), body, zero)
+        out = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zero)
     return out, (x, weights, layout)
 
 
 def _later_rounds_bwd(pair_mlp, k, slot, ragged, residuals, dout):
     # Each later round recomputed for its gradient: rounds past the first are the rare case.
     x, weights, layout = residuals
-    later = later_slot_rows(slot)
 
     def body(r, grads):
-        rnd = later_round(r, slot, later)
-        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, rnd, k, ragged), x, weights)
+        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, r, k, slot, ragged), x, weights)
         dx, dw = vjp(dout)
         return grads[0] + dx, jax.tree.map(jnp.add, grads[1], dw)
 
     zeros = (varying_like(jnp.zeros_like(x), x), tuple(varying_like(jnp.zeros_like(w), w) for w in weights))
     with jax.named_scope(LATER_ROUNDS):
-        dx, dw = jax.lax.fori_loop(1, rounds_needed(layout, slot, later), body, zeros)
+        dx, dw = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zeros)
     return dx, dw, None
 
 
@@ -321,12 +292,12 @@ def exchange_experts(
     n, e_local = axis_size(mesh, "expert"), weights[0].shape[0]
     pairs = flat.shape[0]
     slot = slot_rows(pairs, n, dispatch.capacity_factor)
-    layout = exchange_layout(flat, n, e_local)
+    layout = exchange_layout(flat, n, e_local, slot)
     platform = mesh_platform(mesh)
     ragged = "no" if not dispatch.ragged(platform) else "xla" if platform in RAGGED_PLATFORMS else "emulated"
-    out = _round(pair_mlp, x, weights, layout, Round(0, slot), k, ragged)
+    out = _round(pair_mlp, x, weights, layout, 0, k, slot, ragged)
     if dispatch.overflow == "drop":
-        return out, jnp.sum(layout.rank >= slot, dtype=jnp.int32)
+        return out, jnp.sum(layout.round_of > 0, dtype=jnp.int32)
     if slot < pairs:  # a slot of every pair needs no second round
         out = out + _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged)
     return out, jnp.zeros((), jnp.int32)
