@@ -295,9 +295,14 @@ def exchange_experts(
     layout = exchange_layout(flat, n, e_local, slot)
     platform = mesh_platform(mesh)
     ragged = "no" if not dispatch.ragged(platform) else "xla" if platform in RAGGED_PLATFORMS else "emulated"
-    out = _round(pair_mlp, x, weights, layout, 0, k, slot, ragged)
     if dispatch.overflow == "drop":
-        return out, jnp.sum(layout.round_of > 0, dtype=jnp.int32)
-    if slot < pairs:  # a slot of every pair needs no second round
-        out = out + _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged)
-    return out, jnp.zeros((), jnp.int32)
+        return _round(pair_mlp, x, weights, layout, 0, k, slot, ragged), jnp.sum(layout.round_of > 0, dtype=jnp.int32)
+    if slot >= pairs:  # a slot of every pair needs no second round
+        return _round(pair_mlp, x, weights, layout, 0, k, slot, ragged), jnp.zeros((), jnp.int32)
+    # The later rounds traced first: the backward pass runs in reverse, so the first round's
+    # backward pass, and the release of the received rows and slots it keeps, comes before the
+    # later rounds' loop in trace order. (XLA:TPU's and XLA:CPU's peaks are the same either way:
+    # their schedulers order the two; the planner's walk follows trace order, and this one is
+    # XLA:TPU's: docs/planning.md, "Caveats".)
+    later = _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged)
+    return _round(pair_mlp, x, weights, layout, 0, k, slot, ragged) + later, jnp.zeros((), jnp.int32)
