@@ -151,8 +151,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--save-hf", default=None,
                    help="also write the trained model as a Hugging Face checkpoint here (an empty or new directory, "
                         "or this run's own earlier export when resumed)")  # fmt: skip
-    r.add_argument("--lora", default=None, metavar="r=R,alpha=A[,rslora][,targets=NAME,...]",
+    r.add_argument("--lora", default=None, metavar="r=R,alpha=A[,dropout=P][,rslora][,targets=NAME,...]",
                    help="train LoRA adapters only, the model frozen: rank, alpha (scale alpha/r; rsLoRA alpha/sqrt(r)), "
+                        "dropout on the adapters' inputs while training (PEFT's lora_dropout, default 0), "
                         "targets as PEFT names modules (default all-linear: every linear weight but the head); "
                         "--save-hf then writes the merged model")  # fmt: skip
     r.add_argument("--save-adapter", default=None, metavar="DIR",
@@ -172,8 +173,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_lora(text: str) -> lora.LoraConfig:
-    """``--lora``'s value: ``r=16,alpha=32[,rslora][,targets=q_proj,v_proj]`` (the names after
-    ``targets=`` run to the end)."""
+    """``--lora``'s value: ``r=16,alpha=32[,dropout=0.05][,rslora][,targets=q_proj,v_proj]``
+    (the names after ``targets=`` run to the end)."""
     fields: dict[str, object] = {"targets": (lora.ALL_LINEAR,)}
     parts = [x.strip() for x in text.split(",") if x.strip()]
     for i, part in enumerate(parts):
@@ -183,13 +184,13 @@ def parse_lora(text: str) -> lora.LoraConfig:
             break
         if key == "rslora" and not value:
             fields["rslora"] = True
-        elif key in ("r", "alpha") and value:
+        elif key in ("r", "alpha", "dropout") and value:
             try:
                 fields[key] = int(value) if key == "r" else float(value)
             except ValueError:
                 raise ConfigError(f"--lora {key}={value!r}: not a number") from None
         else:
-            raise ConfigError(f"--lora: {part!r} is not one of r=, alpha=, rslora, targets=")
+            raise ConfigError(f"--lora: {part!r} is not one of r=, alpha=, dropout=, rslora, targets=")
     if "r" not in fields or "alpha" not in fields:
         raise ConfigError(f"--lora {text!r}: r= and alpha= are needed")
     return lora.LoraConfig(**fields)

@@ -207,21 +207,23 @@ def _train_recipe():
 
 
 def test_recipe_trains_only_the_adapters_and_saves_them_as_peft(tmp_path):
-    """`recipes/train.py --checkpoint DIR --data chats.jsonl --lora r=8,alpha=16 --save-adapter A
-    --save-hf M` (issue 41: chats, the loss on the assistant's tokens): the held-out loss falls,
-    the adapters load back onto the untouched base, the merged checkpoint equals them."""
+    """`recipes/train.py --checkpoint DIR --data chats.jsonl --lora r=8,alpha=16,dropout=0.05
+    --save-adapter A --save-hf M` (issue 41: chats, the loss on the assistant's tokens, with
+    PEFT's dropout): the held-out loss falls, the adapters load back onto the untouched base, the
+    merged checkpoint equals them."""
     data = FIXTURES / "chats.jsonl"
     tiny = FIXTURES / "tokenizer-tiny"
     recipe = _train_recipe()
     recipe.main(["--checkpoint", str(tiny), "--data", str(data), "--data-cache", str(tmp_path / "c"), "--steps", "20",
                  "--batch-size", "4", "--seq-len", "64", "--eval-every", "20", "--lr", "3e-3", "--run-dir",
-                 str(tmp_path / "run"), "--lora", "r=8,alpha=16,targets=q_proj,v_proj,down_proj", "--save-adapter",
+                 str(tmp_path / "run"), "--lora", "r=8,alpha=16,dropout=0.05,targets=q_proj,v_proj,down_proj", "--save-adapter",
                  str(tmp_path / "adapter"), "--save-hf", str(tmp_path / "merged"), "--peak-tflops", "1"])  # fmt: skip
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     vals = [r["val_loss"] for r in lines if "val_loss" in r]
     assert vals[-1] < vals[0], vals
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (8, 16, ["down_proj", "q_proj", "v_proj"])
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"], sorted(config["target_modules"])) == \
+        (8, 16, 0.05, ["down_proj", "q_proj", "v_proj"])
     base = zoo.from_pretrained(tiny)
     adapted = lora.load_adapter(base, tmp_path / "adapter")
     assert float(jnp.abs(adapted.adapters["layers.attn.wq"].b).max()) > 0  # trained
@@ -253,7 +255,8 @@ def test_eval_and_generate_take_a_peft_adapter(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("value, message", [("r=8", "r= and alpha= are needed"), ("r=x,alpha=2", "not a number"),
-                                            ("r=4,alpha=8,dropout=0.1", "'dropout=0.1' is not one of")])  # fmt: skip
+                                            ("r=4,alpha=8,drop=0.1", "'drop=0.1' is not one of"),
+                                            ("r=4,alpha=8,dropout=1.5", r"dropout must be in \[0, 1\)")])  # fmt: skip
 def test_recipe_lora_flag_is_checked(value, message):
     from zoo.errors import ConfigError as CE
 

@@ -48,6 +48,9 @@ class Param:
         stack is stored under index ``stored[i]`` in the key.
     own_sizes: ``((letter, size), ...)`` of letters the config does not size (a quantized
         weight's codes, :data:`zoo.core.layout.CODES`), where the layout needs their size.
+    matmul: the name of the :func:`zoo.layers.fp8.matmul` call that reads the weight (its
+        precision map's name; ``None`` for a weight read otherwise, such as a routed expert's):
+        where a wrapper adds a term of its own to that product (LoRA's dropout path).
     """
 
     axes: str
@@ -57,6 +60,7 @@ class Param:
     trainable: bool = True
     hf_index: tuple[tuple[str, tuple[int, ...]], ...] = ()
     own_sizes: tuple[tuple[str, int], ...] = ()
+    matmul: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:

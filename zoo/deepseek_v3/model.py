@@ -57,20 +57,20 @@ def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
 
         put("attn_norm", "D", "input_layernorm.weight", "D", init="ones")
         if config.q_lora_rank is None:
-            put("attn.wq", "D H K", "self_attn.q_proj.weight", "(H K) D")
+            put("attn.wq", "D H K", "self_attn.q_proj.weight", "(H K) D", matmul="query")
         else:
-            put("attn.wq_a", "D Q", "self_attn.q_a_proj.weight", "Q D")
+            put("attn.wq_a", "D Q", "self_attn.q_a_proj.weight", "Q D", matmul="q_a")
             put("attn.q_norm", "Q", "self_attn.q_a_layernorm.weight", "Q", init="ones")
-            put("attn.wq_b", "Q H K", "self_attn.q_b_proj.weight", "(H K) Q")
-        put("attn.wkv_a", "D A", "self_attn.kv_a_proj_with_mqa.weight", "A D")
+            put("attn.wq_b", "Q H K", "self_attn.q_b_proj.weight", "(H K) Q", matmul="query")
+        put("attn.wkv_a", "D A", "self_attn.kv_a_proj_with_mqa.weight", "A D", matmul="kv_a")
         put("attn.kv_norm", "C", "self_attn.kv_a_layernorm.weight", "C", init="ones")
-        put("attn.wkv_b", "C H W", "self_attn.kv_b_proj.weight", "(H W) C")
-        put("attn.wo", "H U D", "self_attn.o_proj.weight", "D (H U)")
+        put("attn.wkv_b", "C H W", "self_attn.kv_b_proj.weight", "(H W) C", matmul="kv_b")
+        put("attn.wo", "H U D", "self_attn.o_proj.weight", "D (H U)", matmul="attn_out")
         put("mlp_norm", "D", "post_attention_layernorm.weight", "D", init="ones")
         if stack == "Ld":
-            put("mlp.w_gate", "D F", "mlp.gate_proj.weight", "F D")
-            put("mlp.w_up", "D F", "mlp.up_proj.weight", "F D")
-            put("mlp.w_down", "F D", "mlp.down_proj.weight", "D F")
+            put("mlp.w_gate", "D F", "mlp.gate_proj.weight", "F D", matmul="mlp_gate")
+            put("mlp.w_up", "D F", "mlp.up_proj.weight", "F D", matmul="mlp_up")
+            put("mlp.w_down", "F D", "mlp.down_proj.weight", "D F", matmul="mlp_down")
             return
         put("moe.router", "D E", "mlp.gate.weight", "E D")
         put("moe.router_bias", "E", "mlp.gate.e_score_correction_bias", "E", init="zeros", trainable=False)
@@ -78,9 +78,9 @@ def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
         put("moe.w_up", "E D M", "mlp.experts.{E}.up_proj.weight", "M D")
         put("moe.w_down", "E M D", "mlp.experts.{E}.down_proj.weight", "D M")
         if config.n_shared_experts:
-            put("moe.shared.w_gate", "D X", "mlp.shared_experts.gate_proj.weight", "X D")
-            put("moe.shared.w_up", "D X", "mlp.shared_experts.up_proj.weight", "X D")
-            put("moe.shared.w_down", "X D", "mlp.shared_experts.down_proj.weight", "D X")
+            put("moe.shared.w_gate", "D X", "mlp.shared_experts.gate_proj.weight", "X D", matmul="shared_gate")
+            put("moe.shared.w_up", "D X", "mlp.shared_experts.up_proj.weight", "X D", matmul="shared_up")
+            put("moe.shared.w_down", "X D", "mlp.shared_experts.down_proj.weight", "D X", matmul="shared_down")
 
     if config.num_dense_layers:
         block("dense_layers", "Ld", "model.layers.{Ld}.")
@@ -93,7 +93,7 @@ def deepseek_v3_params(config: DeepseekV3Config) -> dict[str, Param]:
         mtp = f"model.layers.{config.num_layers}."
         specs["mtp.enorm"] = Param("D", mtp + "enorm.weight", "D", init="ones")
         specs["mtp.hnorm"] = Param("D", mtp + "hnorm.weight", "D", init="ones")
-        specs["mtp.proj"] = Param("D2 D", mtp + "eh_proj.weight", "D D2")
+        specs["mtp.proj"] = Param("D2 D", mtp + "eh_proj.weight", "D D2", matmul="mtp_proj")
         specs["mtp.final_norm"] = Param("D", mtp + "shared_head.norm.weight", "D", init="ones")
         block("mtp.block", "", mtp)  # an MoE block, as in the published model
     return specs

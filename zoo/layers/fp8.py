@@ -47,6 +47,7 @@ from jaxtyping import Array, Float, UInt8
 
 from zoo.core.mesh import PIPELINE
 from zoo.errors import ConfigError
+from zoo.hooks import products
 from zoo.hooks.step import varying_axes, varying_over
 
 Recipe = Literal["none", "tensorwise", "mxfp8", "blockwise"]
@@ -378,8 +379,11 @@ def matmul(
     """
     recipe = recipe_of(name)
     if recipe == "none":
-        return jnp.einsum(spec, x, w)
-    return einsum_fp8(spec, x, w, recipe, saved=saved, shared=shared if shared is not None and shared.recipe == recipe else None)
+        y = jnp.einsum(spec, x, w)
+    else:
+        y = einsum_fp8(spec, x, w, recipe, saved=saved, shared=shared if shared is not None and shared.recipe == recipe else None)
+    term = products.term_for(name)  # a wrapper's own term (LoRA dropout's path: zoo.hooks.products)
+    return y if term is None else y + term(spec, x, w)
 
 
 def _letters(spec: str) -> tuple[str, str, str, list[str], list[str], list[str], list[str]]:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import jax
 
 from zoo.core.params import with_values
+from zoo.hooks import products
 from zoo.hooks.pipeline import pipelined_scan
 from zoo.hooks.step import GATHERED, pipeline_of, remat_policy
 
@@ -83,7 +84,9 @@ def scan_layers(
 
     def under(checkpointed: Callable[..., Any] | None) -> Callable[..., tuple[Carry, Any]]:
         def scoped(c: Carry, layer: Any, r: Any) -> tuple[Carry, Any]:  # announces the policy it runs under
-            with jax.named_scope(LAYER_SCOPE), _policy(checkpointed):
+            # (a wrapper's terms for this layer's products, added as its weights are computed:
+            # zoo.hooks.products)
+            with jax.named_scope(LAYER_SCOPE), _policy(checkpointed), products.layer_scope():
                 layer = with_values(layer)  # a deferred weight's value: this layer's only
                 return body(c, layer) if rows is None else body(c, layer, r)
 

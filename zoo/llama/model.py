@@ -40,14 +40,14 @@ def llama_params(config: LlamaConfig) -> dict[str, Param]:
     specs = {
         "embed": Param("V D", "model.embed_tokens.weight", "V D"),
         "layers.attn_norm": Param("L D", layer + "input_layernorm.weight", "D", init="ones"),
-        "layers.attn.wq": Param("L D H K", layer + "self_attn.q_proj.weight", "(H K) D"),
-        "layers.attn.wk": Param("L D G K", layer + "self_attn.k_proj.weight", "(G K) D"),
-        "layers.attn.wv": Param("L D G K", layer + "self_attn.v_proj.weight", "(G K) D"),
-        "layers.attn.wo": Param("L H K D", layer + "self_attn.o_proj.weight", "D (H K)"),
+        "layers.attn.wq": Param("L D H K", layer + "self_attn.q_proj.weight", "(H K) D", matmul="query"),
+        "layers.attn.wk": Param("L D G K", layer + "self_attn.k_proj.weight", "(G K) D", matmul="key"),
+        "layers.attn.wv": Param("L D G K", layer + "self_attn.v_proj.weight", "(G K) D", matmul="value"),
+        "layers.attn.wo": Param("L H K D", layer + "self_attn.o_proj.weight", "D (H K)", matmul="attn_out"),
         "layers.mlp_norm": Param("L D", layer + "post_attention_layernorm.weight", "D", init="ones"),
-        "layers.mlp.w_gate": Param("L D F", layer + "mlp.gate_proj.weight", "F D"),
-        "layers.mlp.w_up": Param("L D F", layer + "mlp.up_proj.weight", "F D"),
-        "layers.mlp.w_down": Param("L F D", layer + "mlp.down_proj.weight", "D F"),
+        "layers.mlp.w_gate": Param("L D F", layer + "mlp.gate_proj.weight", "F D", matmul="mlp_gate"),
+        "layers.mlp.w_up": Param("L D F", layer + "mlp.up_proj.weight", "F D", matmul="mlp_up"),
+        "layers.mlp.w_down": Param("L F D", layer + "mlp.down_proj.weight", "D F", matmul="mlp_down"),
         "final_norm": Param("D", "model.norm.weight", "D", init="ones"),
     }
     if not config.tie_word_embeddings:

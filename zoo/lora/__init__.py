@@ -22,10 +22,11 @@ from zoo.lora.adapter import (
     trainable_labels,
     valid_targets,
 )
+from zoo.lora.dropout import dropout_key
 from zoo.lora.peft import adapter_config, load_adapter, read_adapter_config, save_adapter
 
 __all__ = [
-    "ALL_LINEAR", "Adapter", "FrozenLayer", "LayerUpdate", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "init", "linear_weights",
+    "ALL_LINEAR", "Adapter", "FrozenLayer", "LayerUpdate", "LoraConfig", "LoraModel", "adapter_config", "base_model", "check_trainable", "delta", "dropout_key", "init", "linear_weights",
     "load_adapter", "merge", "param_specs", "place_unstreamed", "read_adapter_config", "resolve_targets", "save_adapter", "trainable_labels",
     "valid_targets",
 ]  # fmt: skip

@@ -15,6 +15,7 @@ model (the layer scan sees merged stacks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -25,23 +26,25 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt32
 
 from zoo.core.layout import gather_axes, is_layer_stack, layout_sizes, param_axes
-from zoo.core.mesh import axis_names, axis_size
+from zoo.core.mesh import PIPELINE, axis_names, axis_size
 from zoo.core.params import Deferred, Param, is_deferred, path_name
 from zoo.core.protocol import VOCAB, CausalLM
 from zoo.core.registry import family_of
 from zoo.errors import ConfigError
+from zoo.hooks import products
+from zoo.hooks.products import add_term
 from zoo.hooks.step import block_of, current_step
+from zoo.lora import dropout
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     """rank ``r``, ``alpha``, the target names (PEFT's ``target_modules``), rsLoRA scaling
-    (``alpha / sqrt(r)`` in place of ``alpha / r``), and ``dropout`` (PEFT's ``lora_dropout``;
-    kept in the saved config, but not applied: adapters merged into the weights leave no input
-    path of their own to drop, see :func:`check_trainable`)."""
+    (``alpha / sqrt(r)`` in place of ``alpha / r``), and ``dropout`` (PEFT's ``lora_dropout``:
+    the rate at which a training step drops the adapters' inputs, :mod:`zoo.lora.dropout`)."""
 
     r: int
     alpha: int | float
@@ -190,13 +193,12 @@ def _as_block(x: Float[Array, "..."], dim: int, held: tuple[str, ...], want: tup
     return block_of(x, dim, want)
 
 
-def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, lead: tuple[int, ...] | None = None,
-          split: Mapping[str, tuple[str, ...]] | None = None) -> Float[Array, "*dims"]:  # fmt: skip
-    """``scale · B A`` in the family's layout of ``p`` (its axes, stacked ones included), float32.
-    ``lead``: of one layer's slice of the adapter instead (the layer axis gone), led by these
-    sizes (none; or a view's, where the scan runs the stack reshaped). ``split``: per letter of
-    the weight's out and in features, the mesh axes that split it where this runs (inside the
-    parallel step): the block this device holds, from those blocks of ``B`` and ``A``."""
+def factors(p: Param, sizes: Mapping[str, int], adapter: Adapter, split: Mapping[str, tuple[str, ...]] | None = None
+            ) -> tuple[Float[Array, "*S *o r"], Float[Array, "*S r *i"]]:  # fmt: skip
+    """``B`` and ``A`` in float32 with each of the weight's out (in) feature letters a dimension
+    of its own, ``p.hf_groups()``'s order; ``split``: per letter, the mesh axes that split it
+    where this runs (inside the parallel step): the blocks of ``B`` and ``A`` a weight block
+    split so needs (as held where they are the same; gathered, or cut, where not)."""
     out_group, in_group = p.hf_groups()
     split = split or {}
     held_a, held_b = _held(p, sizes)  # (a feature of one letter: the adapter's block of it, as laid out)
@@ -208,6 +210,19 @@ def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, le
         b = _as_block(b, n + j, held_b.get(x, ()), split.get(x, ()))
     for j, x in enumerate(in_group):
         a = _as_block(a, n + 1 + j, held_a.get(x, ()), split.get(x, ()))
+    return b, a
+
+
+def delta(p: Param, sizes: Mapping[str, int], adapter: Adapter, scale: float, lead: tuple[int, ...] | None = None,
+          split: Mapping[str, tuple[str, ...]] | None = None) -> Float[Array, "*dims"]:  # fmt: skip
+    """``scale · B A`` in the family's layout of ``p`` (its axes, stacked ones included), float32.
+    ``lead``: of one layer's slice of the adapter instead (the layer axis gone), led by these
+    sizes (none; or a view's, where the scan runs the stack reshaped). ``split``: per letter of
+    the weight's out and in features, the mesh axes that split it where this runs (inside the
+    parallel step): the block this device holds, from those blocks of ``B`` and ``A``."""
+    out_group, in_group = p.hf_groups()
+    b, a = factors(p, sizes, adapter, split)
+    n = a.ndim - 1 - len(in_group)  # leading (stacked) dimensions
     no, ni, r = len(out_group), len(in_group), n + len(out_group) + len(in_group)
     d = scale * jnp.einsum(b, [*range(n + no), r], a, [*range(n), r, *range(n + no, n + no + ni)],
                            [*range(n + no + ni)], precision=jax.lax.Precision.HIGHEST)  # fmt: skip
@@ -243,6 +258,11 @@ def local_split(path: str, p: Param, sizes: Mapping[str, int], shape: tuple[int,
                               f"of the mesh's layout {laid} (a padded layout is not supported: use a mesh that divides "
                               "the model)")  # fmt: skip
     return out
+
+
+def _factors_for(path: str, p: Param, sizes: Mapping[str, int], adapter: Adapter) -> dropout.Factors:
+    """For a weight of a given local shape, the blocks of ``adapter``'s factors it needs."""
+    return lambda shape: factors(p, sizes, adapter, local_split(path, p, sizes, shape))
 
 
 def _merged(path: str, w: Array, d: Array, frozen: bool) -> Array:
@@ -286,15 +306,29 @@ class LayerUpdate(Deferred):
     param: Param = eqx.field(static=True)
     sizes: tuple[tuple[str, int], ...] = eqx.field(static=True)
     scale: float = eqx.field(static=True)
+    # LoRA dropout's (zoo.lora.dropout): each layer's key, and the rate (no key: no dropout)
+    key: UInt32[Array, "*L 2"] | None = None
+    rate: float = eqx.field(static=True, default=0.0)
 
     def value(self) -> Float[Array, "*dims"]:
         """One layer's merged weight; inside the parallel step, the block of it this device
-        holds (the FSDP gather comes after, on the merged block)."""
+        holds (the FSDP gather comes after, on the merged block). With dropout, the term its
+        product adds (:func:`zoo.lora.dropout.term`) is this layer's."""
         w = self.w.value() if isinstance(self.w, Deferred) else on_device(self.w)
         lead = w.shape[: w.ndim - (len(self.param.names) - 1)]
         sizes = dict(self.sizes)
         split = local_split(self.path, self.param, sizes, w.shape)
         d = delta(self.param, sizes, self.adapter, self.scale, lead=lead, split=split)
+        if self.key is not None:
+            # A view's slice of one layer (Qwen3's repeats of one layer) holds it as [1, ...]; of
+            # several, the body's products would not say which layer's term is theirs.
+            if math.prod(lead) != 1:
+                raise ConfigError(f"LoRA dropout on {self.path}: the layer scan runs {math.prod(lead)} of its layers "
+                                  "in one body, where dropout's path is not implemented yet: use dropout=0")  # fmt: skip
+            one = jax.tree.map(lambda x: x.reshape(x.shape[len(lead):]), (self.adapter, self.key))
+            blocks = _factors_for(self.path, self.param, sizes, one[0])
+            term = dropout.term(self.path, self.param, blocks, self.scale, self.rate, jr.wrap_key_data(one[1]))
+            add_term(self.param.matmul, term, f"LoRA dropout on {self.path}")
         return _merged(self.path, w, d, frozen=True)
 
 
@@ -323,6 +357,8 @@ class LoraModel(eqx.Module):
 
     def _with_deltas(self, frozen: bool, per_layer: bool = False) -> CausalLM:
         specs, sizes, scale = family_of(self.base).param_specs(self.base.config), self.base.config.sizes, self.lora.scale
+        # LoRA dropout where a step gives a key (training), in a forward pass (zoo.lora.dropout)
+        key = dropout.current_key() if per_layer and self.lora.dropout else None
 
         def leaf(at, w):
             path = path_name(at)
@@ -337,8 +373,14 @@ class LoraModel(eqx.Module):
                     return FrozenLayer(w)
                 return jax.lax.stop_gradient(w) if frozen else w
             p = specs[path]
+            adapter = self.adapters[path]
             if lazy:  # merged by the layer scan, a layer at a time
-                return LayerUpdate(w, self.adapters[path], path, p, tuple(sorted(sizes.items())), scale)
+                keys = None if key is None else dropout.layer_keys(key, path, adapter.a.shape[0])
+                return LayerUpdate(w, adapter, path, p, tuple(sorted(sizes.items())), scale, keys, self.lora.dropout)
+            if key is not None:  # a weight outside the layer stacks: its term is the model call's
+                term = dropout.term(path, p, _factors_for(path, p, sizes, adapter), scale, self.lora.dropout,
+                                    dropout.weight_key(key, path))  # fmt: skip
+                add_term(p.matmul, term, f"LoRA dropout on {path}")
             w = w.stacked_value() if deferred else w
             split = local_split(path, p, sizes, w.shape)
             return _merged(path, w, delta(p, sizes, self.adapters[path], scale, split=split), frozen)
@@ -354,14 +396,21 @@ class LoraModel(eqx.Module):
         layer scan, a layer at a time (:class:`LayerUpdate`), the others merged here."""
         return self._with_deltas(frozen=True, per_layer=True)
 
+    def _terms(self) -> contextlib.AbstractContextManager:
+        """The scope of dropout's terms (zoo.hooks.products) for one call, where it drops."""
+        return products.scope() if self.lora.dropout and dropout.current_key() is not None else contextlib.nullcontext()
+
     def __call__(self, input_ids: Int[Array, "B S"], **kw: Any) -> Float[Array, "B S V"]:
-        return self._scanned()(input_ids, **kw)
+        with self._terms():
+            return self._scanned()(input_ids, **kw)
 
     def forward(self, input_ids: Int[Array, "B S"], **kw: Any) -> tuple[Any, ...]:
-        return self._scanned().forward(input_ids, **kw)
+        with self._terms():
+            return self._scanned().forward(input_ids, **kw)
 
     def loss(self, input_ids: Int[Array, "B S"], **kw: Any) -> tuple[Float[Array, ""], dict[str, Array]]:
-        return self._scanned().loss(input_ids, **kw)
+        with self._terms():
+            return self._scanned().loss(input_ids, **kw)
 
     def unembedding(self) -> Float[Array, "V D"]:
         return self.adapted().unembedding()
@@ -479,8 +528,8 @@ def trainable_labels(model: LoraModel) -> LoraModel:
 
 def check_trainable(model: Any, *, mesh: Any = None) -> None:
     """Refuse what zoo.train cannot honour yet: a model with quantized weights but no adapters
-    (its base is frozen: only adapters train on it), LoRA dropout (the adapters are merged into
-    the weights, so there is no adapter input of its own to drop), and an adapted or quantized
+    (its base is frozen: only adapters train on it), LoRA dropout on a weight that no named
+    product reads (routed experts) or on a pipeline mesh, and an adapted or quantized
     weight that the mesh pads. Adapters train on any mesh: laid out as their weight is (layers
     over ``pipeline``, experts over ``expert``, a feature of one letter as the weight splits
     it: :func:`adapter_params`), each device merging the block of the update its weight's block
@@ -497,9 +546,15 @@ def check_trainable(model: Any, *, mesh: Any = None) -> None:
                               "train LoRA adapters on it (zoo.lora.init), or train zoo.lora.quantized.dequantized(model)")  # fmt: skip
         return
     config = model.lora
-    if config.dropout:
-        raise ConfigError(f"LoRA dropout {config.dropout} is not implemented for training (the adapters are merged "
-                          "into the weights; dropout needs the unmerged x·Aᵀ·Bᵀ path): use dropout=0")  # fmt: skip
+    if config.dropout:  # (its path is the product that reads the weight: zoo.lora.dropout)
+        specs = family_of(model.base).param_specs(model.base.config)
+        for path in (x for x in model.adapters if specs[x].matmul is None):
+            raise ConfigError(f"LoRA dropout {config.dropout} on {path}: the weight is not read by a named projection "
+                              f"(a routed expert's grouped products), where dropout's path is not implemented yet: use "
+                              f"dropout=0, or leave {module_of(specs[path]).rsplit('.', 1)[-1]} out of the targets")  # fmt: skip
+        if mesh is not None and int(dict(mesh.shape).get(PIPELINE, 1)) > 1:
+            raise ConfigError(f"LoRA dropout {config.dropout} on a mesh with a pipeline axis is not implemented yet (a "
+                              "stage's micro-batches would draw one mask): use dropout=0, or a mesh without pipeline")  # fmt: skip
     if mesh is None or mesh.size == 1:
         return
     config = model.base.config

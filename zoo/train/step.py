@@ -76,6 +76,8 @@ def make_train_step(
     static = run_state(model)[1]
     schedule = learning_rate(cfg)
     stages = 1 if mesh is None else int(mesh.shape.get("pipeline", 1))
+    dropping = isinstance(model, lora.LoraModel) and model.lora.dropout > 0
+    dropout_root = jax.random.fold_in(jax.random.key(cfg.seed), 0x10AD) if dropping else None
 
     def loss_fn(m, ids, **fields):
         return loss_and_metrics(m, ids, cfg=cfg, placement=placement, **fields)
@@ -100,24 +102,26 @@ def make_train_step(
             opt_state = tree_placement(opt_state, "device")
 
         batch = as_batch(batch)
+        n = batch["input_ids"].shape[0]
 
-        def grads_of(p, b):
+        def grads_of(p, b, i):
             fields = {k: v for k, v in b.items() if k != "input_ids"}
-            with stacks_in_stage_order(stages, cfg.virtual_stages), fp8.using(recipes):
+            # LoRA dropout's masks: the run's seed, the step and the micro-batch (zoo.lora.dropout)
+            key = jax.random.fold_in(jax.random.fold_in(dropout_root, index), i) if dropout_root is not None else None
+            with stacks_in_stage_order(stages, cfg.virtual_stages), fp8.using(recipes), lora.dropout_key(key):
                 # (the run keeps its stacks in stage order: see train())
                 return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
 
-        def micro(acc, b):
-            (loss, metrics), grads = grads_of(params, b)
+        def micro(acc, bi):
+            (loss, metrics), grads = grads_of(params, *bi)
             grads = eqx.filter(grads, eqx.is_inexact_array)
             acc = jax.tree.map(jnp.add, acc, (loss, metrics, grads))
             return acc, None
 
         first = jax.tree.map(lambda x: x[0], batch)
-        zeros = jax.tree.map(jnp.zeros_like, eqx.filter_eval_shape(grads_of, params, first))
+        zeros = jax.tree.map(jnp.zeros_like, eqx.filter_eval_shape(grads_of, params, first, jnp.int32(0)))
         zeros = (zeros[0][0], zeros[0][1], eqx.filter(zeros[1], eqx.is_inexact_array))
-        (loss, metrics, grads), _ = jax.lax.scan(micro, zeros, batch)
-        n = batch["input_ids"].shape[0]
+        (loss, metrics, grads), _ = jax.lax.scan(micro, zeros, (batch, jnp.arange(n, dtype=jnp.int32)))
         loss = loss / n
         # Counts (integer metrics, such as an expert load) add up over micro-batches; the rest average.
         metrics = {k: (v if jnp.issubdtype(v.dtype, jnp.integer) else v / n) for k, v in metrics.items()}
