@@ -58,13 +58,14 @@ def _even_features(key, shape, rate):
     return jnp.broadcast_to(jnp.arange(shape[-1]) % 2 == 0, shape)
 
 
-def _columns_dropped(model: lora.LoraModel, adapters: dict) -> dict:
-    """``adapters`` with each ``A``'s columns of odd last input feature zeroed, the rest scaled by 1 / (1 - p)."""
+def _columns_dropped(model: lora.LoraModel, adapters: dict, parity: int = 0) -> dict:
+    """``adapters`` with each ``A``'s columns of odd (``parity`` 1: even) last input feature
+    zeroed, the rest scaled by 1 / (1 - p)."""
     specs, sizes = family_of(model.base).param_specs(model.base.config), model.base.config.sizes
     out = {}
     for path, ad in adapters.items():
         inputs = [sizes[x] for x in specs[path].hf_groups()[1]]
-        keep = (jnp.arange(inputs[-1]) % 2 == 0).astype(ad.a.dtype) / (1 - model.lora.dropout)
+        keep = (jnp.arange(inputs[-1]) % 2 == parity).astype(ad.a.dtype) / (1 - model.lora.dropout)
         a = ad.a.reshape(*ad.a.shape[:-1], *inputs) * keep
         out[path] = lora.Adapter(a=a.reshape(ad.a.shape), b=ad.b)
     return out
@@ -75,12 +76,12 @@ def _loss(model, ids):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _reference(model: lora.LoraModel, ids):
+def _reference(model: lora.LoraModel, ids, parity: int = 0):
     """The loss and adapter gradients of the adapted model without dropout whose ``A`` drops the mask's features."""
     plain = lora.LoraConfig(r=model.lora.r, alpha=model.lora.alpha, targets=model.lora.targets)
 
     def f(adapters):
-        return _loss(lora.LoraModel(base=model.base, adapters=_columns_dropped(model, adapters), lora=plain), ids)
+        return _loss(lora.LoraModel(base=model.base, adapters=_columns_dropped(model, adapters, parity), lora=plain), ids)
 
     return jax.jit(jax.value_and_grad(f))(model.adapters)
 
@@ -114,11 +115,21 @@ def test_dropout_is_peft_dropout_with_a_known_mask(name, monkeypatch):
     assert float(_loss(model, ids)) == float(_loss(plain, ids))  # no key: no dropout
 
 
-@pytest.mark.parametrize("name, spec", [("llama", "fsdp=4,tensor=2"), ("deepseek_v3", "fsdp=2,expert=2,tensor=2")])
-def test_dropout_on_a_mesh_is_the_known_mask_reference(name, spec, monkeypatch):
+MESHES = [
+    ("llama", "fsdp=4,tensor=2", {}),
+    ("deepseek_v3", "fsdp=2,expert=2,tensor=2", {}),
+    ("llama", "pipeline=2,fsdp=2,tensor=2", {"microbatches": 4}),
+    ("llama", "pipeline=2,fsdp=4", {"microbatches": 2, "schedule": "1f1b"}),
+]
+
+
+@pytest.mark.parametrize("name, spec, options", MESHES, ids=[f"{n}-{s}-{o.get('schedule', 'gpipe' if 'pipe' in s else '')}"
+                                                            for n, s, o in MESHES])  # fmt: skip
+def test_dropout_on_a_mesh_is_the_known_mask_reference(name, spec, options, monkeypatch):
     """Dropout's term made from the adapters' blocks as each product's weight is laid out
     (FSDP's gathered D, the tensor split's heads and hidden units, summed with the product over
-    ``tensor``): on a mesh with the fixed mask, one device's reference loss and gradients."""
+    ``tensor``; a stage's layers, on GPipe's and 1F1B's schedules): on a mesh with the fixed
+    mask, one device's reference loss and gradients."""
     model = _adapted(name)
     ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size, dtype=jnp.int32)
     monkeypatch.setattr(dropout, "mask", _even_features)
@@ -130,7 +141,7 @@ def test_dropout_on_a_mesh_is_the_known_mask_reference(name, spec, monkeypatch):
         with lora.dropout_key(jr.key(0)):
             return _loss(m, ids)
 
-    loss, grads = parallel.value_and_grad(f, mesh, frozen="none")(parallel.shard(model, mesh), ids)
+    loss, grads = parallel.value_and_grad(f, mesh, frozen="none", **options)(parallel.shard(model, mesh), ids)
     _check(loss, parallel.unpad(grads).adapters, want_loss, want, model)
 
 
@@ -156,14 +167,11 @@ def test_random_masks_drop_at_the_rate_and_differ_by_key():
 
 
 def test_dropout_where_its_path_is_missing_is_refused_naming_it():
-    """Routed experts (read by grouped products, not a named one) and pipeline meshes are
-    refused before the run; a term no product takes is refused where the layer is traced."""
+    """Routed experts (read by grouped products, not a named one) are refused before the run; a
+    term no product takes is refused where the layer is traced."""
     model = lora.init(_tiny("qwen3_moe"), lora.LoraConfig(r=2, alpha=4, targets=("gate_proj",), dropout=0.1), key=jr.key(0))
     with pytest.raises(ConfigError, match=r"moe_layers.moe.w_gate: the weight is not read by a named projection"):
         lora.check_trainable(model)
-    llama = _adapted("llama")
-    with pytest.raises(ConfigError, match="pipeline axis"):
-        lora.check_trainable(llama, mesh=parallel.make_mesh("pipeline=2,fsdp=4"))
     with pytest.raises(ConfigError, match=r"LoRA dropout on layers.attn.wq \(product 'query'\): no zoo.layers.fp8.matmul"), \
             products.scope():
         products.add_term("query", lambda spec, x, w: x, "LoRA dropout on layers.attn.wq")
@@ -195,3 +203,35 @@ def test_the_train_step_drops_with_the_step_and_micro_batch():
         second = float(_loss(model, ids))
     np.testing.assert_allclose(loss_at(5, jnp.stack([ids, ids])), (want + second) / 2, rtol=1e-6)
     assert second != want
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_draws_other_masks_for_other_micro_batches(schedule, monkeypatch):
+    """A pipeline stage runs every micro-batch with the same weights (and their layer's key):
+    the schedules say which micro-batch the layers run on, which dropout folds into the key.
+    Checked with a mask that keeps the even features on micro-batch 0 and the odd ones on 1:
+    on ``pipeline=2,data=4`` (two rows a device, one a micro-batch) the loss is the mean of the
+    two references' on the rows each micro-batch holds."""
+    from zoo.hooks import pipeline
+
+    def by_microbatch(key, shape, rate):
+        mb = pipeline.microbatch()
+        if mb is None:  # 1F1B's trace of the stack's shapes (no values computed)
+            return jnp.zeros(shape, bool)
+        return jnp.broadcast_to(jnp.arange(shape[-1]) % 2 == mb % 2, shape)
+
+    model = _adapted("llama")
+    ids = jr.randint(jr.key(1), (8, 16), 0, model.config.vocab_size, dtype=jnp.int32)
+    monkeypatch.setattr(dropout, "mask", by_microbatch)
+    mesh = parallel.make_mesh("pipeline=2,data=4")
+
+    def f(m, ids):
+        with lora.dropout_key(jr.key(0)):
+            return _loss(m, ids)
+
+    loss, grads = parallel.value_and_grad(f, mesh, frozen="none", microbatches=2, schedule=schedule)(
+        parallel.shard(model, mesh), ids)
+    even_loss, even = _reference(model, ids[0::2])  # micro-batch 0: each device's first row
+    odd_loss, odd = _reference(model, ids[1::2], parity=1)
+    want = jax.tree.map(lambda a, b: (a + b) / 2, even, odd)
+    _check(loss, parallel.unpad(grads).adapters, (even_loss + odd_loss) / 2, want, model)

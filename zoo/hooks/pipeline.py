@@ -244,7 +244,8 @@ def pipelined_scan(
         mb, v = item_batch[i], item_chunk[i]
         fed = jax.tree.map(lambda x: x[mb], micro)
         inputs = jax.tree.map(lambda a, b: jnp.where((stage == 0) & (v == 0), a, b), fed, received)
-        y, outs = run_chunk(inputs, jax.tree.map(lambda x: x[mb], micro_rows), v)
+        with on_microbatch(mb):
+            y, outs = run_chunk(inputs, jax.tree.map(lambda x: x[mb], micro_rows), v)
         keep = active & (stage == stages - 1) & (v == virtual - 1)
         outputs = jax.tree.map(
             lambda o, new: jax.lax.dynamic_update_index_in_dim(o, jnp.where(keep, new, o[mb]), mb, 0), outputs, y
@@ -431,6 +432,26 @@ def stack_total(x: Shaped[Array, "*shape"]) -> Shaped[Array, "*shape"]:
 
 
 _LAYOUT: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("zoo_stage_order", default=(1, 1))
+
+# The micro-batch a pipelined stack's layers run on at this point of the trace (a traced index),
+# for what must differ between micro-batches that a stage runs with the same weights (LoRA
+# dropout's masks: zoo.lora.dropout); ``None`` outside a pipelined stack.
+_MICROBATCH: contextvars.ContextVar[Array | None] = contextvars.ContextVar("zoo_microbatch", default=None)
+
+
+@contextlib.contextmanager
+def on_microbatch(index: Int[Array, ""]) -> Iterator[None]:
+    """Within it, :func:`microbatch` is ``index`` (set by the schedules around a chunk's layers)."""
+    token = _MICROBATCH.set(index)
+    try:
+        yield
+    finally:
+        _MICROBATCH.reset(token)
+
+
+def microbatch() -> Int[Array, ""] | None:
+    """The micro-batch a pipelined stack's layers run on here (``None`` outside one)."""
+    return _MICROBATCH.get()
 
 
 @contextlib.contextmanager

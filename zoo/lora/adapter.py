@@ -29,7 +29,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt32
 
 from zoo.core.layout import gather_axes, is_layer_stack, layout_sizes, param_axes
-from zoo.core.mesh import PIPELINE, axis_names, axis_size
+from zoo.core.mesh import axis_names, axis_size
 from zoo.core.params import Deferred, Param, is_deferred, path_name
 from zoo.core.protocol import VOCAB, CausalLM
 from zoo.core.registry import family_of
@@ -529,7 +529,7 @@ def trainable_labels(model: LoraModel) -> LoraModel:
 def check_trainable(model: Any, *, mesh: Any = None) -> None:
     """Refuse what zoo.train cannot honour yet: a model with quantized weights but no adapters
     (its base is frozen: only adapters train on it), LoRA dropout on a weight that no named
-    product reads (routed experts) or on a pipeline mesh, and an adapted or quantized
+    product reads (routed experts), and an adapted or quantized
     weight that the mesh pads. Adapters train on any mesh: laid out as their weight is (layers
     over ``pipeline``, experts over ``expert``, a feature of one letter as the weight splits
     it: :func:`adapter_params`), each device merging the block of the update its weight's block
@@ -550,11 +550,9 @@ def check_trainable(model: Any, *, mesh: Any = None) -> None:
         specs = family_of(model.base).param_specs(model.base.config)
         for path in (x for x in model.adapters if specs[x].matmul is None):
             raise ConfigError(f"LoRA dropout {config.dropout} on {path}: the weight is not read by a named projection "
-                              f"(a routed expert's grouped products), where dropout's path is not implemented yet: use "
+                              f"(a routed expert's grouped products), where dropout has no input of its own to drop "
+                              f"(PEFT's lora.ParamWrapper, which adapts fused experts, refuses lora_dropout too): use "
                               f"dropout=0, or leave {module_of(specs[path]).rsplit('.', 1)[-1]} out of the targets")  # fmt: skip
-        if mesh is not None and int(dict(mesh.shape).get(PIPELINE, 1)) > 1:
-            raise ConfigError(f"LoRA dropout {config.dropout} on a mesh with a pipeline axis is not implemented yet (a "
-                              "stage's micro-batches would draw one mask): use dropout=0, or a mesh without pipeline")  # fmt: skip
     if mesh is None or mesh.size == 1:
         return
     config = model.base.config

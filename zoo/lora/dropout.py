@@ -33,6 +33,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, UInt32
 
 from zoo.core.params import Param
 from zoo.errors import ConfigError
+from zoo.hooks.pipeline import microbatch
 from zoo.hooks.products import Term
 from zoo.hooks.step import varying_axes
 
@@ -103,6 +104,8 @@ def term(path: str, p: Param, factors: Factors, scale: float, rate: float, key: 
         k = key
         for axis in sorted(varying_axes(x)):  # other inputs on other devices: other masks
             k = jr.fold_in(k, jax.lax.axis_index(axis))
+        if (mb := microbatch()) is not None:  # a pipeline stage's micro-batches: one weight, other masks
+            k = jr.fold_in(k, mb)
         r = next(c for c in "rRzZyY" if c not in spec)
         ins, outs = "".join(letter[a] for a in in_group), "".join(letter[a] for a in out_group)
         rest = "".join(c for c in lhs if c not in contract)

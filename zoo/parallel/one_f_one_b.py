@@ -76,6 +76,7 @@ from zoo.hooks.pipeline import (
     chunk_size,
     in_layer_order,
     interleaved_items,
+    on_microbatch,
     split_at_stack,
     virtual_fits,
     virtual_options,
@@ -254,7 +255,7 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     def floating(leaf) -> bool:
         return jnp.issubdtype(leaf.dtype, jnp.inexact)
 
-    def forward(block, h, r, stage, v):
+    def forward(block, h, r, stage, v, mb):
         """This stage's chunk ``v`` of layers on one micro-batch, and their per-layer outputs
         ``[chunk, ...]`` as (floating, other) leaves; padding layers (past the real count)
         skipped, their outputs zero. Interleaved, each layer is picked out of the block inside its
@@ -270,12 +271,13 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             out = [jnp.where(real, o, jnp.zeros_like(o)) for o in jax.tree.leaves(out)]
             return jax.tree.map(lambda a, b: jnp.where(real, a, b), new, c), out
 
-        y, outs = jax.lax.scan(one, h, (block if virtual == 1 else None, jnp.arange(chunk)))
+        with on_microbatch(mb):  # (what differs by micro-batch with one weight: LoRA dropout's masks)
+            y, outs = jax.lax.scan(one, h, (block if virtual == 1 else None, jnp.arange(chunk)))
         return (y, [o for o in outs if floating(o)]), [o for o in outs if not floating(o)]
 
-    def layers(diff, r, stage, v):
+    def layers(diff, r, stage, v, mb):
         block, h = diff
-        return forward(block, h, r, stage, v)
+        return forward(block, h, r, stage, v, mb)
 
     forward_vjp, backward, layout = _kept_vjp(layers, "the stage's forward pass")
 
@@ -320,7 +322,7 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
     # The stage's weights are given to the backward pass again, its input is kept.
     again = (True,) * len(jax.tree.leaves(stacked)) + (False,) * len(jax.tree.leaves(x_shape))
     (y_shape, out_shapes), count_shapes, kept_shapes = jax.eval_shape(
-        lambda: forward_vjp((stacked, jax.tree.map(like, x_shape)), again, jax.tree.map(like, row_shapes), stage, zero)
+        lambda: forward_vjp((stacked, jax.tree.map(like, x_shape)), again, jax.tree.map(like, row_shapes), stage, zero, zero)
     )
     slots = ring_slots(stages, m, virtual)
     waits = min(m, 2 * stages)  # micro-batches whose head's residuals, rows or per-layer gradients a stage holds
@@ -437,7 +439,7 @@ def value_and_grad(loss_of: LossOf, params: PyTree, batch: PyTree, split: Pipeli
             mb, v = fwd_mb[i], fwd_chunk[i]
             h = jax.tree.map(lambda a, b: jnp.where((stage == 0) & (v == 0), a, b), x, state["fwd"])
             r = rows_of(state, mb)
-            (y, outs), counts, kept = forward_vjp((stacked, h), again, r, stage, v)
+            (y, outs), counts, kept = forward_vjp((stacked, h), again, r, stage, v, mb)
             slot = jnp.where(on, i % slots, slots)
             state["ring"] = put_all(state["ring"], kept, slot)
             state["outs"] = put_all(state["outs"], outs, slot)
