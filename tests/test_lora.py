@@ -286,6 +286,8 @@ def test_all_linear_is_peft_all_linear():
 
 
 def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
+    """With dropout: the masks come from the run's seed and the step, so the resumed steps draw
+    the uninterrupted run's."""
     from zoo import train as ztrain
     from zoo.data import stdlib_corpus
     from zoo.llama import preset
@@ -294,7 +296,7 @@ def test_a_lora_run_resumes_as_if_uninterrupted(tmp_path):
 
     def make():
         base = zoo.Llama(preset("tiny"), key=jr.key(0))
-        return lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj")), key=jr.key(1))
+        return lora.init(base, lora.LoraConfig(r=4, alpha=8, targets=("q_proj", "v_proj"), dropout=0.1), key=jr.key(1))
 
     cfg = ztrain.TrainConfig(steps=4, batch_size=4, seq_len=32, warmup=1, lr=3e-3, log_every=1, eval_every=100,
                              eval_batches=1, checkpoint_every=2)  # fmt: skip
