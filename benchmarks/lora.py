@@ -26,6 +26,7 @@ GiB and the priced tokens/s, or the smallest peak when nothing fits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -47,16 +48,19 @@ from zoo.lora import nf4
 from zoo.placement import tree_placement
 
 ADAPTERS = lora.LoraConfig(r=16, alpha=32, targets=(lora.ALL_LINEAR,))
+DROPOUT = dataclasses.replace(ADAPTERS, dropout=0.05)
 GIB, MIB = 2**30, 2**20
 
 
 def variants(base: Any, *, key: Any) -> list[tuple[str, Any, str]]:
-    """``(name, model, param_memory)``: full fine-tuning, LoRA, QLoRA on device and on host."""
+    """``(name, model, param_memory)``: full fine-tuning, LoRA, QLoRA on device and on host, and
+    LoRA with PEFT's dropout (0.05, ``zoo.lora.dropout``)."""
     adapted = lora.init(base, ADAPTERS, key=key) if not _abstract(base) else _abstract_lora(base)
     quantized = nf4.quantize_model(base)
     qlora = lora.init(quantized, ADAPTERS, key=key) if not _abstract(base) else _abstract_lora(quantized)
+    dropping = lora.LoraModel(base=adapted.base, adapters=adapted.adapters, lora=DROPOUT)
     return [("full fine-tuning", base, "device"), ("LoRA", adapted, "device"), ("QLoRA (NF4)", qlora, "device"),
-            ("QLoRA, base on host", qlora, "pinned_host")]  # fmt: skip
+            ("QLoRA, base on host", qlora, "pinned_host"), ("LoRA, dropout 0.05", dropping, "device")]  # fmt: skip
 
 
 def _abstract(model: Any) -> bool:

@@ -235,3 +235,15 @@ def test_a_stage_draws_other_masks_for_other_micro_batches(schedule, monkeypatch
     odd_loss, odd = _reference(model, ids[1::2], parity=1)
     want = jax.tree.map(lambda a, b: (a + b) / 2, even, odd)
     _check(loss, parallel.unpad(grads).adapters, (even_loss + odd_loss) / 2, want, model)
+
+
+def test_the_planner_prices_the_dropout_step():
+    """The planner traces zoo.train's step, masks included (their keys are values of a PRNG key
+    type, which its byte count once refused): the dropout step holds more than the plain one."""
+    from zoo import plan
+
+    model = _adapted("llama")
+    plain = lora.LoraModel(base=model.base, adapters=model.adapters, lora=lora.LoraConfig(r=4, alpha=8, targets=TARGETS["llama"]))
+    kw = {"batch_size": 4, "seq_len": 64, "placement": "remat"}
+    with_dropout, without = plan.estimate(model, **kw), plan.estimate(plain, **kw)
+    assert with_dropout.device_bytes > without.device_bytes

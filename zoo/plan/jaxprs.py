@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 from jax.extend.core import ClosedJaxpr  # jax 0.12 has it here only, not in jax._src.core
@@ -43,6 +45,9 @@ def nbytes(aval: Any) -> int:
     shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # a PRNG key: its raw data (LoRA dropout's keys)
+        impl = dtype._impl
+        return math.prod(shape) * math.prod(impl.key_shape) * np.dtype(jnp.uint32).itemsize
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
