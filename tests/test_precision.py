@@ -62,6 +62,10 @@ def test_the_map_names_exactly_the_matmuls_the_model_code_asks_for(model_type, m
         with using("fp8_all", model):  # the training loss, every block in it
             jax.eval_shape(jax.value_and_grad(lambda m, i: m.loss(i)[0]), model, ids)
     assert set(asked) == set(precision_map_for(models[0]).names())
+    # The parameter description names the product that reads a weight (Param.matmul: LoRA
+    # dropout's term goes there): each such name is one the model code asks for.
+    named_by_params = {p.matmul for m in models for p in type(m).param_specs(m.config).values() if p.matmul}
+    assert named_by_params and named_by_params <= set(asked), named_by_params - set(asked)
 
 
 def test_none_is_the_models_own_numerics_bit_for_bit():

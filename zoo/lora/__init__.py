@@ -1,5 +1,6 @@
 """LoRA fine-tuning adapters (PEFT's format) for every family: :mod:`zoo.lora.adapter` (the
-adapters, the adapted model, merge), :mod:`zoo.lora.peft` (``adapter_config.json`` and
+adapters, the adapted model, merge), :mod:`zoo.lora.dropout` (PEFT's ``lora_dropout`` while
+training), :mod:`zoo.lora.peft` (``adapter_config.json`` and
 ``adapter_model.safetensors`` in and out) and :mod:`zoo.lora.nf4` (QLoRA's NF4 base, as
 bitsandbytes stores it)."""
 
