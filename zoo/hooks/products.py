@@ -4,7 +4,8 @@ A family's projections run through :func:`zoo.layers.fp8.matmul`, each under its
 map's name (``"query"``, ``"mlp_down"``). A wrapper that needs a projection's input as well as
 its weight (LoRA's dropout path: :mod:`zoo.lora.dropout`) opens a :func:`scope`, adds a term
 under the product's name (:func:`add_term`), and the product adds ``term(spec, x, w)`` to its
-result. :func:`zoo.layers.stack.scan_layers` opens one scope per layer body, so a term added
+result. :func:`zoo.layers.stack.scan_layers` opens one scope per layer body (traced, with the
+1F1B schedule, outside the model's call), so a term added
 while a layer's weights are computed is that layer's; outside the layer scans, the outermost
 scope's terms apply (weights outside the stacks: DeepSeek-V3's MTP block). Only the innermost
 scope is read: a layer's product never takes a term meant for a weight outside the stacks.
@@ -38,11 +39,6 @@ class _Scope:
 _SCOPES: contextvars.ContextVar[tuple[_Scope, ...]] = contextvars.ContextVar("zoo_product_terms", default=())
 
 
-def active() -> bool:
-    """Whether a scope is open (a wrapper adds terms in this trace)."""
-    return bool(_SCOPES.get())
-
-
 @contextlib.contextmanager
 def scope() -> Iterator[None]:
     """A scope for terms (a model call's, or one layer body's); on leaving it, a term that no
@@ -58,11 +54,6 @@ def scope() -> Iterator[None]:
         what = ", ".join(f"{s.terms[n][1]} (product {n!r})" for n in missed)
         raise ConfigError(f"{what}: no zoo.layers.fp8.matmul of that name read the weight in this layer, so the "
                           "term for it would be lost (a weight read another way, such as a routed expert's)")  # fmt: skip
-
-
-def layer_scope() -> contextlib.AbstractContextManager:
-    """:func:`scope` for one layer body (traced, with the 1F1B schedule, outside the model's call)."""
-    return scope()
 
 
 def add_term(name: str, term: Term, what: str) -> None:

@@ -86,7 +86,7 @@ def scan_layers(
         def scoped(c: Carry, layer: Any, r: Any) -> tuple[Carry, Any]:  # announces the policy it runs under
             # (a wrapper's terms for this layer's products, added as its weights are computed:
             # zoo.hooks.products)
-            with jax.named_scope(LAYER_SCOPE), _policy(checkpointed), products.layer_scope():
+            with jax.named_scope(LAYER_SCOPE), _policy(checkpointed), products.scope():
                 layer = with_values(layer)  # a deferred weight's value: this layer's only
                 return body(c, layer) if rows is None else body(c, layer, r)
 
