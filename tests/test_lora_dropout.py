@@ -95,7 +95,8 @@ def _check(got_loss, got, want_loss, want, model):
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=path)
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "qwen3_moe"])
+# (DeepSeek-V3 on one device is the reference of its mesh case below.)
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
 def test_dropout_is_peft_dropout_with_a_known_mask(name, monkeypatch):
     """Issue 41 (rank, alpha, rsLoRA and dropout): with the mask fixed to keep the even input
     features, the loss and adapter gradients are those of the adapted model whose A drops the
