@@ -1,12 +1,11 @@
 """LoRA dropout (PEFT's ``lora_dropout``): the adapter's input dropped while training.
 
 PEFT computes ``W x + scale · B A drop(x)``, ``drop(x) = x · m / (1 - p)`` with a fresh
-Bernoulli mask ``m`` (keep ``1 - p``) per adapted module and call. zoo merges ``W + scale · B A``
-into the weight (:mod:`zoo.lora.adapter`), so with dropout the named product that reads the
-weight (:attr:`zoo.core.params.Param.matmul`) adds ``scale · B A (drop(x) - x)``: a term of
-:mod:`zoo.hooks.products`, made from the layer's ``A`` and ``B`` as the product's weight is laid
-out on the mesh (:func:`zoo.lora.adapter.factors`). Its value is PEFT's; its gradients reach
-``A`` and ``B`` through both paths, which add up to PEFT's.
+Bernoulli mask ``m`` (keep ``1 - p``) per adapted module and call. Without dropout zoo merges
+``W + scale · B A`` into the weight (:mod:`zoo.lora.adapter`); with it, it runs PEFT's path:
+the named product that reads the frozen weight (:attr:`zoo.core.params.Param.matmul`) adds
+``scale · B A drop(x)``, a term of :mod:`zoo.hooks.products` made from the layer's ``A`` and
+``B`` as the product's weight is laid out on the mesh (:func:`zoo.lora.adapter.factors`).
 
 Dropout runs only where a step gives a key (:func:`dropout_key`; ``zoo.train`` does, from the
 run's seed, the step and the micro-batch): evaluation and generation see no dropout, as PEFT's
@@ -87,8 +86,9 @@ Factors = Callable[[tuple[int, ...]], tuple[Float[Array, "*o r"], Float[Array, "
 
 
 def term(path: str, p: Param, factors: Factors, scale: float, rate: float, key: PRNGKeyArray) -> Term:
-    """The term LoRA dropout adds to the product that reads weight ``path`` (``p``), for one
-    layer's adapter (its ``factors``): ``scale · B A (drop(x) - x)`` in the product's own letters."""
+    """The adapter of weight ``path`` (``p``) as a term of the product that reads it (the frozen
+    weight), for one layer's adapter (its ``factors``), in the product's own letters:
+    ``scale · B A drop(x)``, PEFT's path."""
     out_group, in_group = p.hf_groups()
     inner = [a for a in p.names if a not in p.stacked]
 
@@ -103,24 +103,27 @@ def term(path: str, p: Param, factors: Factors, scale: float, rate: float, key: 
             raise ConfigError(f"LoRA dropout on {path}: its product {p.matmul!r} ({spec}) does not contract the "
                               f"weight's input features {' '.join(in_group)}")  # fmt: skip
         b, a = factors(w.shape)
+        r = next(c for c in "rRzZyY" if c not in spec)
+        ins, outs = "".join(letter[a] for a in in_group), "".join(letter[a] for a in out_group)
+        rest = "".join(c for c in lhs if c not in contract)
+
+        def low_rank(x, a, b):
+            u = jnp.einsum(f"{lhs},{r}{ins}->{rest}{r}", x, a.astype(x.dtype))
+            return jnp.einsum(f"{rest}{r},{outs}{r}->{out}", u, b.astype(x.dtype))
+
         k = key
         for axis in sorted(varying_axes(x)):  # other inputs on other devices: other masks
             k = jr.fold_in(k, jax.lax.axis_index(axis))
         if (mb := microbatch()) is not None:  # a pipeline stage's micro-batches: one weight, other masks
             k = jr.fold_in(k, mb)
-        r = next(c for c in "rRzZyY" if c not in spec)
-        ins, outs = "".join(letter[a] for a in in_group), "".join(letter[a] for a in out_group)
-        rest = "".join(c for c in lhs if c not in contract)
 
         # Recomputed in the backward pass from x (which the product keeps) and the mask (a
-        # byte an element): kept, the dropped copy of x would be x's size again.
+        # byte an element): kept, the dropped x would be x's size again.
         @functools.partial(jax.checkpoint, prevent_cse=False)
-        def low_rank(x, a, b, keep):
-            dropped = jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype)) - x
-            u = jnp.einsum(f"{lhs},{r}{ins}->{rest}{r}", dropped, a.astype(x.dtype))
-            return jnp.einsum(f"{rest}{r},{outs}{r}->{out}", u, b.astype(x.dtype))
+        def dropped(x, a, b, keep):
+            return low_rank(jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype)), a, b)
 
-        y = low_rank(x, a, b, mask(k, x.shape, rate))
+        y = dropped(x, a, b, mask(k, x.shape, rate))
         return y * jnp.asarray(scale, y.dtype)
 
     return add
