@@ -184,6 +184,7 @@ def test_the_train_step_drops_with_the_step_and_micro_batch():
     micro))``, another step draws other masks, and two micro-batches of the same rows differ."""
     from zoo import train as ztrain
     from zoo.core.params import run_state
+    from zoo.train.step import dropout_root
 
     model = _adapted("llama")
     ids = jr.randint(jr.key(1), (2, 16), 0, model.config.vocab_size, dtype=jnp.int32)
@@ -195,7 +196,7 @@ def test_the_train_step_drops_with_the_step_and_micro_batch():
         params = jax.tree.map(jnp.copy, run_state(model)[0])  # the step donates them
         return float(step(params, tx.init(params), batch, jnp.int32(index))[2]["loss"])
 
-    root = jr.fold_in(jr.key(3), 0x10AD)
+    root = dropout_root(3)  # the run's seed's
     with lora.dropout_key(jr.fold_in(jr.fold_in(root, 5), 0)):
         want = float(_loss(model, ids))
     np.testing.assert_allclose(loss_at(5, ids[None]), want, rtol=1e-6)

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo import lora, parallel
 from zoo.core.params import run_state
@@ -42,6 +42,11 @@ def global_norm(tree: Any) -> Float[Array, ""]:
     """The global L2 norm of a tree's inexact arrays, in float32."""
     leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
     return jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))
+
+
+def dropout_root(seed: int) -> PRNGKeyArray:
+    """The key of a run's LoRA dropout masks (folded with the step and the micro-batch)."""
+    return jax.random.fold_in(jax.random.key(seed), 0x10AD)
 
 
 def make_train_step(
@@ -77,7 +82,6 @@ def make_train_step(
     schedule = learning_rate(cfg)
     stages = 1 if mesh is None else int(mesh.shape.get("pipeline", 1))
     dropping = isinstance(model, lora.LoraModel) and model.lora.dropout > 0
-    dropout_root = jax.random.fold_in(jax.random.key(cfg.seed), 0x10AD) if dropping else None
 
     def loss_fn(m, ids, **fields):
         return loss_and_metrics(m, ids, cfg=cfg, placement=placement, **fields)
@@ -107,7 +111,8 @@ def make_train_step(
         def grads_of(p, b, i):
             fields = {k: v for k, v in b.items() if k != "input_ids"}
             # LoRA dropout's masks: the run's seed, the step and the micro-batch (zoo.lora.dropout)
-            key = jax.random.fold_in(jax.random.fold_in(dropout_root, index), i) if dropout_root is not None else None
+            # (made inside the step: a key made here at build time would be an array on one device)
+            key = jax.random.fold_in(jax.random.fold_in(dropout_root(cfg.seed), index), i) if dropping else None
             with stacks_in_stage_order(stages, cfg.virtual_stages), fp8.using(recipes), lora.dropout_key(key):
                 # (the run keeps its stacks in stage order: see train())
                 return grad_fn(eqx.combine(p, static), b["input_ids"], **fields)
