@@ -386,7 +386,7 @@ def matmul(
     return y if term is None else y + term(spec, x, w)
 
 
-def _letters(spec: str) -> tuple[str, str, str, list[str], list[str], list[str], list[str]]:
+def einsum_letters(spec: str) -> tuple[str, str, str, list[str], list[str], list[str], list[str]]:
     """A two-operand einsum's operands and output, and its batch, contracted and free letters."""
     inputs, _, out = spec.replace(" ", "").partition("->")
     lhs, _, rhs = inputs.partition(",")
@@ -404,7 +404,7 @@ def _letters(spec: str) -> tuple[str, str, str, list[str], list[str], list[str],
 def _lhs_matrix(spec: str, x: Float[Array, "..."]) -> tuple[Float[Array, "*E T K"], int]:
     """``spec``'s first operand ``x`` as the ``[*E, T, K]`` operand of its batched matmul, and
     the number of leading batch dims."""
-    lhs, _, _, batch, contract, lfree, _ = _letters(spec)
+    lhs, _, _, batch, contract, lfree, _ = einsum_letters(spec)
     size = dict(zip(lhs, x.shape, strict=True))
     xs = jnp.transpose(x, [lhs.index(c) for c in batch + lfree + contract])
     e = (math.prod(size[c] for c in batch),) if batch else ()
@@ -416,7 +416,7 @@ def einsum_fp8(
     shared: SharedInput | None = None,
 ) -> Float[Array, "..."]:
     """A two-operand einsum as one batched ``[E, T, K] @ [E, K, N]`` FP8 matmul of ``recipe``."""
-    lhs, rhs, out, batch, contract, lfree, rfree = _letters(spec)
+    lhs, rhs, out, batch, contract, lfree, rfree = einsum_letters(spec)
     size = dict(zip(lhs, x.shape, strict=True)) | dict(zip(rhs, w.shape, strict=True))
 
     def prod(letters):

@@ -35,6 +35,7 @@ from zoo.errors import ConfigError
 from zoo.hooks.pipeline import microbatch
 from zoo.hooks.products import Term
 from zoo.hooks.step import varying_axes
+from zoo.layers.fp8 import einsum_letters
 
 _KEY: contextvars.ContextVar[PRNGKeyArray | None] = contextvars.ContextVar("zoo_lora_dropout_key", default=None)
 
@@ -74,12 +75,6 @@ def layer_keys(key: PRNGKeyArray, path: str, layers: int) -> UInt32[Array, "L 2"
     return jr.key_data(jr.split(weight_key(key, path), layers))
 
 
-def _spec(spec: str) -> tuple[str, str, str]:
-    inputs, _, out = spec.replace(" ", "").partition("->")
-    lhs, _, rhs = inputs.partition(",")
-    return lhs, rhs, out
-
-
 # A weight's shape on this device -> its adapter's ``B`` ``[*o, r]`` and ``A`` ``[r, *i]``, each
 # feature letter a dimension, the blocks that weight's block needs (zoo.lora.adapter.factors).
 Factors = Callable[[tuple[int, ...]], tuple[Float[Array, "*o r"], Float[Array, "r *i"]]]
@@ -93,12 +88,11 @@ def term(path: str, p: Param, factors: Factors, scale: float, rate: float, key: 
     inner = [a for a in p.names if a not in p.stacked]
 
     def add(spec: str, x: Float[Array, "..."], w: Float[Array, "..."]) -> Float[Array, "..."]:
-        lhs, rhs, out = _spec(spec)
+        lhs, rhs, out, _, contract, _, _ = einsum_letters(spec)
         if len(rhs) != len(inner) or w.ndim != len(inner):
             raise ConfigError(f"LoRA dropout on {path}: its product {p.matmul!r} ({spec}) reads a weight of "
                               f"{w.ndim} dimensions, not the parameter's {' '.join(inner)}")  # fmt: skip
         letter = dict(zip(inner, rhs))
-        contract = [c for c in lhs if c in rhs and c not in out]
         if sorted(letter[a] for a in in_group) != sorted(contract):
             raise ConfigError(f"LoRA dropout on {path}: its product {p.matmul!r} ({spec}) does not contract the "
                               f"weight's input features {' '.join(in_group)}")  # fmt: skip
