@@ -344,3 +344,71 @@ def test_a_placement_map_never_changes_an_fp8_steps_numbers():
             # remat recomputes the float32 work in other fusions: last-bit differences (~1 ulp; 4% of
             # elements under "remat"), the same rtol as test_placement_maps' float32 checks
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7, err_msg=placement)
+
+
+@contextlib.contextmanager
+def _gathers_in_compute_dtype(names):
+    """In place of ``zoo.hooks.step.gathered_by_product``: every layer weight gathered by
+    ``gather_layer``, in the compute dtype (the step before FP8 gathers)."""
+    yield
+
+
+@pytest.mark.parametrize("model_type, spec", [("llama", "data=2,fsdp=2,tensor=2"), ("deepseek_v3", "fsdp=4,tensor=2")])
+def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers(model_type, spec, monkeypatch):
+    """Issue 40: under a tensorwise map, each device quantizes its block of a layer weight with the
+    whole weight's scale (a pmax of its largest magnitude) and the FSDP gather moves the FP8
+    codes. The codes are those of the gathered weight, so the step is the one that gathers in the
+    compute dtype: the loss and the updated parameters bit for bit (tensor-split heads and
+    hidden units, and DeepSeek-V3's MLA, dense and shared MLPs included)."""
+    from zoo import parallel
+
+    model, ids = tiny(model_type), tiny_ids(model_type)
+    ids = jnp.concatenate([ids, ids[:, ::-1]] * 2, axis=0)[:4]
+    cfg = TrainConfig(batch_size=ids.shape[0], seq_len=ids.shape[1], warmup=0, precision="fp8_all")
+    tx = optimizer(cfg, model)
+    mesh = parallel.make_mesh(spec)
+
+    def step():
+        params = parallel.shard(jax.tree.map(jnp.copy, eqx.filter(model, eqx.is_inexact_array)), mesh)
+        new, _, metrics = make_train_step(model, cfg, tx, mesh=mesh)(
+            params, parallel.init_optimizer(tx, params, mesh), ids[None], jnp.int32(0))  # fmt: skip
+        return float(metrics["loss"]), jax.tree.leaves(new)
+
+    fp8_gathers = step()
+    with monkeypatch.context() as m:
+        m.setattr(fp8, "gathered_by_product", _gathers_in_compute_dtype)
+        compute_dtype_gathers = step()
+    assert fp8_gathers[0] == compute_dtype_gathers[0]
+    for a, b in zip(fp8_gathers[1], compute_dtype_gathers[1], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_fp8_gather_moves_a_byte_an_element(monkeypatch):
+    """Issue 40: Llama on ``fsdp=8`` under full remat and ``fp8_all`` (float32 compute): the
+    step's all-gathers over ``fsdp``, counted on the traced step and in XLA's compiled program
+    alike, carry each projection's weight at a byte an element, twice a step (the forward pass
+    and the backward pass's re-gather): the compute-dtype step's bytes less 3/4 of those weights'
+    float32 bytes, twice. The norms, embedding and head are still gathered in float32, and the
+    reduce-scatters of the gradients are unchanged."""
+    from zoo.plan import collectives
+    from zoo.plan._step import make_step
+
+    config = llama_preset("tiny")
+
+    def traffic():
+        step = make_step(config, batch_size=8, seq_len=64, mesh="fsdp=8", placement="remat", precision="fp8_all")
+        jaxpr, compiled = step.compile()
+        counted = collectives.totals(collectives.traced(jaxpr, step.sizes), floor=2048)
+        assert counted == collectives.hlo_traffic(compiled.as_text(), step.sizes, floor=2048)
+        return counted
+
+    fp8_gathers = traffic()
+    with monkeypatch.context() as m:
+        m.setattr(fp8, "gathered_by_product", _gathers_in_compute_dtype)
+        compute_dtype_gathers = traffic()
+    d, f, h, g, k = config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim
+    per_layer = d * (h + 2 * g) * k + h * k * d + 3 * d * f
+    weights = 4 * config.num_layers * per_layer  # float32 bytes of the projections' weights
+    gather, scatter = ("all_gather", ("fsdp",)), ("reduce_scatter", ("fsdp",))
+    assert compute_dtype_gathers[gather] - fp8_gathers[gather] == 2 * weights * 3 // 4
+    assert compute_dtype_gathers[scatter] == fp8_gathers[scatter]

@@ -123,6 +123,32 @@ class _Step:
     # The model's layout rules (letter -> AxisRule): where a weight computed inside the step (a
     # quantized base's, zoo.lora) finds the block of it this device holds.
     rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Per layer treedef, each leaf's product (Param.matmul): gather_layer leaves the weights of
+    # the products named by gathered_by_product to them, passing the model code a stand-in of
+    # the gathered shape: id -> (stand-in, the local block, its gather's dims), and those taken.
+    products: Mapping[Any, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
+    deferred: dict[int, tuple[Any, Any, tuple[Gather, ...]]] = dataclasses.field(default_factory=dict)
+    deferred_taken: set[int] = dataclasses.field(default_factory=set)
+
+
+# The products that gather their own weights (zoo.layers.fp8: a tensorwise FP8 product gathers
+# its weight's FP8 codes); entered by zoo.layers.fp8.using.
+_BY_PRODUCT: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("zoo_gathered_by_product", default=frozenset())
+
+
+@contextlib.contextmanager
+def gathered_by_product(names: frozenset[str] | set[str]) -> Iterator[None]:
+    """Within it, :func:`gather_layer` leaves a layer weight whose product
+    (:attr:`zoo.core.params.Param.matmul`) is one of ``names`` to that product, which gathers it
+    itself (:func:`deferred_gather`): :func:`zoo.layers.fp8.matmul` gathers a tensorwise FP8
+    product's weight as its FP8 codes, half a bfloat16 gather's bytes. The model code gets a
+    stand-in of the gathered weight's shape and dtype, filled with NaN: nothing computes it (XLA
+    drops it unread), and a reader other than the product would make the loss NaN, not wrong."""
+    token = _BY_PRODUCT.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _BY_PRODUCT.reset(token)
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("zoo_parallel_step", default=None)
@@ -178,11 +204,16 @@ def gather_layer(tree: PyTree) -> PyTree:
     if plan is None:
         raise MeshError(f"gather_layer: {type(tree).__name__} is not a layer stack of the model in this step")
     step.gathered.add(treedef)
+    by_product, products = _BY_PRODUCT.get(), step.products.get(treedef, ())
     out = []
-    for x, d in zip(leaves, plan):
+    for i, (x, d) in enumerate(zip(leaves, plan)):
         if isinstance(d, GatherLater):  # the MoE layer gathers it, a block of experts at a time
             step.later[id(x)] = (x, d.dims)
             out.append(x)
+        elif d and i < len(products) and products[i] in by_product:  # its product gathers it (in FP8)
+            stand_in = jnp.full(gathered_shape(x, d), jnp.nan, x.dtype)
+            step.deferred[id(stand_in)] = (stand_in, x, tuple(d))
+            out.append(stand_in)
         else:
             out.append(named(GATHERED, gather_fsdp, x, d))
     return jax.tree.unflatten(treedef, out)
@@ -198,6 +229,28 @@ def gathered_later(w: Shaped[Array, "..."]) -> tuple[Gather, ...] | None:
         return None
     step.later_taken.add(id(w))
     return entry[1]
+
+
+def deferred_gather(w: Shaped[Array, "..."]) -> tuple[Shaped[Array, "..."], tuple[Gather, ...]] | None:
+    """Where ``w`` is the stand-in :func:`gather_layer` gave for a weight its product gathers
+    (:func:`gathered_by_product`): the device's block of the weight and the gather's dims;
+    ``None`` for any other array."""
+    step = _STEP.get()
+    entry = None if step is None else step.deferred.get(id(w))
+    if entry is None or entry[0] is not w:
+        return None
+    step.deferred_taken.add(id(w))
+    return entry[1], entry[2]
+
+
+def gathered_shape(w: Shaped[Array, "..."], dims: Sequence[Gather]) -> tuple[int, ...]:
+    """The shape of ``w`` (a device's block) once :func:`gather_fsdp` has gathered it on ``dims``."""
+    step = _STEP.get()
+    shape = list(w.shape)
+    for g in dims:
+        for a in g.axes:
+            shape[g.dim] *= 1 if step is None else axis_size(step.mesh, a)
+    return tuple(shape)
 
 
 def gather_fsdp(x, dims: Sequence[int | Gather]):
@@ -384,11 +437,12 @@ def current_step() -> _Step | None:
 @contextlib.contextmanager
 def step_context(
     mesh: AnyMesh, plans: dict[Any, Any], vocab: VocabSplit | None = None, pipeline: PipelineSplit | None = None,
-    rules: Mapping[str, Any] | None = None,
+    rules: Mapping[str, Any] | None = None, products: Mapping[Any, tuple[str | None, ...]] | None = None,
 ) -> Iterator[_Step]:
     """Trace the model inside the parallel step: the hooks see ``mesh``, the FSDP ``plans``, how
-    the vocabulary is split, how the layer stacks are pipelined and the model's layout ``rules``."""
-    ctx = _Step(mesh, plans, set(), vocab, pipeline, rules=dict(rules or {}))
+    the vocabulary is split, how the layer stacks are pipelined, the model's layout ``rules`` and
+    each layer leaf's product (``products``, as ``plans`` per layer treedef)."""
+    ctx = _Step(mesh, plans, set(), vocab, pipeline, rules=dict(rules or {}), products=dict(products or {}))
     token = _STEP.set(ctx)
     try:
         yield ctx
@@ -408,7 +462,8 @@ def psum_varying(x, axes: Sequence[str]):
 
 __all__ = [
     "CONTEXT", "GATHERED", "PIPELINE", "Gather", "GatherLater", "PipelineSplit", "axis_size", "block_of", "context_gather", "context_order", "context_positions",
-    "context_size", "context_sum", "current_step", "gather_fsdp", "gather_layer", "gathered_later", "global_sum", "in_step", "pipeline_of",
+    "context_size", "context_sum", "current_step", "deferred_gather", "gather_fsdp", "gather_layer", "gathered_by_product", "gathered_later",
+    "gathered_shape", "global_sum", "in_step", "pipeline_of",
     "psum_varying", "remat_policy", "stack_structure", "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
     "varying_over", "VocabSplit", "vocab_split",
 ]  # fmt: skip

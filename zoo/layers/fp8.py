@@ -46,9 +46,19 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, UInt8
 
 from zoo.core.mesh import PIPELINE
+from zoo.core.named import named
 from zoo.errors import ConfigError
 from zoo.hooks import products
-from zoo.hooks.step import varying_axes, varying_over
+from zoo.hooks.step import (
+    GATHERED,
+    Gather,
+    deferred_gather,
+    gather_fsdp,
+    gathered_by_product,
+    gathered_shape,
+    varying_axes,
+    varying_over,
+)
 
 Recipe = Literal["none", "tensorwise", "mxfp8", "blockwise"]
 RECIPES: tuple[str, ...] = get_args(Recipe)
@@ -63,13 +73,17 @@ _ACTIVE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextV
 def using(recipes: Mapping[str, str] | None) -> Iterator[None]:
     """Trace the enclosed model code with ``recipes`` (matmul name -> recipe); ``None``: every
     matmul as written. :func:`zoo.layers.precision.using` gives a family's map this way. Enter it
-    inside the jitted function: ``jax.jit`` caches a trace by its arguments, not by this context."""
+    inside the jitted function: ``jax.jit`` caches a trace by its arguments, not by this context.
+
+    Inside the parallel step, a tensorwise product's layer weight is gathered by the product as
+    its FP8 codes (:func:`matmul`), not by :func:`zoo.hooks.step.gather_layer` in the compute dtype."""
     for name, recipe in (recipes or {}).items():
         if recipe not in RECIPES:
             raise ConfigError(f"matmul {name!r}: unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")
     token = _ACTIVE.set(dict(recipes) if recipes is not None else None)
     try:
-        yield
+        with gathered_by_product({n for n, r in (recipes or {}).items() if r == "tensorwise"}):
+            yield
     finally:
         _ACTIVE.reset(token)
 
@@ -378,10 +392,13 @@ def matmul(
     ``shared``: that copy made once for several matmuls reading ``x`` (:func:`shared_input`).
     """
     recipe = recipe_of(name)
-    if recipe == "none":
-        y = jnp.einsum(spec, x, w)
+    shared = shared if shared is not None and shared.recipe == recipe else None
+    deferred = deferred_gather(w)  # inside the step: w stands in for a layer weight gather_layer left to us
+    if deferred is not None and recipe == "tensorwise" and not einsum_letters(spec)[3]:
+        y = gathered_einsum(spec, x, *deferred, saved=saved, shared=shared)
     else:
-        y = einsum_fp8(spec, x, w, recipe, saved=saved, shared=shared if shared is not None and shared.recipe == recipe else None)
+        w = w if deferred is None else named(GATHERED, gather_fsdp, *deferred)
+        y = jnp.einsum(spec, x, w) if recipe == "none" else einsum_fp8(spec, x, w, recipe, saved=saved, shared=shared)
     term = products.term_for(name)  # a wrapper's own term (LoRA dropout's path: zoo.hooks.products)
     return y if term is None else y + term(spec, x, w)
 
@@ -429,3 +446,109 @@ def einsum_fp8(
     y = y.reshape([size[c] for c in batch + lfree + rfree])
     order = batch + lfree + rfree
     return jnp.transpose(y, [order.index(c) for c in out])
+
+
+# -- FSDP: a tensorwise weight gathered as its FP8 codes -----------------------------------------
+
+
+def gathered_einsum(
+    spec: str, x: Float[Array, "..."], w: Float[Array, "..."], dims: Sequence[Gather], *, saved: str | None = None,
+    shared: SharedInput | None = None,
+) -> Float[Array, "..."]:
+    """``einsum(spec, x, gather_fsdp(w, dims))`` in the tensorwise recipe, ``w`` a device's block
+    of a layer weight (inside the parallel step) whose gather moves its FP8 codes.
+
+    The whole weight's scale is its largest magnitude over every device holding a part (a
+    ``pmax`` of a scalar), so each device quantizes its block exactly as the gathered weight
+    would be quantized: the codes are the same, and the gather moves a byte an element instead of
+    the compute dtype's two (float32's four). The product, its input gradient and the weight
+    gradient (reduce-scattered back to the block, in ``w``'s dtype) are :func:`fp8_matmul`'s, bit
+    for bit in the forward pass. The backward pass gathers the codes again, as the remat policy
+    re-gathers any layer weight (:data:`zoo.hooks.step.GATHERED`)."""
+    lhs, rhs, out, batch, contract, lfree, rfree = einsum_letters(spec)
+    if batch:
+        raise ValueError(f"gathered_einsum: {spec!r} has batch letters {batch} (per-expert scales); gather the weight first")
+    size = dict(zip(lhs, x.shape, strict=True)) | dict(zip(rhs, gathered_shape(w, dims), strict=True))
+    xs, _ = _lhs_matrix(spec, x)
+    # As fp8_matmul casts the gathered weight and the input, each to the axes either varies over
+    # (the gathered weight is invariant over the gather's shared axes).
+    invariant = {a for g in dims for a in g.shared}
+    axes = tuple(sorted(varying_axes(xs) | (varying_axes(w) - invariant)))
+    xs, w = varying_over(xs, axes), varying_over(w, tuple(a for a in axes if a not in invariant))
+    over = tuple(sorted((varying_axes(w) | {a for g in dims for a in g.axes}) - {PIPELINE}))
+    perm = tuple(rhs.index(c) for c in contract + rfree)
+    kn = (math.prod(size[c] for c in contract), math.prod(size[c] for c in rfree))
+    f = _gathered_matmul(tuple(dims), perm, kn, over, saved, shared is not None)
+    if shared is None:
+        y = f(xs, w)
+    else:
+        if shared.bits.shape != xs.shape:
+            raise ValueError(f"gathered_einsum: a shared input of shape {shared.bits.shape} for an input of shape {xs.shape}")
+        y = f(xs, w, varying_over(shared.bits, axes), varying_over(shared.scale, axes))
+    order = lfree + rfree
+    return jnp.transpose(y.reshape([size[c] for c in order]), [order.index(c) for c in out])
+
+
+@functools.cache
+def _gathered_matmul(dims: tuple[Gather, ...], perm: tuple[int, ...], kn: tuple[int, int], over: tuple[str, ...],
+                     saved: str | None, given: bool):  # fmt: skip
+    """:func:`gathered_einsum`'s custom-VJP product of ``[T, K]`` rows and a weight block whose
+    dims ``perm`` lays out, once gathered, as ``kn``; ``given``: ``x``'s FP8 copy is made outside
+    (:func:`shared_input`) and given as two more arguments."""
+
+    def weight(w):  # the gathered weight's tensorwise codes (as bits, in w's layout) and scale
+        amax = jnp.max(jnp.abs(w.astype(jnp.float32)))
+        scale = scale_of(jax.lax.pmax(amax, over) if over else amax, E4M3)
+        bits = jax.lax.bitcast_convert_type(codes(w, scale, E4M3), jnp.uint8)
+        return named(GATHERED, gather_fsdp, bits, dims), scale.reshape(1, 1)
+
+    def as_matrix(bits):
+        return jnp.transpose(jax.lax.bitcast_convert_type(bits, E4M3), perm).reshape(kn)
+
+    def forward(x, w, kept):
+        kept = _quantized(x, "tensorwise", "x_t") if kept is None else kept
+        bits, s_w = weight(w)
+        return scaled_dot(kept, (as_matrix(bits), s_w)).astype(x.dtype), kept, bits, s_w
+
+    def residuals(x, w, kept_bits, s_xt, bits, s_w):
+        if saved is not None and not given:  # named where jax.checkpoint's policy sees it (see _matmul)
+            kept_bits, s_xt = checkpoint_name(kept_bits, saved), checkpoint_name(s_xt, saved)
+        return (kept_bits, s_xt), bits, s_w, w, jnp.zeros((0,), x.dtype)
+
+    def bwd(res, g):
+        (kept_bits, s_xt), bits, s_w, w, like = res
+        q_w = as_matrix(bits)
+        dx = scaled_dot(_quantized(g, "tensorwise", "g"), (_mT(q_w), _mT(s_w)))
+        dw = _weight_grad("tensorwise", (jax.lax.bitcast_convert_type(kept_bits, E4M3), s_xt), g)
+        dw = jnp.transpose(dw.reshape([bits.shape[i] for i in perm]), np.argsort(perm)).astype(w.dtype)
+        (dw,) = jax.linear_transpose(lambda v: gather_fsdp(v, dims), w)(dw)  # the gather's reduce-scatter
+        return dx.astype(like.dtype), dw
+
+    if not given:
+
+        @jax.custom_vjp
+        def f(x, w):
+            return forward(x, w, None)[0]
+
+        def f_fwd(x, w):
+            out, (q_xt, s_xt), bits, s_w = forward(x, w, None)
+            return out, residuals(x, w, jax.lax.bitcast_convert_type(q_xt, jnp.uint8), s_xt, bits, s_w)
+
+        f.defvjp(f_fwd, bwd)
+        return f
+
+    @jax.custom_vjp
+    def g(x, w, kept_bits, scale):
+        return forward(x, w, (jax.lax.bitcast_convert_type(kept_bits, E4M3), scale))[0]
+
+    def g_fwd(x, w, kept_bits, scale):
+        out, _, bits, s_w = forward(x, w, (jax.lax.bitcast_convert_type(kept_bits, E4M3), scale))
+        return out, residuals(x, w, kept_bits, scale, bits, s_w)
+
+    def g_bwd(res, cot):
+        (kept_bits, scale), *_ = res
+        dx, dw = bwd(res, cot)
+        return dx, dw, np.zeros(kept_bits.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+
+    g.defvjp(g_fwd, g_bwd)
+    return g

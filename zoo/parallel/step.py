@@ -53,7 +53,7 @@ from zoo.hooks.step import (
 from zoo.parallel import one_f_one_b
 
 
-def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], PyTree]:
+def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dict[Any, list], PyTree, dict[Any, tuple]]:
     """Per layer stack (keyed by its tree structure), the dims each leaf of one layer is
     all-gathered on (:class:`Gather`: over ``fsdp`` and the expert group where it joins, as
     :func:`gather_axes` says; ``shared`` where those axes are not among ``batch_axes``); and per
@@ -64,7 +64,9 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     (``layer_blocks``) is gathered by the model like the stack's layer it is shaped as (its
     leaves: none at the start). The second is a tree shaped as the model, a tuple at each
     array. A :class:`zoo.core.protocol.Wrapper`'s own arrays (LoRA's adapters) are used as laid
-    out: none is gathered."""
+    out: none is gathered. The third: per layer stack, each leaf's product
+    (:attr:`zoo.core.params.Param.matmul`), for the products that gather their own weight
+    (:func:`zoo.hooks.step.gathered_by_product`)."""
 
     wrapper, model = model, family_model(model)
     specs, rules, sizes = model_specs(model), rules_of(model), model.config.sizes
@@ -95,11 +97,18 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
             sub, is_leaf=is_deferred)  # fmt: skip
         return jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
 
-    plans = {}
+    def layer_products(sub: Any, prefix: str) -> tuple:
+        names = jax.tree_util.tree_map_with_path(
+            lambda at, x: (specs[f"{prefix}{path_name(at)}"].matmul,) if is_array(x) or is_deferred(x) else x,
+            sub, is_leaf=is_deferred)  # fmt: skip
+        return tuple(n[0] if isinstance(n, tuple) else None for n in jax.tree.leaves(names, is_leaf=lambda d: isinstance(d, tuple)))
+
+    plans, products = {}, {}
     for root, is_stack in stacks.items():
         sub = getattr(model, root, None)
         if is_stack and sub is not None:
             plans[stack_structure(sub)] = layer_plan(sub, f"{root}.")
+            products[stack_structure(sub)] = layer_products(sub, f"{root}.")
     blocks = tuple(getattr(type(model), "layer_blocks", ()))
     for block in blocks:
         sub = model
@@ -108,6 +117,7 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
         if sub is None:
             continue
         plan = layer_plan(sub, f"{block}.", 0)
+        products.setdefault(stack_structure(sub), layer_products(sub, f"{block}."))
         known = plans.setdefault(stack_structure(sub), plan)
         if known != plan:
             raise MeshError(
@@ -123,7 +133,7 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
     rest = map_params(lambda path, x: start(path), model)
     if wrapper is not model:
         rest = eqx.tree_at(lambda w: w.base, map_params(lambda path, x: (), wrapper), rest)
-    return plans, rest
+    return plans, rest, products
 
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -294,7 +304,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
         _check_batch(batch, mesh, axes)
         _check_batch(arrays, mesh, axes)
         specs = spec_tree(model, mesh)
-        plans, rest = _layer_plans(model, mesh, axes)
+        plans, rest, products = _layer_plans(model, mesh, axes)
         trainable = _trainable_mask(model)
         bspec = PartitionSpec(axes if axes else None)
         if (context := axis_size(mesh, CONTEXT)) > 1:
@@ -308,7 +318,7 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
         pipelined = pipeline_split_of(model, mesh, microbatches, virtual_stages, schedule)
 
         def body(params, local_arrays, *local_batch):
-            with step_context(mesh, plans, split, pipelined, rules_of(model)) as ctx:
+            with step_context(mesh, plans, split, pipelined, rules_of(model), products) as ctx:
 
                 def prepare(p):  # the parameters, or a part of them (None at the others)
                     # Each parameter is cast to varying over the batch axes once, here: its
@@ -356,6 +366,13 @@ def _sharded(loss_fn: Callable[..., Any], mesh: AnyMesh, has_aux: bool, batch_ax
                         f"routed-experts weights of local shapes {shapes} were left to the MoE layer to gather "
                         "(zoo.hooks.step.GatherLater) but never reached zoo.layers.moe.routed_experts: pass the "
                         "layer's w_gate/w_up/w_down to it unchanged after gather_layer"
+                    )
+                if set(ctx.deferred) - ctx.deferred_taken:
+                    shapes = sorted({tuple(s.shape) for k, (s, _, _) in ctx.deferred.items() if k not in ctx.deferred_taken})
+                    raise MeshError(
+                        f"layer weights of shapes {shapes} were left by gather_layer to the FP8 product their "
+                        "parameter names (Param.matmul; zoo.hooks.step.gathered_by_product) but never reached it: "
+                        "pass the weight unchanged after gather_layer to that zoo.layers.fp8.matmul"
                     )
             aux = jax.tree.map(lambda a: _reduce_aux(a, (*axes, CONTEXT)), aux)
             out = (loss, aux) if has_aux else loss
