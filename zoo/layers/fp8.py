@@ -67,6 +67,21 @@ MX_BLOCK = 32  # MXFP8's block along the contracted dimension
 TILE = 128  # DeepSeek-V3's activation tile and weight block
 
 _ACTIVE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("zoo_fp8_recipes", default=None)
+_FP8_GATHERS: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_fp8_gathers", default=True)
+
+
+@contextlib.contextmanager
+def fp8_gathers(enabled: bool) -> Iterator[None]:
+    """Whether a tensorwise product's layer weight is FSDP-gathered as its FP8 codes
+    (:func:`gathered_einsum`; the default) or in the compute dtype, as every other weight, for
+    the traces made within. The step's numbers are the same either way, bit for bit; the gather
+    moves half a bfloat16 weight's bytes (a quarter of float32's). ``False``: the peer the
+    benchmarks measure it against (``benchmarks/fp8_gathers.py``)."""
+    token = _FP8_GATHERS.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FP8_GATHERS.reset(token)
 
 
 @contextlib.contextmanager
@@ -82,7 +97,8 @@ def using(recipes: Mapping[str, str] | None) -> Iterator[None]:
             raise ConfigError(f"matmul {name!r}: unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")
     token = _ACTIVE.set(dict(recipes) if recipes is not None else None)
     try:
-        with gathered_by_product({n for n, r in (recipes or {}).items() if r == "tensorwise"}):
+        gathered = {n for n, r in (recipes or {}).items() if r == "tensorwise"} if _FP8_GATHERS.get() else set()
+        with gathered_by_product(gathered):
             yield
     finally:
         _ACTIVE.reset(token)
