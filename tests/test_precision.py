@@ -346,7 +346,8 @@ def test_a_placement_map_never_changes_an_fp8_steps_numbers():
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7, err_msg=placement)
 
 
-@pytest.mark.parametrize("model_type, spec", [("llama", "data=2,fsdp=2,tensor=2"), ("deepseek_v3", "fsdp=4,tensor=2")])
+@pytest.mark.parametrize("model_type, spec", [("llama", "data=2,fsdp=2,tensor=2"), ("deepseek_v3", "fsdp=4,tensor=2"),
+                                              ("qwen3_moe", "fsdp=2,expert=4")])
 def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers(model_type, spec):
     """Issue 40: under a tensorwise map, each device quantizes its block of a layer weight with the
     whole weight's scale (a pmax of its largest magnitude) and the FSDP gather moves the FP8
@@ -356,7 +357,7 @@ def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers
     from zoo import parallel
 
     model, ids = tiny(model_type), tiny_ids(model_type)
-    ids = jnp.concatenate([ids, ids[:, ::-1]] * 2, axis=0)[:4]
+    ids = jnp.concatenate([ids, ids[:, ::-1]] * 2, axis=0)[:8]
     cfg = TrainConfig(batch_size=ids.shape[0], seq_len=ids.shape[1], warmup=0, precision="fp8_all")
     tx = optimizer(cfg, model)
     mesh = parallel.make_mesh(spec)
@@ -375,34 +376,80 @@ def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_an_fp8_gather_moves_a_byte_an_element():
-    """Issue 40: Llama on ``fsdp=8`` under full remat and ``fp8_all`` (float32 compute): the
-    step's all-gathers over ``fsdp``, counted on the traced step and in XLA's compiled program
-    alike, carry each projection's weight at a byte an element, twice a step (the forward pass
-    and the backward pass's re-gather): the compute-dtype step's bytes less 3/4 of those weights'
-    float32 bytes, twice. The norms, embedding and head are still gathered in float32, and the
-    reduce-scatters of the gradients are unchanged."""
+def _product_weight_bytes(config) -> int:
+    """Float32 bytes of a model's layer weights that a product reads: a named one
+    (:attr:`zoo.core.params.Param.matmul`) or the routed experts' kernel (their experts' letter
+    laid out on the ``expert`` axis)."""
+    from zoo.core.layout import is_layer_stack, model_specs, rules_of
+    from zoo.core.params import map_params
+    from zoo.plan._step import abstract_model
+
+    model = abstract_model(config, None)
+    specs, rules = model_specs(model), rules_of(model)
+
+    def read_by_a_product(p) -> bool:  # a projection, or a routed expert's matrix ([L, E, in, out])
+        rule = rules.get(p.names[1]) if len(p.names) > 1 else None
+        return p.matmul is not None or (rule is not None and rule.mesh_axis == "expert" and len(p.names) == 4)
+
+    sizes = []
+    map_params(lambda path, x: sizes.append(x.size if is_layer_stack(specs[path]) and read_by_a_product(specs[path]) else 0), model)
+    return 4 * sum(sizes)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_an_fp8_gather_moves_a_byte_an_element(family):
+    """Issue 40: on ``fsdp=8`` under full remat and ``fp8_all`` (float32 compute): the step's
+    all-gathers over ``fsdp``, counted on the traced step and in XLA's compiled program alike,
+    carry each projection's weight, the routed experts' included, at a byte an element, twice a
+    step (the forward pass and the backward pass's re-gather): the compute-dtype step's bytes
+    less 3/4 of those weights' float32 bytes, twice. The norms, router, embedding and head are
+    still gathered in float32, and the reduce-scatters of the gradients are unchanged."""
+    from zoo import registry
     from zoo.plan import collectives
     from zoo.plan._step import make_step
 
-    config = llama_preset("tiny")
+    config = registry.by_model_type(family).config_cls.preset("tiny", family)
+    if family == "deepseek_v3":  # two layers in each stack: a stack of one keeps its gathers for the backward pass
+        config = dataclasses.replace(config, num_layers=4, first_k_dense_replace=2)
 
     def traffic():
         step = make_step(config, batch_size=8, seq_len=64, mesh="fsdp=8", placement="remat", precision="fp8_all")
         jaxpr, compiled = step.compile()
-        counted = collectives.totals(collectives.traced(jaxpr, step.sizes), floor=2048)
-        assert counted == collectives.hlo_traffic(compiled.as_text(), step.sizes, floor=2048)
-        return counted
+        traced = collectives.traced(jaxpr, step.sizes)
+        # (Below 2 KB, XLA:CPU's program has the scales' all-reduces in other groupings.)
+        assert collectives.totals(traced, floor=2048) == collectives.hlo_traffic(compiled.as_text(), step.sizes, floor=2048)
+        return collectives.totals(traced)
 
     fp8_gathers = traffic()
     with fp8.fp8_gathers(False):
         compute_dtype_gathers = traffic()
-    d, f, h, g, k = config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim
-    per_layer = d * (h + 2 * g) * k + h * k * d + 3 * d * f
-    weights = 4 * config.num_layers * per_layer  # float32 bytes of the projections' weights
     gather, scatter = ("all_gather", ("fsdp",)), ("reduce_scatter", ("fsdp",))
-    assert compute_dtype_gathers[gather] - fp8_gathers[gather] == 2 * weights * 3 // 4
+    assert compute_dtype_gathers[gather] - fp8_gathers[gather] == 2 * _product_weight_bytes(config) * 3 // 4
     assert compute_dtype_gathers[scatter] == fp8_gathers[scatter]
+
+
+def test_the_dispatchs_later_rounds_run_the_maps_recipes_in_the_backward_pass(monkeypatch):
+    """The expert dispatch's later rounds (past the first round's slots: capacity factor 0.5)
+    run their pair MLP again in the backward pass, traced after the model's call has left the
+    precision map's context: every routed-expert product, forward and backward, runs the map's
+    recipe (before the fix the later rounds' backward products ran in bfloat16: "none")."""
+    from zoo import parallel
+    from zoo.layers import expert_products as ep
+
+    seen = set()
+    for name in ("product", "input_grad", "weight_grad"):
+        real = getattr(ep, name)
+        monkeypatch.setattr(ep, name, lambda *a, _real=real, **k: seen.add(a[2]) or _real(*a, **k))
+    model = zoo.from_pretrained(FIXTURES / CASES["qwen3_moe"], capacity_factor=0.5)
+    ids = jax.random.randint(jax.random.key(1), (8, 16), 0, model.config.vocab_size, dtype=jnp.int32)
+    mesh = parallel.make_mesh("data=2,expert=4")
+
+    def f(m, ids):
+        with using("fp8_all", m):
+            return m.loss(ids)[0]
+
+    jax.eval_shape(parallel.value_and_grad(f, mesh, frozen="none"), parallel.shard(model, mesh), ids)
+    assert seen == {"tensorwise"}
 
 
 @pytest.mark.parametrize("case", ["1f1b", "lora-dropout"])

@@ -35,6 +35,9 @@ from zoo.core.params import is_deferred
 from zoo.errors import MeshError
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights (never saved)
+# The product name gather_layer's plans give a layer's routed-experts weights (read by the MoE
+# layer's kernel, not by a named zoo.layers.fp8.matmul).
+ROUTED_EXPERTS = "routed experts"
 
 # An all-gather whose result is invariant over the axis (each device keeps its block of the
 # gradient its group shares, no reduce-scatter). Not public in jax 0.10 to 0.12: its name there.
@@ -211,6 +214,10 @@ def gather_layer(tree: PyTree) -> PyTree:
             step.later[id(x)] = (x, d.dims)
             out.append(x)
         elif d and i < len(products) and products[i] in by_product:  # its product gathers it (in FP8)
+            if products[i] == ROUTED_EXPERTS:  # zoo.layers.moe.routed_experts gathers it (gathered_later)
+                step.later[id(x)] = (x, tuple(d))
+                out.append(x)
+                continue
             stand_in = jnp.full(gathered_shape(x, d), jnp.nan, x.dtype)
             step.deferred[id(stand_in)] = (stand_in, x, tuple(d))
             out.append(stand_in)
@@ -229,6 +236,12 @@ def gathered_later(w: Shaped[Array, "..."]) -> tuple[Gather, ...] | None:
         return None
     step.later_taken.add(id(w))
     return entry[1]
+
+
+def gathered_by(product: str) -> bool:
+    """Whether the traces within :func:`gathered_by_product` leave ``product``'s weights to it
+    (:data:`ROUTED_EXPERTS`: the MoE layer's)."""
+    return product in _BY_PRODUCT.get()
 
 
 def deferred_gather(w: Shaped[Array, "..."]) -> tuple[Shaped[Array, "..."], tuple[Gather, ...]] | None:
@@ -461,8 +474,8 @@ def psum_varying(x, axes: Sequence[str]):
 
 
 __all__ = [
-    "CONTEXT", "GATHERED", "PIPELINE", "Gather", "GatherLater", "PipelineSplit", "axis_size", "block_of", "context_gather", "context_order", "context_positions",
-    "context_size", "context_sum", "current_step", "deferred_gather", "gather_fsdp", "gather_layer", "gathered_by_product", "gathered_later",
+    "CONTEXT", "GATHERED", "PIPELINE", "ROUTED_EXPERTS", "Gather", "GatherLater", "PipelineSplit", "axis_size", "block_of", "context_gather", "context_order", "context_positions",
+    "context_size", "context_sum", "current_step", "deferred_gather", "gather_fsdp", "gather_layer", "gathered_by", "gathered_by_product", "gathered_later",
     "gathered_shape", "global_sum", "in_step", "pipeline_of",
     "psum_varying", "remat_policy", "stack_structure", "step_context", "sum_to_varying_of", "tensor_psum", "varying_axes", "varying_like",
     "varying_over", "VocabSplit", "vocab_split",

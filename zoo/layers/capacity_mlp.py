@@ -49,7 +49,7 @@ from zoo.layers.rows import take_rows
 CAPACITY_FACTOR = 1.25
 OVERFLOW_TILE = 32
 # The routed experts' three matmuls as the precision map names them (their outputs' placement names).
-MATMULS = ("moe_gate", "moe_up", "moe_down")
+MATMULS = fp8.ROUTED
 NONE = ("none",) * 3
 
 
@@ -149,11 +149,12 @@ def _rows_amax(row_amax: Float[Array, " N"], layout: CapacityLayout, per: int) -
     return cap.at[layout.over_expert].max(over)
 
 
-def _input_scales(x, w_gate, w_up, w_down, layout, k) -> ep.Scales:
+def _input_scales(x, w_gate, w_up, w_down, layout, k, codes: ep.ExpertCodes | None = None) -> ep.Scales:
     axes = ep.scale_axes(w_gate)
     x_amax = _rows_amax(jnp.max(jnp.abs(x.astype(ep.F32)), axis=1), layout, k)
     e4m3 = functools.partial(ep.expert_scale, dtype=fp8.E4M3, axes=axes)
-    return ep.Scales(e4m3(x_amax), *(e4m3(ep.slots_amax(w)) for w in (w_gate, w_up, w_down)))
+    weights = codes.scales if codes is not None else tuple(e4m3(ep.slots_amax(w)) for w in (w_gate, w_up, w_down))
+    return ep.Scales(e4m3(x_amax), *weights)
 
 
 def _overflow_amax(layout, x, dout, weights, k, tile, rows_of, n, likes) -> Float[Array, "V E"]:
@@ -320,19 +321,26 @@ def capacity_expert_mlp(
     k: int,
     tile: int = OVERFLOW_TILE,
     recipes: tuple[str, str, str] = NONE,
+    codes: ep.ExpertCodes | None = None,
 ) -> Float[Array, "P D"]:
     """Each pair's expert SwiGLU output, pair ``p`` being token ``p // k``'s row through its
     expert (:func:`capacity_layout`); zeros for pairs not ``mine``. ``recipes``: the FP8 recipe
-    of the gate, up and down projections (:data:`MATMULS`; ``"none"``: as written)."""
-    return _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes)[0]
+    of the gate, up and down projections (:data:`MATMULS`; ``"none"``: as written). ``codes``
+    (every recipe tensorwise): the weights as :func:`zoo.layers.expert_products.gather_codes`
+    gathered them, ``w_gate``, ``w_up``, ``w_down`` being its stand-ins (their gradients'
+    shapes; never read): the products read the codes and their scales, and the backward pass
+    keeps the codes (a byte an element), not the weights."""
+    return _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes)[0]
 
 
-def _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes):
+def _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes=None):
     e, c = layout.slot_pair.shape
-    ws = (w_gate, w_up, w_down)
+    ws = (w_gate, w_up, w_down) if codes is None else codes.codes()
     scales = over_hidden = None
+    if codes is not None and recipes != ("tensorwise",) * 3:
+        raise ValueError(f"capacity_expert_mlp: FP8 codes for the weights of products in {recipes}: tensorwise only")
     if "tensorwise" in recipes:
-        scales = _input_scales(x, *ws, layout, k)
+        scales = _input_scales(x, *ws, layout, k, codes)
         if recipes[2] == "tensorwise":  # the overflow's SwiGLU outputs, before any down product
             rows_of = lambda t: (_tile_forward(t, recipes, scales),)  # noqa: E731
             over_hidden = _overflow_amax(layout, x, None, ws, k, tile, rows_of, 1, (x, *ws, layout.over_sizes))[0]
@@ -351,9 +359,14 @@ def _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes):
     return jax.lax.cond(_overflow_any(layout), overflow, balanced, x, *ws, yc), saved, scales
 
 
-def _fwd(x, w_gate, w_up, w_down, layout, k, tile, recipes):
-    out, saved, scales = _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes)
-    return out, (x, w_gate, w_up, w_down, layout, saved, scales)
+def _fwd(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes=None):
+    out, saved, scales = _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes)
+    if codes is None:
+        return out, (x, (w_gate, w_up, w_down), layout, saved, scales)
+    # The codes, not the weights: the gathered codes are what the remat policy regathers, and
+    # the stand-ins give the weights' dtypes (as empty arrays of their mesh axes).
+    likes = tuple(varying_like(jnp.zeros((0,), w.dtype), w) for w in (w_gate, w_up, w_down))
+    return out, (x, (codes, likes), layout, saved, scales)
 
 
 def _silu_grad(gate):
@@ -362,7 +375,9 @@ def _silu_grad(gate):
 
 
 def _bwd(k, tile, recipes, residuals, dout):
-    x, w_gate, w_up, w_down, layout, kept, scales = residuals
+    x, weights, layout, kept, scales = residuals
+    given = isinstance(weights[0], ep.ExpertCodes)
+    w_gate, w_up, w_down = weights[0].codes() if given else weights
     gate, up, hidden = (_slots(layout, a) for a in kept)
     e, c = layout.slot_pair.shape
     f32 = jnp.float32
@@ -410,8 +425,8 @@ def _bwd(k, tile, recipes, residuals, dout):
         dpair, dws = balanced(dxc, dws)
     # Each token's gradient: its K pairs' row gradients, gathered and summed (no scatter).
     dx = dpair if k == 1 else dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(x.dtype)
-    dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, ws)]
-    return (sum_to_varying_of(dx, x), *dws, None)
+    dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, weights[1] if given else ws)]
+    return (sum_to_varying_of(dx, x), *dws, None, None)
 
 
 def _slots_input_grad(dgate, dup, w_gate, w_up, recipes=NONE[:2], scales=None):

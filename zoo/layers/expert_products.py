@@ -15,15 +15,18 @@ operands) then lies within one batched pass or one tile.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, UInt8
 
 from zoo.core.mesh import PIPELINE
-from zoo.hooks.step import current_step, varying_axes, varying_over
+from zoo.core.named import named
+from zoo.hooks.step import GATHERED, Gather, current_step, gather_fsdp, varying_axes, varying_over
 from zoo.layers import fp8
 
 F32 = jnp.float32
@@ -72,6 +75,8 @@ def slots_amax(a: Float[Array, "E R K"]) -> Float[Array, " E"]:
 
 def _q(a: Float[Array, "*E R K"], scale: Float[Array, "*E"], dtype: DTypeLike) -> tuple[Array, Float[Array, "..."]]:
     s = scale[:, None, None] if a.ndim == 3 else scale
+    if a.dtype == dtype:  # codes already, at this scale (weights gathered as codes: gather_codes)
+        return a, s
     return fp8.codes(a, s, dtype), s
 
 
@@ -125,3 +130,62 @@ def weight_grad(
     if recipe == "tensorwise":
         return fp8.scaled_dot(_t(_q(a, scales[0], fp8.E4M3)), _q(g, scales[1], fp8.E5M2))
     return _one(fp8.batched_weight_grad, a, g, recipe)
+
+
+# -- FSDP: the routed experts' weights gathered as their FP8 codes -----------------------------
+
+
+class ExpertCodes(NamedTuple):
+    """The routed experts' three weights (gate, up, down) as :func:`gather_codes` gathered them:
+    each weight's tensorwise E4M3 codes as their bits, and each expert's scale."""
+
+    bits: tuple[UInt8[Array, "E _ _"], ...]
+    scales: tuple[Float[Array, " E"], ...]
+
+    def codes(self) -> tuple[Float[Array, "E _ _"], ...]:
+        """The codes in E4M3, as the products take them (each with its scale in :attr:`scales`:
+        :func:`product` and the gradients take an operand already in the format as its codes)."""
+        return tuple(jax.lax.bitcast_convert_type(b, fp8.E4M3) for b in self.bits)
+
+
+def gather_codes(
+    weights: Sequence[Float[Array, "E _ _"]], dims: Sequence[tuple[Gather, ...]]
+) -> tuple[tuple[Float[Array, "E _ _"], ...], ExpertCodes]:
+    """The routed experts' weights, each device's blocks (``weights``), FSDP-gathered on ``dims``
+    as their tensorwise FP8 codes: each expert's scale is its largest magnitude over the devices
+    holding its parts and its rows (:func:`scale_axes`), the one the capacity kernel takes from
+    the gathered weight, so each device's block quantizes to the gathered weight's codes, and the
+    gather moves a byte an element. Returns stand-ins of the gathered weights (shape, dtype and
+    mesh axes; NaN, never read: the kernel reads the codes), through which the weights'
+    gradients come back (reduce-scattered in the weights' dtype, as the gather's transpose), and
+    the codes (:class:`ExpertCodes`) for :func:`zoo.layers.capacity_mlp.capacity_expert_mlp`."""
+    out = [_gather_codes(tuple(d), tuple(sorted(set(scale_axes(w)) | {a for g in d for a in g.axes})))(w)
+           for w, d in zip(weights, dims, strict=True)]  # fmt: skip
+    # The codes take no gradient (the weights' comes back through the stand-ins), so a kernel
+    # may close over them (the dispatch's custom VJP calls the pair MLP with the weights only).
+    codes = jax.lax.stop_gradient(ExpertCodes(tuple(o[1] for o in out), tuple(o[2] for o in out)))
+    return tuple(o[0] for o in out), codes
+
+
+@functools.cache
+def _gather_codes(dims: tuple[Gather, ...], over: tuple[str, ...]):
+    def forward(w):
+        scale = expert_scale(jnp.max(jnp.abs(w.astype(F32)), axis=tuple(range(1, w.ndim))), fp8.E4M3, over)
+        bits = jax.lax.bitcast_convert_type(fp8.codes(w, scale[:, None, None], fp8.E4M3), jnp.uint8)
+        bits = named(GATHERED, gather_fsdp, bits, dims)
+        stand_in = jnp.full(bits.shape, jnp.nan, w.dtype)
+        return varying_over(stand_in, tuple(sorted(varying_axes(bits)))), bits, scale
+
+    @jax.custom_vjp
+    def f(w):
+        return forward(w)
+
+    def f_fwd(w):
+        return forward(w), w
+
+    def f_bwd(w, cts):
+        (dw,) = jax.linear_transpose(lambda v: gather_fsdp(v, dims), w)(cts[0])  # the gather's reduce-scatter
+        return (dw,)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f

@@ -51,6 +51,7 @@ from zoo.errors import ConfigError
 from zoo.hooks import products
 from zoo.hooks.step import (
     GATHERED,
+    ROUTED_EXPERTS,
     Gather,
     deferred_gather,
     gather_fsdp,
@@ -64,6 +65,9 @@ Recipe = Literal["none", "tensorwise", "mxfp8", "blockwise"]
 RECIPES: tuple[str, ...] = get_args(Recipe)
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MX_BLOCK = 32  # MXFP8's block along the contracted dimension
+# The routed experts' three matmuls as every family's precision map names them (their outputs'
+# placement names): zoo.layers.capacity_mlp's products.
+ROUTED = ("moe_gate", "moe_up", "moe_down")
 TILE = 128  # DeepSeek-V3's activation tile and weight block
 
 _ACTIVE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("zoo_fp8_recipes", default=None)
@@ -98,6 +102,8 @@ def using(recipes: Mapping[str, str] | None) -> Iterator[None]:
     token = _ACTIVE.set(dict(recipes) if recipes is not None else None)
     try:
         gathered = {n for n, r in (recipes or {}).items() if r == "tensorwise"} if _FP8_GATHERS.get() else set()
+        if gathered.issuperset(ROUTED):  # the routed experts' kernel takes their codes (expert_products.gather_codes)
+            gathered.add(ROUTED_EXPERTS)
         with gathered_by_product(gathered):
             yield
     finally:

@@ -27,15 +27,18 @@ from zoo.core.named import named
 from zoo.errors import ConfigError, MeshError
 from zoo.hooks.step import (
     GATHERED,
+    ROUTED_EXPERTS,
     Gather,
     current_step,
     gather_fsdp,
+    gathered_by,
     gathered_later,
     psum_varying,
     remat_policy,
     varying_axes,
     varying_like,
 )
+from zoo.layers import expert_products as ep
 from zoo.layers import fp8
 from zoo.layers.capacity_mlp import MATMULS, OVERFLOW_TILE, capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
@@ -115,16 +118,23 @@ def capacity_pair_mlp(
     *,
     expected_rows: int | None = None,
     capacity: int | None = None,
+    recipes: tuple[str, str, str] | None = None,
+    codes: ep.ExpertCodes | None = None,
 ) -> Float[Array, "P D"]:
     """:func:`expert_pair_mlp` through :func:`zoo.layers.capacity_mlp.capacity_expert_mlp`:
     every expert's first ``capacity`` rows as one batched matmul, the rest through the tile
     loop; dropless. ``capacity`` defaults to :func:`zoo.layers.capacity_mlp.capacity_for` the
     ``expected_rows`` real rows (default all ``P``; expert parallelism's buffers are mostly
-    other devices' pairs or padding)."""
+    other devices' pairs or padding). ``recipes``: the gate, up and down projections' FP8
+    recipes (default: the active precision map's, :data:`MATMULS`). ``codes``: the weights
+    gathered as FP8 codes, the three weights their stand-ins
+    (:func:`zoo.layers.expert_products.gather_codes`)."""
     e = w_gate.shape[0]
     c = capacity or capacity_for(expected_rows or pair_experts.shape[0], e)
-    recipes = tuple(fp8.recipe_of(name) for name in MATMULS)  # the active precision map's (FP8 or not)
-    return capacity_expert_mlp(x, w_gate, w_up, w_down, capacity_layout(pair_experts, e, c), k, OVERFLOW_TILE, recipes)
+    if recipes is None:
+        recipes = tuple(fp8.recipe_of(name) for name in MATMULS)  # the active precision map's (FP8 or not)
+    layout = capacity_layout(pair_experts, e, c)
+    return capacity_expert_mlp(x, w_gate, w_up, w_down, layout, k, OVERFLOW_TILE, recipes, codes)
 
 
 def _routed_experts_pairs(pair_mlp, x, routing, w_gate, w_up, w_down):
@@ -250,7 +260,9 @@ def pair_mlp_for(impl: str) -> Callable[..., Float[Array, "P D"]]:
     :func:`grouped_matmul` for the others."""
     path = resolve_expert_impl(impl)
     if path == "capacity":
-        return capacity_pair_mlp
+        # The recipes as the map gives them now: the dispatch's later rounds call it again in the
+        # backward pass, traced after the model's call has left the map's context.
+        return functools.partial(capacity_pair_mlp, recipes=tuple(fp8.recipe_of(name) for name in MATMULS))
     matmul = jax.lax.ragged_dot if path == "ragged_dot" else grouped_matmul
     return functools.partial(expert_pair_mlp, matmul=matmul)
 
@@ -299,20 +311,30 @@ def _experts_in_blocks(
     gathered = sum(w.size * w.dtype.itemsize * math.prod(axis_size(step.mesh, g.axes) for g in d)
                    for w, d in zip(weights, dims))  # fmt: skip
     n = expert_blocks(e, gathered)
+    in_codes = gathered_by(ROUTED_EXPERTS)  # gathered as FP8 codes (tensorwise routed experts)
+
+    def gather(local):  # a block's weights (stand-ins, with the codes the pair MLP reads) and its pair MLP
+        if not in_codes:
+            return [named(GATHERED, gather_fsdp, w, d) for w, d in zip(local, dims)], pair_mlp
+        stand_ins, codes = ep.gather_codes(local, dims)
+        return list(stand_ins), functools.partial(pair_mlp, codes=codes)
+
     if n == 1:
-        ws = [named(GATHERED, gather_fsdp, w, d) for w, d in zip(weights, dims)]
+        ws, mlp = gather(weights)
         x, combine = (varying_like(a, ws[0]) for a in (x, routing.weights))
-        return psum_varying(impl(x, routing._replace(weights=combine), *ws), ("tensor",))
+        routing = routing._replace(weights=combine)
+        out = _routed_experts_pairs(mlp, x, routing, *ws) if in_codes else impl(x, routing, *ws)
+        return psum_varying(out, ("tensor",))
     g = e // n
     flat = routing.experts.reshape(-1)
     x, combine = (varying_like(a, weights[0]) for a in (x, routing.weights))
 
     def block(out, at):
         i, local = at
-        ws = [named(GATHERED, gather_fsdp, w, d) for w, d in zip(local, dims)]
+        ws, mlp = gather(local)
         ids = flat - i * g
         ids = jnp.where((ids >= 0) & (ids < g), ids, g)  # g: another block's pair (zeros)
-        rows = named("moe_out", pair_mlp(x, ids, k, *ws, expected_rows=-(-t * k // n)).reshape, t, k, -1)
+        rows = named("moe_out", mlp(x, ids, k, *ws, expected_rows=-(-t * k // n)).reshape, t, k, -1)
         mixed = jnp.einsum("tkd,tk->td", rows, combine.astype(rows.dtype), preferred_element_type=jnp.float32)
         return out + mixed, None
 
@@ -366,12 +388,20 @@ def routed_experts(
             return _experts_in_blocks(impl, pair_mlp, x, routing, (w_gate, w_up, w_down), dims), none
         x, weights = (varying_like(a, w_gate) for a in (x, routing.weights))
         return psum_varying(impl(x, routing._replace(weights=weights), w_gate, w_up, w_down), ("tensor",)), none
+    later = [gathered_later(w) for w in (w_gate, w_up, w_down)]
+    if any(d is not None for d in later):  # gather_layer left their FSDP gather to us: as FP8 codes
+        if not all(d is not None for d in later):
+            raise MeshError("routed_experts: some of the routed experts' weights are gathered, others not")
+        (w_gate, w_up, w_down), codes = ep.gather_codes((w_gate, w_up, w_down), later)
+        extra = {"codes": codes}
+    else:
+        extra = {}
     t, k = routing.experts.shape
     e_local = w_gate.shape[0]
     flat = routing.experts.reshape(-1)
     spread = "expert" in varying_axes(x)
     if spread:
-        out, dropped = exchange_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down), dispatch)
+        out, dropped = exchange_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down), dispatch, extra)
         combine = routing.weights
     else:
         # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
@@ -381,7 +411,8 @@ def routed_experts(
         mine = (local >= 0) & (local < e_local)
         # About 1/expert of the pairs are this device's: the capacity pass is sized for those.
         n = axis_size(step.mesh, "expert")
-        out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down, expected_rows=-(-t * k // n))
+        out = pair_mlp(x, jnp.where(mine, local, e_local), k, w_gate, w_up, w_down, expected_rows=-(-t * k // n),
+                       **extra)  # fmt: skip
         combine, dropped = varying_like(routing.weights, w_gate), none
     out = named("moe_out", out.reshape, t, k, -1)
     out = jnp.einsum("tkd,tk->td", out, combine.astype(out.dtype))

@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -198,7 +198,7 @@ def _slot_pairs(layout: Exchange, r, slot: int, e_local: int) -> tuple[Int[Array
     return pair, jnp.where(valid, jnp.take(layout.local_expert, pair), e_local)
 
 
-def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, emulate: bool):
+def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, emulate: bool, extra=None):
     """Round ``r`` as :func:`_round` computes it, the rows travelling by ragged all-to-alls:
     each destination's real rows of the round (at most ``S``) land in the sender's slot of the
     same ``N·S`` received rows, and come back to their places among the sender's sorted pairs."""
@@ -215,7 +215,7 @@ def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, 
     # each row to 128 lanes (512 bytes a row of one id).
     _, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
     recv_e = jax.lax.all_to_all(send_e.reshape(n * slot), "expert", 0, 0, tiled=True)
-    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(pairs, n * slot))
+    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(pairs, n * slot), **(extra or {}))
     mine = jnp.arange(n, dtype=jnp.int32) * slot  # source s's rows are in slot s
     back_at = jax.lax.all_to_all(first, "expert", 0, 0, tiled=True)  # where they came from at source s
     back = move(out, varying_like(jnp.zeros((pairs, out.shape[-1]), out.dtype), out), varying_like(mine, sent),
@@ -223,55 +223,56 @@ def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, 
     return jnp.take(back, layout.sorted_at, axis=0)  # zeros for the pairs of other rounds
 
 
-def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged: str = "no"):
+def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged: str = "no", extra=None):
     """Round ``r``: each destination's slot rows ``r·S ...`` sent, run through its experts, sent
     back; each pair of this round gets its output, every other pair zeros. ``ragged``: ``"no"``
-    (padded all-to-alls), ``"xla"`` (``ragged_all_to_all``) or ``"emulated"``."""
+    (padded all-to-alls), ``"xla"`` (``ragged_all_to_all``) or ``"emulated"``. ``extra``:
+    keyword arguments of ``pair_mlp`` that take no gradient (the experts' FP8 codes)."""
     if ragged != "no":
-        return _round_ragged(pair_mlp, x, weights, layout, r, k, slot, emulate=ragged == "emulated")
+        return _round_ragged(pair_mlp, x, weights, layout, r, k, slot, emulate=ragged == "emulated", extra=extra)
     n = layout.count.shape[0]
     pair, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
     send_x = take_rows(x, pair // k, send_e < weights[0].shape[0])
     recv_x, recv_e = (jax.lax.all_to_all(a.reshape(n * slot, *a.shape[2:]), "expert", 0, 0, tiled=True)
                       for a in (send_x, send_e))  # fmt: skip
     # About P of the N·S received rows are real in the first round (each source's P/N).
-    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(layout.order.shape[0], n * slot))
+    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(layout.order.shape[0], n * slot), **(extra or {}))
     back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
     return take_rows(back, layout.row_of, layout.round_of == r)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
-def _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged):
+def _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged, extra):
     """Rounds 1 on, as many as :func:`rounds_needed` (a loop whose trip count follows the
     routing; none when every destination's pairs fit its slot)."""
-    return _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged)[0]
+    return _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged, extra)[0]
 
 
 def _zeros_like_out(x, weights, pairs):
     return varying_like(jnp.zeros((pairs, x.shape[-1]), x.dtype), x, weights[0], weights[-1])
 
 
-def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged):
-    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot, ragged)
+def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged, extra):
+    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot, ragged, extra)
     zero = _zeros_like_out(x, weights, layout.order.shape[0])
     with jax.named_scope(LATER_ROUNDS):
         out = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zero)
-    return out, (x, weights, layout)
+    return out, (x, weights, layout, extra)
 
 
 def _later_rounds_bwd(pair_mlp, k, slot, ragged, residuals, dout):
     # Each later round recomputed for its gradient: rounds past the first are the rare case.
-    x, weights, layout = residuals
+    x, weights, layout, extra = residuals
 
     def body(r, grads):
-        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, r, k, slot, ragged), x, weights)
+        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, r, k, slot, ragged, extra), x, weights)
         dx, dw = vjp(dout)
         return grads[0] + dx, jax.tree.map(jnp.add, grads[1], dw)
 
     zeros = (varying_like(jnp.zeros_like(x), x), tuple(varying_like(jnp.zeros_like(w), w) for w in weights))
     with jax.named_scope(LATER_ROUNDS):
         dx, dw = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zeros)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 _later_rounds.defvjp(_later_rounds_fwd, _later_rounds_bwd)
@@ -284,10 +285,13 @@ def exchange_experts(
     k: int,
     weights: tuple[Array, ...],
     dispatch: Dispatch,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[Float[Array, "P D"], Int[Array, ""]]:
     """Each local pair's expert output (pair ``p``: token ``p // k`` through global expert
     ``flat[p]``), its experts living on the devices of the ``expert`` group; and the pairs
-    dropped (always 0 when ``dispatch.overflow`` is ``"dropless"``)."""
+    dropped (always 0 when ``dispatch.overflow`` is ``"dropless"``). ``extra``: keyword
+    arguments of ``pair_mlp`` that take no gradient (the experts' FP8 codes:
+    :func:`zoo.layers.expert_products.gather_codes`)."""
     mesh = current_step().mesh
     n, e_local = axis_size(mesh, "expert"), weights[0].shape[0]
     pairs = flat.shape[0]
@@ -295,14 +299,15 @@ def exchange_experts(
     layout = exchange_layout(flat, n, e_local, slot)
     platform = mesh_platform(mesh)
     ragged = "no" if not dispatch.ragged(platform) else "xla" if platform in RAGGED_PLATFORMS else "emulated"
+    first = functools.partial(_round, pair_mlp, x, weights, layout, 0, k, slot, ragged, extra)
     if dispatch.overflow == "drop":
-        return _round(pair_mlp, x, weights, layout, 0, k, slot, ragged), jnp.sum(layout.round_of > 0, dtype=jnp.int32)
+        return first(), jnp.sum(layout.round_of > 0, dtype=jnp.int32)
     if slot >= pairs:  # a slot of every pair needs no second round
-        return _round(pair_mlp, x, weights, layout, 0, k, slot, ragged), jnp.zeros((), jnp.int32)
+        return first(), jnp.zeros((), jnp.int32)
     # The later rounds traced first: the backward pass runs in reverse, so the first round's
     # backward pass, and the release of the received rows and slots it keeps, comes before the
     # later rounds' loop in trace order. (XLA:TPU's and XLA:CPU's peaks are the same either way:
     # their schedulers order the two; the planner's walk follows trace order, and this one is
     # XLA:TPU's: docs/planning.md, "Caveats".)
-    later = _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged)
-    return _round(pair_mlp, x, weights, layout, 0, k, slot, ragged) + later, jnp.zeros((), jnp.int32)
+    later = _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged, extra)
+    return first() + later, jnp.zeros((), jnp.int32)

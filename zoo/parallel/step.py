@@ -39,6 +39,7 @@ from zoo.core.protocol import VOCAB
 from zoo.errors import ConfigError, MeshError
 from zoo.hooks.pipeline import stage_layout
 from zoo.hooks.step import (
+    ROUTED_EXPERTS,
     Gather,
     GatherLater,
     PipelineSplit,
@@ -97,9 +98,15 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
             sub, is_leaf=is_deferred)  # fmt: skip
         return jax.tree.leaves(plan, is_leaf=lambda d: isinstance(d, tuple))
 
-    def layer_products(sub: Any, prefix: str) -> tuple:
+    def product(path: str, stacked: int) -> str | None:  # the name a gather is left to (gathered_by_product)
+        names = specs[path].names
+        rule = rules.get(names[stacked]) if len(names) > stacked else None
+        experts = rule is not None and rule.mesh_axis == "expert" and len(names) == stacked + 3  # [E, in, out]
+        return ROUTED_EXPERTS if experts else specs[path].matmul
+
+    def layer_products(sub: Any, prefix: str, stacked: int = 1) -> tuple:
         names = jax.tree_util.tree_map_with_path(
-            lambda at, x: (specs[f"{prefix}{path_name(at)}"].matmul,) if is_array(x) or is_deferred(x) else x,
+            lambda at, x: (product(f"{prefix}{path_name(at)}", stacked),) if is_array(x) or is_deferred(x) else x,
             sub, is_leaf=is_deferred)  # fmt: skip
         return tuple(n[0] if isinstance(n, tuple) else None for n in jax.tree.leaves(names, is_leaf=lambda d: isinstance(d, tuple)))
 
@@ -117,7 +124,7 @@ def _layer_plans(model, mesh: AnyMesh, batch_axes: tuple[str, ...]) -> tuple[dic
         if sub is None:
             continue
         plan = layer_plan(sub, f"{block}.", 0)
-        products.setdefault(stack_structure(sub), layer_products(sub, f"{block}."))
+        products.setdefault(stack_structure(sub), layer_products(sub, f"{block}.", 0))
         known = plans.setdefault(stack_structure(sub), plan)
         if known != plan:
             raise MeshError(
