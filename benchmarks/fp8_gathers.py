@@ -41,7 +41,6 @@ def weight_gathers(traffic: dict) -> int:
 
 def cpu_row(family: str, mesh_spec: str, fp8_gathers: bool) -> int:
     import equinox as eqx
-    import jax
     import jax.numpy as jnp
     import jax.random as jr
 
@@ -95,16 +94,16 @@ def main(argv: list[str] | None = None) -> str:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
 
-    lines = ["Compiled training steps (`small`, float32, 8 rows of 256 tokens, full remat, `fp8_all`, 8 CPU devices): "
-             "bytes of the weight all-gathers in XLA's program", "",
+    lines = [("Compiled training steps (`small`, float32, 8 rows of 256 tokens, full remat, `fp8_all`, 8 CPU devices): "
+              "bytes of the weight all-gathers in XLA's program"), "",
              "| model | mesh | FP8 gathers MB | compute-dtype gathers MB (peer) | ratio | s |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for family, mesh in CPU_ROWS:
         t = time.time()
         fp8_bytes, peer = cpu_row(family, mesh, True), cpu_row(family, mesh, False)
         lines.append(f"| {family} | `{mesh}` | {fp8_bytes / 1e6:.2f} | {peer / 1e6:.2f} | {fp8_bytes / peer:.3f} | {time.time() - t:.0f} |")
         print(lines[-1], flush=True)
-    lines += ["", "The planner (bf16 compute, `fp8_all`, full remat, one row of the sequence per device, optimizer "
-              "state in pinned host memory): forward weight gathers per device and step, exposed collectives, step time", "",
+    lines += ["", ("The planner (bf16 compute, `fp8_all`, full remat, one row of the sequence per device, optimizer "
+                   "state in pinned host memory): forward weight gathers per device and step, exposed collectives, step time"), "",
               "| model | mesh | hardware | tokens | FP8 gathers GB | peer GB | ratio | exposed s (FP8 / peer) | step s (FP8 / peer) |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for family, preset, mesh, hw, seq, fields in PLANNED:
