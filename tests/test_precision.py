@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import io
+import math
 
 import equinox as eqx
 import jax
@@ -215,6 +216,42 @@ def test_a_kept_fp8_gemm_input_costs_half_its_bfloat16_bytes():
     (bf16_saved, bf16), (fp8_saved, fp8_kept) = (_kept_by_map(p, "mlp_hidden", ids) for p in (None, "mlp_down=tensorwise"))
     assert bf16_saved == [f"bf16[{SMALL.num_layers},1,{ids.size},{SMALL.intermediate_size}]"], bf16_saved  # [L B S F]
     assert fp8_saved == [f"f32[{SMALL.num_layers},1,1]", "u8" + stacked], fp8_saved  # the copy and its scale
+    assert bf16 - fp8_kept >= 0.99 * elements, (bf16, fp8_kept, elements)
+
+
+def test_a_kept_moe_hidden_is_its_fp8_codes_under_a_tensorwise_down_projection():
+    """Issue 40, the routed experts' FP8 residual: the capacity kernel's SwiGLU output
+    (``moe_hidden``, the down projection's input, kept a row per pair) is kept as its FP8 codes
+    where ``moe_down`` is tensorwise, the codes being all the backward pass reads of it: keeping
+    it on device saves a byte per element where it saved the bf16 rows, and XLA:CPU's compiled
+    temporaries for it fall by at least that byte per element."""
+    from zoo.qwen3 import preset as qwen3_preset
+
+    model = zoo.Qwen3(qwen3_preset("tiny", "qwen3_moe"), key=jax.random.key(0), compute_dtype=jnp.bfloat16)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    ids = jnp.zeros((1, 256), jnp.int32)
+
+    def kept(precision):
+        sizes, saved = [], []
+        for placement in ("remat+moe_hidden=device", "remat"):
+            def f(p, ids, placement=placement):
+                m = eqx.combine(p, static)
+                with using(precision, m):
+                    return m.loss(ids, placement=placement)[0]
+
+            step = jax.jit(jax.value_and_grad(f))
+            sizes.append(step.lower(params, ids).compile().memory_analysis().temp_size_in_bytes)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                jax.ad_checkpoint.print_saved_residuals(f, params, ids)
+            saved.append(collections.Counter(line.split(" ", 1)[0] for line in out.getvalue().splitlines()))
+        return sorted((saved[0] - saved[1]).elements()), sizes[0] - sizes[1]
+
+    (bf16_saved, bf16), (fp8_saved, fp8_kept) = kept(None), kept("moe_down=tensorwise")
+    assert len(bf16_saved) == 1 and bf16_saved[0].startswith("bf16["), bf16_saved
+    rows = bf16_saved[0][len("bf16"):]  # [L, P, M]: the MoE layers' rows, one per pair
+    assert fp8_saved == ["u8" + rows], fp8_saved
+    elements = math.prod(int(n) for n in rows.strip("[]").split(","))
     assert bf16 - fp8_kept >= 0.99 * elements, (bf16, fp8_kept, elements)
 
 

@@ -187,12 +187,22 @@ def _capacity_pass(x, w_gate, w_up, w_down, layout, k, recipes, scales, over_hid
     # pass computes every named tensor (a planner's trace under full remat sees each).
     gate = named("moe_gate", lambda: _kept(layout, ep.product(xc, w_gate, rg, _s(scales, "x", "w_gate")).astype(x.dtype)))
     up = named("moe_up", lambda: _kept(layout, ep.product(xc, w_up, ru, _s(scales, "x", "w_up")).astype(x.dtype)))
-    hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
-    hs = _slots(layout, hidden)
-    if rd == "tensorwise":
-        amax = jnp.maximum(ep.slots_amax(hs), over_hidden)
+    if rd != "tensorwise":
+        hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
+        hs = _slots(layout, hidden)
+        return ep.product(hs, w_down, rd, _s(scales, "hidden", "w_down")).astype(hs.dtype), (gate, up, hidden), scales
+    # Tensorwise: the SwiGLU output is kept as its FP8 codes, which are all the backward pass reads
+    # of it (the down projection's weight gradient): a map that keeps or offloads moe_hidden keeps
+    # a byte an element (as the bits: see zoo.layers.fp8._matmul), the same numbers.
+    with region("moe_hidden"):
+        hidden = jax.nn.silu(gate) * up
+        amax = jnp.maximum(ep.slots_amax(_slots(layout, hidden)), over_hidden)
         scales = scales._replace(hidden=ep.expert_scale(amax, fp8.E4M3, ep.scale_axes(w_gate)))
-    return ep.product(hs, w_down, rd, _s(scales, "hidden", "w_down")).astype(hs.dtype), (gate, up, hidden), scales
+        c = layout.slot_pair.shape[1]
+        row_scale = scales.hidden[:, None, None] if hidden.ndim == 3 else scales.hidden[layout.pair_slot // c][:, None]
+        codes = named("moe_hidden", jax.lax.bitcast_convert_type, fp8.codes(hidden, row_scale, fp8.E4M3), jnp.uint8)
+    hs = _slots(layout, jax.lax.bitcast_convert_type(codes, fp8.E4M3))  # codes: the product takes them as they are
+    return ep.product(hs, w_down, rd, _s(scales, "hidden", "w_down")).astype(x.dtype), (gate, up, codes), scales
 
 
 def _overflow_any(layout) -> Array:
@@ -379,6 +389,8 @@ def _bwd(k, tile, recipes, residuals, dout):
     given = isinstance(weights[0], ep.ExpertCodes)
     w_gate, w_up, w_down = weights[0].codes() if given else weights
     gate, up, hidden = (_slots(layout, a) for a in kept)
+    if hidden.dtype == jnp.uint8:  # the SwiGLU output's FP8 codes (tensorwise down projection)
+        hidden = jax.lax.bitcast_convert_type(hidden, fp8.E4M3)
     e, c = layout.slot_pair.shape
     f32 = jnp.float32
     rg, ru, rd = recipes
