@@ -2,13 +2,15 @@
 same step gathering in the compute dtype (the peer, ``zoo.layers.fp8.fp8_gathers(False)``).
 
     python benchmarks/fp8_gathers.py [--out FILE]
+    python benchmarks/fp8_gathers.py --tpu-topology v5e:2x4   # on a TPU machine: 8 chips, ahead of time, bf16
 
-1. **XLA's program** (8 simulated CPU devices): the ``small`` presets' training step under
-   ``--precision fp8_all`` and full remat, compiled (``make_train_step``, 8 rows of 256 tokens),
-   and the bytes of its all-gathers over the weight axes (``fsdp``, ``expert``) read from the
-   compiled HLO (:func:`zoo.plan.collectives.hlo_traffic`), with their ratio. Float32 compute:
-   XLA:CPU moves a bfloat16 all-gather as float32, so a bf16 step's CPU program would not show
-   what a GPU moves; in float32 a code is a quarter of its weight's bytes.
+1. **XLA's program** (8 simulated CPU devices, or 8 chips of a TPU topology compiled ahead of
+   time): the ``small`` presets' training step under ``--precision fp8_all`` and full remat
+   (8 rows of 256 tokens), compiled (``zoo.plan.measure``), and the bytes of its all-gathers
+   over the weight axes (``fsdp``, ``expert``) in the compiled HLO (``Estimate.collectives``),
+   with their ratio. On CPU in float32: XLA:CPU moves a bfloat16 all-gather as float32, so a bf16
+   step's CPU program would not show what an accelerator moves; in float32 a code is a quarter
+   of its weight's bytes. On a TPU in bf16 (half).
 2. **The planner** (``zoo.plan.mesh_plan.cost_model``, bf16 compute, as on the hardware): the
    same comparison for Llama 3.1 405B on 128 H100 (``fsdp=128``) and the seed's DeepSeek-V3
    671B on 128 GB200 (``fsdp=16,expert=8``): the step's forward weight-gather bytes per device,
@@ -22,7 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 
-CPU_ROWS = [
+COMPILED = [
     ("llama", "fsdp=8"),
     ("llama", "fsdp=4,tensor=2"),
     ("deepseek_v3", "fsdp=8"),
@@ -39,29 +41,15 @@ def weight_gathers(traffic: dict) -> int:
     return sum(v for (kind, axes), v in traffic.items() if kind == "all_gather" and set(axes) <= {"fsdp", "expert"})
 
 
-def cpu_row(family: str, mesh_spec: str, fp8_gathers: bool) -> int:
-    import equinox as eqx
-    import jax.numpy as jnp
-    import jax.random as jr
-
-    from zoo import parallel, registry
+def compiled_row(family: str, mesh: str, fp8_gathers: bool, devices, dtype) -> int:
+    from zoo import plan, registry
     from zoo.layers import fp8
-    from zoo.plan import collectives
-    from zoo.train import TrainConfig, make_train_step, optimizer
 
-    fam = registry.by_model_type(family)
-    model = fam(fam.config_cls.preset("small", family), key=jr.key(0))
-    cfg = TrainConfig(batch_size=8, seq_len=256, warmup=0, precision="fp8_all")
-    tx = optimizer(cfg, model)
-    mesh = parallel.make_mesh(mesh_spec)
-    params = parallel.shard(eqx.filter(model, eqx.is_inexact_array), mesh)
-    opt = parallel.init_optimizer(tx, params, mesh)
-    ids = jnp.zeros((1, 8, 256), jnp.int32)
+    config = registry.by_model_type(family).config_cls.preset("small", family)
     with fp8.fp8_gathers(fp8_gathers):
-        compiled = make_train_step(model, cfg, tx, mesh=mesh, placement="remat").lower(
-            params, opt, ids, jnp.int32(0)).compile()  # fmt: skip
-    sizes = {a: int(n) for a, n in mesh.shape.items()}
-    return weight_gathers(collectives.hlo_traffic(compiled.as_text(), sizes))
+        m = plan.measure(config, batch_size=8, seq_len=256, mesh=mesh, placement="remat", precision="fp8_all",
+                         compute_dtype=dtype, devices=devices)  # fmt: skip
+    return weight_gathers(m.collectives)
 
 
 def planned_row(family: str, preset: str, mesh: str, hardware: str, seq: int, fields: dict, fp8_gathers: bool):
@@ -87,19 +75,29 @@ def planned_row(family: str, preset: str, mesh: str, hardware: str, seq: int, fi
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="also write the tables to this file")
+    p.add_argument("--tpu-topology", default=None, help="compile for 8 chips of this TPU topology, e.g. v5e:2x4")
     args = p.parse_args(argv)
 
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
+    devices = None
+    if args.tpu_topology is None:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+    else:
+        from jax.experimental import topologies
 
-    lines = [("Compiled training steps (`small`, float32, 8 rows of 256 tokens, full remat, `fp8_all`, 8 CPU devices): "
+        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=args.tpu_topology).devices)
+    import jax.numpy as jnp
+
+    dtype, where = (jnp.float32, "float32, 8 CPU devices") if devices is None else (
+        jnp.bfloat16, f"bf16, 8 chips of TPU {args.tpu_topology} compiled ahead of time")  # fmt: skip
+    lines = [(f"Compiled training steps (`small`, {where}, 8 rows of 256 tokens, full remat, `fp8_all`): "
               "bytes of the weight all-gathers in XLA's program"), "",
              "| model | mesh | FP8 gathers MB | compute-dtype gathers MB (peer) | ratio | s |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
-    for family, mesh in CPU_ROWS:
+    for family, mesh in COMPILED:
         t = time.time()
-        fp8_bytes, peer = cpu_row(family, mesh, True), cpu_row(family, mesh, False)
+        fp8_bytes, peer = (compiled_row(family, mesh, on, devices, dtype) for on in (True, False))
         lines.append(f"| {family} | `{mesh}` | {fp8_bytes / 1e6:.2f} | {peer / 1e6:.2f} | {fp8_bytes / peer:.3f} | {time.time() - t:.0f} |")
         print(lines[-1], flush=True)
     lines += ["", ("The planner (bf16 compute, `fp8_all`, full remat, one row of the sequence per device, optimizer "

@@ -15,7 +15,7 @@ from zoo import hooks, parallel
 from zoo.lora import base_model
 from zoo.loss import chunked_cross_entropy
 from zoo.placement import placement_map_for
-from zoo.plan import _liveness
+from zoo.plan import _liveness, collectives
 from zoo.plan._step import SDS, Step, StepOptions, layer_stacks, make_step, mesh_spec, stack_bytes
 
 GiB = 2**30
@@ -64,6 +64,10 @@ class Estimate:
     # step must fit (one whose device_bytes are 3.6 GiB over the chip runs:
     # benchmarks/results/tpu-v5e-2026-12-07.md).
     peak_bytes: int = 0
+    # A measurement's collective bytes per device in XLA's compiled program, per (kind, mesh
+    # axes) (:func:`zoo.plan.collectives.hlo_traffic`: its while loops times their trip counts);
+    # empty for an estimate.
+    collectives: Mapping[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
 
     @property
     def residual_device(self) -> int:
@@ -232,7 +236,8 @@ def measure(
     """The same figures from XLA: the step compiled on the devices present (the mesh must fit
     them; ``devices``: these instead, e.g. a TPU topology's, ``jax.experimental.topologies``, for
     chips that are not present), its ``memory_analysis()`` per device: arguments + outputs +
-    temporaries - aliases, device and host, and XLA's own peak (``peak_bytes``). Nothing is run.
+    temporaries - aliases, device and host, XLA's own peak (``peak_bytes``) and the program's
+    collective bytes (``collectives``). Nothing is run.
 
     What XLA:CPU counts: one memory (``unified``); offloaded residuals and parameters in
     pinned host memory are among the device figures, and no host figure is reported. The
@@ -261,4 +266,5 @@ def measure(
         notes=tuple(notes),
         predicted=est,
         peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+        collectives=collectives.hlo_traffic(compiled.as_text(), step.sizes),
     )
