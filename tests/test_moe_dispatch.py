@@ -346,3 +346,18 @@ def test_the_planner_prices_the_ragged_bytes_where_the_hardware_has_them():
     assert slots > pairs
     assert moved("cpu") == {slots * d * 4, slots * 4}  # token rows (and their gradients), expert ids
     assert moved("gpu") == moved("tpu") == {pairs * d * 4, slots * 4}  # the ids still padded: 4 bytes a slot
+
+
+def test_the_automatic_expert_path_is_the_traced_platforms():
+    """``expert_impl="auto"`` resolves for the platform the step is traced for, not the machine's:
+    the planner prices a GPU's step (``capacity``, where the routed experts run in FP8) from a TPU
+    machine, and a TPU's (``ragged_dot``) from this one. (Before, a TPU machine planning for a
+    GB200 refused ``--precision fp8_all``: its own ragged_dot path has no FP8 products.)"""
+    from zoo.layers.moe import resolve_expert_impl
+    from zoo.layers.moe_dispatch import target_platform
+
+    with target_platform("gpu"):
+        assert resolve_expert_impl("auto") == "capacity"
+    with target_platform("tpu"):
+        assert resolve_expert_impl("auto") == "ragged_dot"
+    assert resolve_expert_impl("auto") == ("ragged_dot" if jax.default_backend() == "tpu" else "capacity")

@@ -42,7 +42,7 @@ from zoo.layers import expert_products as ep
 from zoo.layers import fp8
 from zoo.layers.capacity_mlp import MATMULS, OVERFLOW_TILE, capacity_expert_mlp, capacity_for, capacity_layout
 from zoo.layers.grouped_matmul import grouped_matmul, tile_layout
-from zoo.layers.moe_dispatch import Dispatch, exchange_experts
+from zoo.layers.moe_dispatch import Dispatch, exchange_experts, traced_platform
 from zoo.layers.rows import take_rows
 from zoo.layers.stack import layer_policy_now
 
@@ -270,9 +270,11 @@ def pair_mlp_for(impl: str) -> Callable[..., Float[Array, "P D"]]:
 def resolve_expert_impl(impl: str) -> str:
     """``auto``: ``ragged_dot`` where XLA has a grouped-matmul lowering for it (TPU), else
     ``capacity`` (a batched matmul over a static capacity; 1.5-1.7x faster than ``grouped`` on
-    CPU, benchmarks/moe.py; cuBLAS's strong shape on GPU, not yet measured there)."""
+    CPU, benchmarks/moe.py; cuBLAS's strong shape on GPU, not yet measured there). The platform
+    is the trace's (:func:`zoo.layers.moe_dispatch.traced_platform`: the planner's trace for a
+    GPU is a GPU's, on whatever machine it runs)."""
     if impl == "auto":
-        return "ragged_dot" if jax.default_backend() == "tpu" else "capacity"
+        return "ragged_dot" if traced_platform() == "tpu" else "capacity"
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"expert_impl must be one of {['auto', *EXPERT_IMPLS]}, got {impl!r}")
     return impl

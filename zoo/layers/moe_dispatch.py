@@ -104,13 +104,17 @@ def target_platform(platform: str) -> Iterator[None]:
         _TARGET.reset(token)
 
 
+def traced_platform() -> str:
+    """The platform the current trace is for: :func:`target_platform`'s, else the default backend's."""
+    return _TARGET.get() or jax.default_backend()
+
+
 def mesh_platform(mesh) -> str:
-    """The platform of ``mesh``'s devices; an abstract mesh has none: :func:`target_platform`'s,
-    else the default backend's."""
+    """The platform of ``mesh``'s devices; an abstract mesh has none: :func:`traced_platform`."""
     try:
         return mesh.devices.flat[0].platform
     except (AttributeError, ValueError):  # jax's AbstractMesh raises ValueError
-        return _TARGET.get() or jax.default_backend()
+        return traced_platform()
 
 
 def slot_rows(pairs: int, devices: int, capacity_factor: float) -> int:
