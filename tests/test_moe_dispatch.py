@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from zoo import parallel
 from zoo.errors import ConfigError
 from zoo.hooks.step import step_context
+from zoo.layers import fp8
 from zoo.layers.moe import Routing, pair_mlp_for, routed_experts, routed_experts_dense
 from zoo.layers.moe_dispatch import Dispatch, ragged_all_to_all_padded, slot_rows
 
@@ -43,21 +44,22 @@ def inputs(routing: str, devices: int, *, seed: int = 0):
     return x, experts, weights, w
 
 
-def sharded_experts(mesh, dispatch: Dispatch, impl: str = "capacity"):
+def sharded_experts(mesh, dispatch: Dispatch, impl: str = "capacity", recipes=None, fp8_rows: bool = False):
     """``(x, experts, weights, wg, wu, wd, cot) -> (out, dropped, value, grads)`` under ``mesh``:
     the routed experts' output, the dropped pairs (summed over devices), ``sum(out * cot)`` and
     its gradients for tokens, combine weights and expert weights, taken inside the step as
     :func:`zoo.parallel.value_and_grad` takes them. Tokens are split over every axis but
-    ``tensor``, experts over ``expert``."""
+    ``tensor``, experts over ``expert``. ``recipes``: an FP8 map of the experts' products;
+    ``fp8_rows``: the dispatch sends the rows as FP8 codes."""
     batch = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
 
     def body(x, experts, weights, wg, wu, wd, cot):
-        with step_context(mesh, {}):
+        with step_context(mesh, {}), fp8.using(recipes):
 
             def local(x, weights, w):
                 routing = Routing(experts, weights, jnp.zeros((x.shape[0], E)))
                 out, dropped = routed_experts(routed_experts_dense, x, routing, *w, pair_mlp=pair_mlp_for(impl),
-                                              dispatch=dispatch)  # fmt: skip
+                                              dispatch=dispatch, fp8_rows=fp8_rows)  # fmt: skip
                 return jnp.sum(out * cot), (out, dropped)
 
             (value, (out, dropped)), grads = jax.value_and_grad(local, (0, 1, 2), has_aux=True)(x, weights, (wg, wu, wd))
@@ -169,6 +171,49 @@ def test_all_to_all_moves_capacity_factor_times_the_routed_rows(spec, factor):
     # The planner prices the first round (tokens, expert ids and outputs forward; the two float
     # transposes backward), not the later rounds' loops, which balanced routing never enters.
     assert priced == 4 * rows * D * 4 + rows * 4
+
+
+TENSORWISE = dict.fromkeys(fp8.ROUTED, "tensorwise")
+
+
+@pytest.mark.parametrize(("spec", "routing", "transport", "overflow"), [
+    ("expert=8", "adversarial", "padded", "dropless"), ("fsdp=2,expert=4", "balanced", "ragged", "dropless"),
+    ("data=2,expert=4", "adversarial", "ragged", "drop")])  # fmt: skip
+def test_rows_sent_as_fp8_codes_keep_the_numbers(spec, routing, transport, overflow):
+    """Issue 40: under tensorwise routed experts the dispatch sends each round's token rows as
+    their E4M3 codes at each expert's scale over the rows every device sends it that round (the
+    scale its kernel takes from the rows it receives): the output, the dropped count and every
+    gradient are bit for bit those of the rows sent in the compute dtype, padded and ragged,
+    with later rounds (adversarial routing, dropless) and dropped pairs."""
+    mesh = parallel.make_mesh(spec)
+    x, experts, weights, w = inputs(routing, 8, seed=2)
+    cot = jr.normal(jr.key(3), x.shape)
+    dispatch = Dispatch(1.0, overflow, transport)
+    got, want = (sharded_experts(mesh, dispatch, recipes=TENSORWISE, fp8_rows=f)(x, experts, weights, *w, cot)
+                 for f in (True, False))  # fmt: skip
+    assert overflow == "dropless" or int(got[1]) > 0
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ref = reference(x, experts, weights, w, kept_pairs(np.asarray(experts), mesh, 1.0) if overflow == "drop" else None)
+    err = float(jnp.max(jnp.abs(got[0] - ref)) / jnp.max(jnp.abs(ref)))
+    assert 0 < err < 0.1  # FP8, not the compute dtype: the rows and weights quantized
+
+
+def test_rows_sent_as_fp8_codes_move_a_byte_an_element():
+    """Every all-to-all that sends token rows to their experts moves a byte an element (float32
+    rows here: a quarter of their bytes): the first round's, and the later rounds' loop's forward
+    and its recomputation in the backward pass (compiled, not run: balanced routing). The outputs
+    coming back and both gradients' all-to-alls are unchanged. The planner prices the first round."""
+    mesh = parallel.make_mesh("expert=8")
+    x, experts, weights, w = inputs("balanced", 8)
+    priced = {f: all_to_all_bytes(sharded_experts(mesh, Dispatch(1.0), recipes=TENSORWISE, fp8_rows=f), mesh, x,
+                                  experts, weights, *w, x) for f in (True, False)}  # fmt: skip
+    rows = max(priced[False][0]) // (D * 4)
+    want = list(priced[False][0])
+    for _ in range(3):
+        want.remove(rows * D * 4)
+    assert sorted(priced[True][0]) == sorted([*want, *[rows * D] * 3])
+    assert priced[False][1] - priced[True][1] == rows * D * 3  # the planner reads the same
 
 
 def test_dispatch_settings_are_checked_naming_the_field():

@@ -392,7 +392,9 @@ def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers
     whole weight's scale (a pmax of its largest magnitude) and the FSDP gather moves the FP8
     codes. The codes are those of the gathered weight, so the step is the one that gathers in the
     compute dtype: the loss and the updated parameters bit for bit (tensor-split heads and
-    hidden units, and DeepSeek-V3's MLA, dense and shared MLPs included)."""
+    hidden units, and DeepSeek-V3's MLA, dense and shared MLPs included). On the expert mesh the
+    peer sends the dispatch's rows in the compute dtype too (the same numbers: the rows' codes
+    are those the experts' kernel takes)."""
     from zoo import parallel
 
     model, ids = tiny(model_type), tiny_ids(model_type)
@@ -408,7 +410,7 @@ def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers
         return float(metrics["loss"]), jax.tree.leaves(new)
 
     fp8_gathers = step()
-    with fp8.fp8_gathers(False):
+    with fp8.fp8_gathers(False), fp8.fp8_dispatch(False):
         compute_dtype_gathers = step()
     assert fp8_gathers[0] == compute_dtype_gathers[0]
     for a, b in zip(fp8_gathers[1], compute_dtype_gathers[1], strict=True):

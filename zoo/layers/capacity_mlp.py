@@ -32,7 +32,7 @@ batched pass and within each tile.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,21 +149,24 @@ def _rows_amax(row_amax: Float[Array, " N"], layout: CapacityLayout, per: int) -
     return cap.at[layout.over_expert].max(over)
 
 
-def _input_scales(x, w_gate, w_up, w_down, layout, k, codes: ep.ExpertCodes | None = None) -> ep.Scales:
+def _input_scales(x, w_gate, w_up, w_down, layout, k, codes: ep.ExpertCodes | None = None,
+                  rows: ep.RowCodes | None = None) -> ep.Scales:  # fmt: skip
     axes = ep.scale_axes(w_gate)
-    x_amax = _rows_amax(jnp.max(jnp.abs(x.astype(ep.F32)), axis=1), layout, k)
     e4m3 = functools.partial(ep.expert_scale, dtype=fp8.E4M3, axes=axes)
     weights = codes.scales if codes is not None else tuple(e4m3(ep.slots_amax(w)) for w in (w_gate, w_up, w_down))
+    if rows is not None:  # the dispatch's: the same largest magnitudes, taken before the rows were sent
+        return ep.Scales(rows.scale, *weights)
+    x_amax = _rows_amax(jnp.max(jnp.abs(x.astype(ep.F32)), axis=1), layout, k)
     return ep.Scales(e4m3(x_amax), *weights)
 
 
-def _overflow_amax(layout, x, dout, weights, k, tile, rows_of, n, likes) -> Float[Array, "V E"]:
+def _overflow_amax(layout, x, dout, weights, k, tile, rows_of, n, likes, dtype) -> Float[Array, "V E"]:
     """Per expert, the largest magnitude of each of the ``n`` arrays ``rows_of(tile)`` computes
     from an overflow tile, over every tile (zeros without overflow)."""
     init = varying_like(jnp.zeros((n, weights[0].shape[0]), ep.F32), *likes)
     if not layout.over_pair.shape[0]:
         return init
-    tiles, read = _overflow_tiles(layout, x, dout, weights, k, tile)
+    tiles, read = _overflow_tiles(layout, x, dout, weights, k, tile, dtype)
 
     def body(i, amax):
         t = read(i)
@@ -176,17 +179,17 @@ def _overflow_amax(layout, x, dout, weights, k, tile, rows_of, n, likes) -> Floa
 # -- the batched pass and the overflow tiles -------------------------------------------------------
 
 
-def _capacity_pass(x, w_gate, w_up, w_down, layout, k, recipes, scales, over_hidden):
-    """The batched pass's output slots, the tensors it keeps, and ``scales`` with the SwiGLU
-    output's (from its slots and ``over_hidden``, the overflow's largest magnitudes) where the
-    down projection is tensorwise."""
+def _capacity_pass(x, w_gate, w_up, w_down, layout, k, recipes, scales, over_hidden, dtype):
+    """The batched pass's output slots (in the compute ``dtype``), the tensors it keeps, and
+    ``scales`` with the SwiGLU output's (from its slots and ``over_hidden``, the overflow's
+    largest magnitudes) where the down projection is tensorwise."""
     rg, ru, rd = recipes
     xc = _rows(x, layout.slot_pair, layout.slot_valid, k)
     # The projections as slots, named as the rows the backward pass keeps (the placement map's
     # tensors); the SwiGLU on those rows, back into slots for the down projection. The forward
     # pass computes every named tensor (a planner's trace under full remat sees each).
-    gate = named("moe_gate", lambda: _kept(layout, ep.product(xc, w_gate, rg, _s(scales, "x", "w_gate")).astype(x.dtype)))
-    up = named("moe_up", lambda: _kept(layout, ep.product(xc, w_up, ru, _s(scales, "x", "w_up")).astype(x.dtype)))
+    gate = named("moe_gate", lambda: _kept(layout, ep.product(xc, w_gate, rg, _s(scales, "x", "w_gate")).astype(dtype)))
+    up = named("moe_up", lambda: _kept(layout, ep.product(xc, w_up, ru, _s(scales, "x", "w_up")).astype(dtype)))
     if rd != "tensorwise":
         hidden = named("moe_hidden", lambda: jax.nn.silu(gate) * up)
         hs = _slots(layout, hidden)
@@ -202,7 +205,7 @@ def _capacity_pass(x, w_gate, w_up, w_down, layout, k, recipes, scales, over_hid
         row_scale = scales.hidden[:, None, None] if hidden.ndim == 3 else scales.hidden[layout.pair_slot // c][:, None]
         codes = named("moe_hidden", jax.lax.bitcast_convert_type, fp8.codes(hidden, row_scale, fp8.E4M3), jnp.uint8)
     hs = _slots(layout, jax.lax.bitcast_convert_type(codes, fp8.E4M3))  # codes: the product takes them as they are
-    return ep.product(hs, w_down, rd, _s(scales, "hidden", "w_down")).astype(x.dtype), (gate, up, codes), scales
+    return ep.product(hs, w_down, rd, _s(scales, "hidden", "w_down")).astype(dtype), (gate, up, codes), scales
 
 
 def _overflow_any(layout) -> Array:
@@ -217,7 +220,8 @@ def _per_pair(layout, cap_rows):
 
 class _Tile(NamedTuple):
     """One tile of the overflow rows: which are valid, their pairs, the pairs' token rows and
-    (backward) output gradients, zeros past the valid rows; its expert's weights and id."""
+    (backward) output gradients, zeros past the valid rows; its expert's weights and id; the
+    compute dtype (the rows may be FP8 codes)."""
 
     keep: Array
     pair: Array
@@ -225,9 +229,10 @@ class _Tile(NamedTuple):
     dy: Array | None
     w: tuple[Array, Array, Array]
     owner: Array
+    dtype: Any
 
 
-def _overflow_tiles(layout, x, dout, weights, k, tile):
+def _overflow_tiles(layout, x, dout, weights, k, tile, dtype):
     """The overflow rows as tiles of ``tile`` rows, each one expert's (``tile_layout``), and a
     function reading tile ``i``: its rows gathered from ``x`` (and ``dout``) by pair, so that no
     ``[O, D]`` copy of them exists (sized for every pair to one expert, they were most of a
@@ -243,7 +248,7 @@ def _overflow_tiles(layout, x, dout, weights, k, tile):
         rows = lambda a, idx: take_rows(a, idx, keep)  # noqa: E731
         w = tuple(jax.lax.dynamic_index_in_dim(a, tiles.owner[i], keepdims=False) for a in weights)
         dy = None if dout is None else rows(dout, p)
-        return _Tile(keep, p, rows(x, p // k), dy, w, tiles.owner[i])
+        return _Tile(keep, p, rows(x, p // k), dy, w, tiles.owner[i], dtype)
 
     return tiles, read
 
@@ -258,8 +263,8 @@ def _put(per_pair, t: _Tile, rows):
 def _tile_forward(t: _Tile, recipes, scales):
     """A tile's SwiGLU output (its projections in its rows' dtype)."""
     rg, ru, _ = recipes
-    gate = ep.product(t.x, t.w[0], rg, _s(scales, "x", "w_gate", t.owner)).astype(t.x.dtype)
-    up = ep.product(t.x, t.w[1], ru, _s(scales, "x", "w_up", t.owner)).astype(t.x.dtype)
+    gate = ep.product(t.x, t.w[0], rg, _s(scales, "x", "w_gate", t.owner)).astype(t.dtype)
+    up = ep.product(t.x, t.w[1], ru, _s(scales, "x", "w_up", t.owner)).astype(t.dtype)
     return jax.nn.silu(gate) * up
 
 
@@ -267,12 +272,12 @@ def _tile_backward(t: _Tile, recipes, scales):
     """A tile's SwiGLU output recomputed, and its gate's and up projection's cotangents."""
     f32 = ep.F32
     rg, ru, rd = recipes
-    go = ep.product(t.x, t.w[0], rg, _s(scales, "x", "w_gate", t.owner)).astype(t.x.dtype).astype(f32)
-    uo = ep.product(t.x, t.w[1], ru, _s(scales, "x", "w_up", t.owner)).astype(t.x.dtype).astype(f32)
-    ho = (jax.nn.silu(go) * uo).astype(t.x.dtype)
+    go = ep.product(t.x, t.w[0], rg, _s(scales, "x", "w_gate", t.owner)).astype(t.dtype).astype(f32)
+    uo = ep.product(t.x, t.w[1], ru, _s(scales, "x", "w_up", t.owner)).astype(t.dtype).astype(f32)
+    ho = (jax.nn.silu(go) * uo).astype(t.dtype)
     dho = ep.input_grad(t.dy, t.w[2], rd, _s(scales, "dout", "w_down", t.owner)).astype(t.dy.dtype).astype(f32)
-    dgo = (dho * uo * _silu_grad(go)).astype(t.x.dtype)
-    duo = (dho * jax.nn.silu(go)).astype(t.x.dtype)
+    dgo = (dho * uo * _silu_grad(go)).astype(t.dtype)
+    duo = (dho * jax.nn.silu(go)).astype(t.dtype)
     return ho, dgo, duo
 
 
@@ -280,7 +285,7 @@ def _overflow_forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, scales,
     """``out`` (each pair's output, ``[P, D]``) with the overflow pairs' rows written in, a tile
     at a time: each tile's rows gathered, its gate, up, hidden and output computed, only the
     output kept."""
-    tiles, read = _overflow_tiles(layout, x, None, (w_gate, w_up, w_down), k, tile)
+    tiles, read = _overflow_tiles(layout, x, None, (w_gate, w_up, w_down), k, tile, out.dtype)
 
     def body(i, out):
         t = read(i)
@@ -296,7 +301,7 @@ def _overflow_backward(x, dout, w_gate, w_up, w_down, layout, k, tile, recipes, 
     in, and the weight gradients ``dws`` (float32) plus theirs, a tile at a time: each tile's
     rows and output gradients gathered, its SwiGLU recomputed, its input gradient written and its
     expert's weight gradients added."""
-    tiles, read = _overflow_tiles(layout, x, dout, (w_gate, w_up, w_down), k, tile)
+    tiles, read = _overflow_tiles(layout, x, dout, (w_gate, w_up, w_down), k, tile, dpair.dtype)
     rg, ru, rd = recipes
 
     def body(i, carry):
@@ -332,6 +337,7 @@ def capacity_expert_mlp(
     tile: int = OVERFLOW_TILE,
     recipes: tuple[str, str, str] = NONE,
     codes: ep.ExpertCodes | None = None,
+    rows: ep.RowCodes | None = None,
 ) -> Float[Array, "P D"]:
     """Each pair's expert SwiGLU output, pair ``p`` being token ``p // k``'s row through its
     expert (:func:`capacity_layout`); zeros for pairs not ``mine``. ``recipes``: the FP8 recipe
@@ -339,22 +345,31 @@ def capacity_expert_mlp(
     (every recipe tensorwise): the weights as :func:`zoo.layers.expert_products.gather_codes`
     gathered them, ``w_gate``, ``w_up``, ``w_down`` being its stand-ins (their gradients'
     shapes; never read): the products read the codes and their scales, and the backward pass
-    keeps the codes (a byte an element), not the weights."""
-    return _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes)[0]
+    keeps the codes (a byte an element), not the weights. ``rows`` (the gate and up projections
+    tensorwise): the rows of ``x`` as the expert dispatch sent them, FP8 codes at each expert's
+    scale (:func:`zoo.layers.moe_dispatch.exchange_experts`), ``x`` being their stand-in (the
+    compute dtype and the gradient's shape; never read); the backward pass keeps the codes."""
+    return _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes, rows)[0]
 
 
-def _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes=None):
+def _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes=None, rows=None):
     e, c = layout.slot_pair.shape
+    dtype = x.dtype  # the compute dtype
     ws = (w_gate, w_up, w_down) if codes is None else codes.codes()
     scales = over_hidden = None
     if codes is not None and recipes != ("tensorwise",) * 3:
         raise ValueError(f"capacity_expert_mlp: FP8 codes for the weights of products in {recipes}: tensorwise only")
+    if rows is not None:
+        if recipes[:2] != ("tensorwise",) * 2:
+            raise ValueError(f"capacity_expert_mlp: FP8 rows for the gate and up products in {recipes[:2]}: tensorwise only")
+        x = rows.codes()
     if "tensorwise" in recipes:
-        scales = _input_scales(x, *ws, layout, k, codes)
+        scales = _input_scales(x, *ws, layout, k, codes, rows)
         if recipes[2] == "tensorwise":  # the overflow's SwiGLU outputs, before any down product
             rows_of = lambda t: (_tile_forward(t, recipes, scales),)  # noqa: E731
-            over_hidden = _overflow_amax(layout, x, None, ws, k, tile, rows_of, 1, (x, *ws, layout.over_sizes))[0]
-    yc, saved, scales = _capacity_pass(x, *ws, layout, k, recipes, scales, over_hidden)
+            likes = (x, *ws, layout.over_sizes)
+            over_hidden = _overflow_amax(layout, x, None, ws, k, tile, rows_of, 1, likes, dtype)[0]
+    yc, saved, scales = _capacity_pass(x, *ws, layout, k, recipes, scales, over_hidden, dtype)
     yc = yc.reshape(e * c, -1)
     if not layout.over_pair.shape[0]:
         return _per_pair(layout, yc), saved, scales
@@ -369,14 +384,19 @@ def _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes=None):
     return jax.lax.cond(_overflow_any(layout), overflow, balanced, x, *ws, yc), saved, scales
 
 
-def _fwd(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes=None):
-    out, saved, scales = _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes)
+def _like(a):
+    """An empty array of ``a``'s dtype and mesh axes: what a stand-in tells the backward pass."""
+    return varying_like(jnp.zeros((0,), a.dtype), a)
+
+
+def _fwd(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes=None, rows=None):
+    out, saved, scales = _forward(x, w_gate, w_up, w_down, layout, k, tile, recipes, codes, rows)
+    # The rows' codes, not their stand-in (a byte an element); likewise the weights' codes, which
+    # the remat policy regathers, and the stand-ins' dtypes and mesh axes.
+    xs = x if rows is None else (rows.bits, _like(x))
     if codes is None:
-        return out, (x, (w_gate, w_up, w_down), layout, saved, scales)
-    # The codes, not the weights: the gathered codes are what the remat policy regathers, and
-    # the stand-ins give the weights' dtypes (as empty arrays of their mesh axes).
-    likes = tuple(varying_like(jnp.zeros((0,), w.dtype), w) for w in (w_gate, w_up, w_down))
-    return out, (x, (codes, likes), layout, saved, scales)
+        return out, (xs, (w_gate, w_up, w_down), layout, saved, scales)
+    return out, (xs, (codes, tuple(_like(w) for w in (w_gate, w_up, w_down))), layout, saved, scales)
 
 
 def _silu_grad(gate):
@@ -385,7 +405,10 @@ def _silu_grad(gate):
 
 
 def _bwd(k, tile, recipes, residuals, dout):
-    x, weights, layout, kept, scales = residuals
+    xs, weights, layout, kept, scales = residuals
+    # The tokens' rows (their FP8 codes where the dispatch sent those) and what x's gradient is like.
+    x, like = (jax.lax.bitcast_convert_type(xs[0], fp8.E4M3), xs[1]) if isinstance(xs, tuple) else (xs, xs)
+    dtype = like.dtype
     given = isinstance(weights[0], ep.ExpertCodes)
     w_gate, w_up, w_down = weights[0].codes() if given else weights
     gate, up, hidden = (_slots(layout, a) for a in kept)
@@ -407,11 +430,11 @@ def _bwd(k, tile, recipes, residuals, dout):
     # goes under that tensor's scope, as autodiff's transposes would.
     with region("moe_hidden"):
         g32, u32 = gate.astype(f32), up.astype(f32)
-        dgate = (dhidden * u32 * _silu_grad(g32)).astype(x.dtype)
-        dup = (dhidden * jax.nn.silu(g32)).astype(x.dtype)
+        dgate = (dhidden * u32 * _silu_grad(g32)).astype(dtype)
+        dup = (dhidden * jax.nn.silu(g32)).astype(dtype)
     if "tensorwise" in (rg, ru):  # the projections' cotangents: the overflow's too, before any product
         rows_of = lambda t: _tile_backward(t, recipes, scales)[1:]  # noqa: E731
-        over = _overflow_amax(layout, x, dout, ws, k, tile, rows_of, 2, (x, dout, *ws, layout.over_sizes))
+        over = _overflow_amax(layout, x, dout, ws, k, tile, rows_of, 2, (x, dout, *ws, layout.over_sizes), dtype)
         dgate_amax, dup_amax = (jnp.maximum(ep.slots_amax(a), o) for a, o in zip((dgate, dup), over))
         e5m2 = functools.partial(ep.expert_scale, dtype=fp8.E5M2, axes=ep.scale_axes(w_gate))
         scales = scales._replace(dgate=e5m2(dgate_amax), dup=e5m2(dup_amax))
@@ -436,9 +459,9 @@ def _bwd(k, tile, recipes, residuals, dout):
     else:
         dpair, dws = balanced(dxc, dws)
     # Each token's gradient: its K pairs' row gradients, gathered and summed (no scatter).
-    dx = dpair if k == 1 else dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(x.dtype)
+    dx = dpair if k == 1 else dpair.reshape(x.shape[0], k, -1).sum(axis=1, dtype=f32).astype(dtype)
     dws = [sum_to_varying_of(g.astype(w.dtype), w) for g, w in zip(dws, weights[1] if given else ws)]
-    return (sum_to_varying_of(dx, x), *dws, None, None)
+    return (sum_to_varying_of(dx, like), *dws, None, None, None)
 
 
 def _slots_input_grad(dgate, dup, w_gate, w_up, recipes=NONE[:2], scales=None):

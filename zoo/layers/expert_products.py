@@ -132,6 +132,19 @@ def weight_grad(
     return _one(fp8.batched_weight_grad, a, g, recipe)
 
 
+class RowCodes(NamedTuple):
+    """The tokens' rows as the expert dispatch sent them (:mod:`zoo.layers.moe_dispatch`): their
+    tensorwise E4M3 codes as bits, each row at its expert's scale, and each (local) expert's scale."""
+
+    bits: UInt8[Array, "R D"]
+    scale: Float[Array, " E"]
+
+    def codes(self) -> Float[Array, "R D"]:
+        """The codes in E4M3, as the products take them (:func:`product` and the gradients take
+        an operand already in the format as its codes)."""
+        return jax.lax.bitcast_convert_type(self.bits, fp8.E4M3)
+
+
 # -- FSDP: the routed experts' weights gathered as their FP8 codes -----------------------------
 
 

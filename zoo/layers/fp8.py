@@ -72,6 +72,7 @@ TILE = 128  # DeepSeek-V3's activation tile and weight block
 
 _ACTIVE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("zoo_fp8_recipes", default=None)
 _FP8_GATHERS: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_fp8_gathers", default=True)
+_FP8_DISPATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_fp8_dispatch", default=True)
 
 
 @contextlib.contextmanager
@@ -86,6 +87,26 @@ def fp8_gathers(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _FP8_GATHERS.reset(token)
+
+
+@contextlib.contextmanager
+def fp8_dispatch(enabled: bool) -> Iterator[None]:
+    """Whether the expert dispatch sends the tokens' rows as their FP8 codes where the routed
+    experts' gate and up projections are tensorwise (:func:`dispatch_in_fp8`; the default) or in
+    the compute dtype, for the traces made within. The step's numbers are the same either way,
+    bit for bit. ``False``: the peer the benchmarks measure it against."""
+    token = _FP8_DISPATCH.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FP8_DISPATCH.reset(token)
+
+
+def dispatch_in_fp8() -> bool:
+    """Whether the expert dispatch sends the tokens' rows as E4M3 codes: the active map's
+    ``moe_gate`` and ``moe_up`` (the rows' two products) tensorwise, and :func:`fp8_dispatch` on.
+    (:mod:`zoo.layers.moe_dispatch`; the outputs and every gradient travel in the compute dtype.)"""
+    return _FP8_DISPATCH.get() and recipe_of(ROUTED[0]) == recipe_of(ROUTED[1]) == "tensorwise"
 
 
 @contextlib.contextmanager

@@ -120,6 +120,7 @@ def capacity_pair_mlp(
     capacity: int | None = None,
     recipes: tuple[str, str, str] | None = None,
     codes: ep.ExpertCodes | None = None,
+    rows: ep.RowCodes | None = None,
 ) -> Float[Array, "P D"]:
     """:func:`expert_pair_mlp` through :func:`zoo.layers.capacity_mlp.capacity_expert_mlp`:
     every expert's first ``capacity`` rows as one batched matmul, the rest through the tile
@@ -128,13 +129,14 @@ def capacity_pair_mlp(
     other devices' pairs or padding). ``recipes``: the gate, up and down projections' FP8
     recipes (default: the active precision map's, :data:`MATMULS`). ``codes``: the weights
     gathered as FP8 codes, the three weights their stand-ins
-    (:func:`zoo.layers.expert_products.gather_codes`)."""
+    (:func:`zoo.layers.expert_products.gather_codes`). ``rows``: ``x``'s rows as the dispatch sent
+    them in FP8, ``x`` their stand-in (:func:`zoo.layers.moe_dispatch.exchange_experts`)."""
     e = w_gate.shape[0]
     c = capacity or capacity_for(expected_rows or pair_experts.shape[0], e)
     if recipes is None:
         recipes = tuple(fp8.recipe_of(name) for name in MATMULS)  # the active precision map's (FP8 or not)
     layout = capacity_layout(pair_experts, e, c)
-    return capacity_expert_mlp(x, w_gate, w_up, w_down, layout, k, OVERFLOW_TILE, recipes, codes)
+    return capacity_expert_mlp(x, w_gate, w_up, w_down, layout, k, OVERFLOW_TILE, recipes, codes, rows)
 
 
 def _routed_experts_pairs(pair_mlp, x, routing, w_gate, w_up, w_down):
@@ -358,6 +360,7 @@ def routed_experts(
     *,
     pair_mlp: Callable[..., Float[Array, "P D"]],
     dispatch: Dispatch = Dispatch(),
+    fp8_rows: bool = False,
 ) -> tuple[Float[Array, "T D"], Int[Array, ""]]:
     """The routed experts' combined output, expert-parallel inside the step; and the (token,
     expert) pairs dropped past the dispatch's capacity (0 unless ``dispatch.overflow="drop"``).
@@ -374,7 +377,8 @@ def routed_experts(
     - Tokens split over ``"expert"`` (a batch split over it): **all-to-all dispatch** in rounds
       of ``dispatch.capacity_factor`` x the mean rows per destination
       (:func:`zoo.layers.moe_dispatch.exchange_experts`); the outputs come back by the reverse
-      all-to-all and are combined where the tokens live.
+      all-to-all and are combined where the tokens live. ``fp8_rows``: the tokens' rows travel
+      as their FP8 codes (``pair_mlp`` the capacity kernel with tensorwise gate and up projections).
     - Tokens shared by the expert group (the batch split over ``data``/``fsdp`` only): no move;
       each device picks its own pairs, and a ``psum`` over ``"expert"`` combines.
     """
@@ -403,7 +407,7 @@ def routed_experts(
     flat = routing.experts.reshape(-1)
     spread = "expert" in varying_axes(x)
     if spread:
-        out, dropped = exchange_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down), dispatch, extra)
+        out, dropped = exchange_experts(pair_mlp, x, flat, k, (w_gate, w_up, w_down), dispatch, extra, fp8_rows=fp8_rows)
         combine = routing.weights
     else:
         # Typed as varying like the expert weights before the kernel sees them: jax 0.10's
@@ -444,4 +448,6 @@ def moe_experts(
             "expert_impl='capacity' or give those matmuls the recipe 'none'"
         )
     path = EXPERT_IMPLS[resolved]
-    return routed_experts(path, x, routing, w_gate, w_up, w_down, pair_mlp=pair_mlp_for(impl), dispatch=dispatch)
+    fp8_rows = resolved == "capacity" and fp8.dispatch_in_fp8()
+    return routed_experts(path, x, routing, w_gate, w_up, w_down, pair_mlp=pair_mlp_for(impl), dispatch=dispatch,
+                          fp8_rows=fp8_rows)  # fmt: skip

@@ -11,7 +11,14 @@ they are counted).
 How a round's rows travel (``transport``): a **padded** all-to-all sends every slot, filled or
 not (``n·S`` rows each way); a **ragged** one (``jax.lax.ragged_all_to_all``) sends only each
 destination's real rows, into the same slots, so the bytes on the wire are the routed rows. The
-receiver's layout is the same either way, and so are the numerics. ``"auto"`` is ragged where
+receiver's layout is the same either way, and so are the numerics.
+
+In FP8 (``fp8_rows``: the routed experts' gate and up projections tensorwise, on the capacity
+path), a round's token rows travel as their E4M3 codes, a byte an element, as DeepSeek-V3 sends
+them: each expert's scale is the largest magnitude of the rows sent to it in the round by every
+device (a ``pmax`` of an ``[N·E]`` vector), the scale its kernel would take from the rows it
+receives, so the codes and the step's numbers are those of the rows sent in the compute dtype.
+The outputs come back, and every gradient travels, in the compute dtype. ``"auto"`` is ragged where
 XLA implements it (GPU, TPU) and padded elsewhere: XLA:CPU does not (jax 0.10 to 0.12), so there
 a forced ``"ragged"`` runs :func:`ragged_all_to_all_padded`, the same semantics by padded
 all-to-alls (the tests' check of the ragged bookkeeping; it saves nothing).
@@ -36,7 +43,9 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from zoo.core.mesh import axis_size
 from zoo.errors import ConfigError
-from zoo.hooks.step import current_step, varying_like, varying_over
+from zoo.hooks.step import current_step, varying_axes, varying_like, varying_over
+from zoo.layers import expert_products as ep
+from zoo.layers import fp8
 from zoo.layers.rows import take_rows
 
 OVERFLOWS = ("dropless", "drop")
@@ -181,8 +190,10 @@ def ragged_all_to_all_padded(
     send = jnp.take(operand, at_src, axis=0, mode="fill", fill_value=0)  # [N, m, ...]
     recv = jax.lax.all_to_all(send.reshape(n * max_rows, *operand.shape[1:]), axis_name, 0, 0, tiled=True)
     at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each source's rows go here
-    dest = jnp.where(i < recv_sizes[:, None], at[:, None] + i, output.shape[0])  # out of range: not written
-    return output.at[dest.reshape(-1)].set(recv, mode="drop")
+    # Out of range, each its own place (the indices are unique: a transposable scatter): not written.
+    past = output.shape[0] + jnp.arange(n * max_rows, dtype=jnp.int32).reshape(n, max_rows)
+    dest = jnp.where(i < recv_sizes[:, None], at[:, None] + i, past)
+    return output.at[dest.reshape(-1)].set(recv, mode="drop", unique_indices=True)
 
 
 def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, emulate: bool, max_rows: int):
@@ -202,24 +213,105 @@ def _slot_pairs(layout: Exchange, r, slot: int, e_local: int) -> tuple[Int[Array
     return pair, jnp.where(valid, jnp.take(layout.local_expert, pair), e_local)
 
 
-def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, emulate: bool, extra=None):
+# -- a round's token rows, gathered and sent (in FP8: as their codes) ---------------------------
+
+
+def _slot_rows(x, index, *, k: int):
+    """The ``N·S`` slot rows (``index``: each slot's pair and whether it has one; zeros if not)."""
+    pair, valid = index
+    return take_rows(x, pair // k, valid).reshape(-1, x.shape[-1])
+
+
+def _padded_send(rows, index):
+    return jax.lax.all_to_all(rows, "expert", 0, 0, tiled=True)
+
+
+def _sorted_rows(x, index, *, k: int):
+    """The pairs' token rows sorted by expert (``index[0]``: the order)."""
+    return jnp.take(x, index[0] // k, axis=0)
+
+
+def _ragged_send(rows, index, *, slot: int, emulate: bool):
+    """Each destination's ``sent`` rows from ``first`` on into the sender's slot of its ``N·S``."""
+    _, first, sent, slot_here, recv_sizes = index
+    out = varying_like(jnp.zeros((sent.shape[0] * slot, rows.shape[-1]), rows.dtype), rows)
+    return _ragged(rows, out, first, sent, slot_here, recv_sizes, emulate=emulate, max_rows=slot)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sent_in_fp8(gather, send, x, index, row_scale):
+    """``send(gather(x, index), index)`` (rows of ``x`` gathered and sent: linear in ``x``), the
+    rows travelling as their E4M3 codes, row ``i`` at ``row_scale[i]``. Returns a stand-in of
+    the received rows (NaN in ``x``'s dtype, of their shape and mesh axes; never read), through
+    which their gradient comes back in ``x``'s dtype (the transposed gather and send), and the
+    codes' bits as received."""
+    return _sent_in_fp8_fwd(gather, send, x, index, row_scale)[0]
+
+
+def _sent_in_fp8_fwd(gather, send, x, index, row_scale):
+    rows = gather(x, index)
+    bits = send(jax.lax.bitcast_convert_type(fp8.codes(rows, row_scale[:, None], fp8.E4M3), jnp.uint8), index)
+    stand_in = varying_over(jnp.full(bits.shape, jnp.nan, x.dtype), tuple(sorted(varying_axes(bits))))
+    return (stand_in, bits), (x, index)
+
+
+def _sent_in_fp8_bwd(gather, send, residuals, cts):
+    x, index = residuals
+    (dx,) = jax.linear_transpose(lambda v: send(gather(v, index), index), x)(cts[0])
+    return dx, None, None
+
+
+_sent_in_fp8.defvjp(_sent_in_fp8_fwd, _sent_in_fp8_bwd)
+
+
+def _round_scales(x, layout: Exchange, r, k: int, slot: int, e_local: int, axes: tuple[str, ...]) -> Array:
+    """Each of the group's ``N·E`` experts' E4M3 scale of round ``r``'s rows: the largest
+    magnitude of the rows every device sends it this round (``pmax`` over ``axes``), the scale
+    its kernel takes from the rows it receives (:mod:`zoo.layers.capacity_mlp`)."""
+    n, pairs = layout.count.shape[0], layout.order.shape[0]
+    expert = (layout.row_of // slot) * e_local + layout.local_expert
+    amax = jnp.take(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), jnp.arange(pairs) // k)
+    amax = jnp.where(layout.round_of == r, amax, 0)
+    amax = varying_like(jnp.zeros((n * e_local,), jnp.float32), amax).at[expert].max(amax)
+    return ep.expert_scale(amax, fp8.E4M3, axes)
+
+
+def _send_rows(x, layout: Exchange, r, k: int, slot: int, e_local: int, fp8_rows, gather, send, index, expert):
+    """The received rows of round ``r`` and the pair MLP's keyword for them: none in the compute
+    dtype; in FP8 (``fp8_rows``: the scales' mesh axes), a stand-in and the codes
+    (:class:`zoo.layers.expert_products.RowCodes`, each local expert's scale). ``expert``: each
+    sent row's expert among the group's."""
+    if fp8_rows is None:
+        return send(gather(x, index), index), {}
+    scale = _round_scales(x, layout, r, k, slot, e_local, fp8_rows)
+    n = layout.count.shape[0]
+    stand_in, bits = _sent_in_fp8(gather, send, x, index, jnp.take(scale, jnp.minimum(expert, n * e_local - 1)))
+    local = jax.lax.dynamic_slice_in_dim(scale, jax.lax.axis_index("expert") * e_local, e_local)
+    return stand_in, {"rows": ep.RowCodes(bits, local)}
+
+
+def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, emulate: bool, extra=None,
+                  fp8_rows=None):  # fmt: skip
     """Round ``r`` as :func:`_round` computes it, the rows travelling by ragged all-to-alls:
     each destination's real rows of the round (at most ``S``) land in the sender's slot of the
     same ``N·S`` received rows, and come back to their places among the sender's sorted pairs."""
     n, pairs = layout.count.shape[0], layout.order.shape[0]
+    e_local = weights[0].shape[0]
     sent = jnp.clip(layout.count - r * slot, 0, slot)  # [N] rows to each destination this round
     first = layout.start + r * slot  # [N] where they start among the sorted pairs
     recv_sizes = jax.lax.all_to_all(sent, "expert", 0, 0, tiled=True)  # [N] rows from each source
     slot_here = varying_like(jnp.full((n,), slot, jnp.int32), sent) * jax.lax.axis_index("expert")
     move = functools.partial(_ragged, emulate=emulate, max_rows=slot)
-    rows = jnp.take(x, layout.order // k, axis=0)  # [P, D] the pairs' token rows, sorted by expert
-    recv_x = move(rows, varying_like(jnp.zeros((n * slot, x.shape[-1]), x.dtype), rows), first, sent, slot_here,
-                  recv_sizes)  # fmt: skip
+    # The pairs' token rows, sorted by expert, each destination's of this round sent.
+    index = (layout.order, first, sent, slot_here, recv_sizes)
+    expert = jnp.take((layout.row_of // slot) * e_local + layout.local_expert, layout.order)
+    recv_x, rows = _send_rows(x, layout, r, k, slot, e_local, fp8_rows, functools.partial(_sorted_rows, k=k),
+                              functools.partial(_ragged_send, slot=slot, emulate=emulate), index, expert)  # fmt: skip
     # The expert ids by a padded all-to-all: 4 bytes a slot, where XLA:TPU's ragged one pads
     # each row to 128 lanes (512 bytes a row of one id).
-    _, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
+    _, send_e = _slot_pairs(layout, r, slot, e_local)
     recv_e = jax.lax.all_to_all(send_e.reshape(n * slot), "expert", 0, 0, tiled=True)
-    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(pairs, n * slot), **(extra or {}))
+    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(pairs, n * slot), **(extra or {}), **rows)
     mine = jnp.arange(n, dtype=jnp.int32) * slot  # source s's rows are in slot s
     back_at = jax.lax.all_to_all(first, "expert", 0, 0, tiled=True)  # where they came from at source s
     back = move(out, varying_like(jnp.zeros((pairs, out.shape[-1]), out.dtype), out), varying_like(mine, sent),
@@ -227,49 +319,55 @@ def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, 
     return jnp.take(back, layout.sorted_at, axis=0)  # zeros for the pairs of other rounds
 
 
-def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged: str = "no", extra=None):
+def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged: str = "no", extra=None,
+           fp8_rows=None):  # fmt: skip
     """Round ``r``: each destination's slot rows ``r·S ...`` sent, run through its experts, sent
     back; each pair of this round gets its output, every other pair zeros. ``ragged``: ``"no"``
     (padded all-to-alls), ``"xla"`` (``ragged_all_to_all``) or ``"emulated"``. ``extra``:
-    keyword arguments of ``pair_mlp`` that take no gradient (the experts' FP8 codes)."""
+    keyword arguments of ``pair_mlp`` that take no gradient (the experts' FP8 codes).
+    ``fp8_rows``: the token rows travel as FP8 codes, their scales taken over these mesh axes
+    (``None``: in the compute dtype)."""
     if ragged != "no":
-        return _round_ragged(pair_mlp, x, weights, layout, r, k, slot, emulate=ragged == "emulated", extra=extra)
-    n = layout.count.shape[0]
-    pair, send_e = _slot_pairs(layout, r, slot, weights[0].shape[0])
-    send_x = take_rows(x, pair // k, send_e < weights[0].shape[0])
-    recv_x, recv_e = (jax.lax.all_to_all(a.reshape(n * slot, *a.shape[2:]), "expert", 0, 0, tiled=True)
-                      for a in (send_x, send_e))  # fmt: skip
+        return _round_ragged(pair_mlp, x, weights, layout, r, k, slot, emulate=ragged == "emulated", extra=extra,
+                             fp8_rows=fp8_rows)  # fmt: skip
+    n, e_local = layout.count.shape[0], weights[0].shape[0]
+    pair, send_e = _slot_pairs(layout, r, slot, e_local)
+    expert = (jnp.arange(n, dtype=jnp.int32)[:, None] * e_local + send_e).reshape(-1)  # past the end: no pair
+    recv_x, rows = _send_rows(x, layout, r, k, slot, e_local, fp8_rows, functools.partial(_slot_rows, k=k),
+                              _padded_send, (pair, send_e < e_local), expert)  # fmt: skip
+    recv_e = jax.lax.all_to_all(send_e.reshape(n * slot), "expert", 0, 0, tiled=True)
     # About P of the N·S received rows are real in the first round (each source's P/N).
-    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(layout.order.shape[0], n * slot), **(extra or {}))
+    out = pair_mlp(recv_x, recv_e, 1, *weights, expected_rows=min(layout.order.shape[0], n * slot), **(extra or {}),
+                   **rows)  # fmt: skip
     back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
     return take_rows(back, layout.row_of, layout.round_of == r)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
-def _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged, extra):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6, 8))
+def _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged, extra, fp8_rows):
     """Rounds 1 on, as many as :func:`rounds_needed` (a loop whose trip count follows the
     routing; none when every destination's pairs fit its slot)."""
-    return _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged, extra)[0]
+    return _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged, extra, fp8_rows)[0]
 
 
 def _zeros_like_out(x, weights, pairs):
     return varying_like(jnp.zeros((pairs, x.shape[-1]), x.dtype), x, weights[0], weights[-1])
 
 
-def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged, extra):
-    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot, ragged, extra)
+def _later_rounds_fwd(pair_mlp, x, weights, layout, k, slot, ragged, extra, fp8_rows):
+    body = lambda r, acc: acc + _round(pair_mlp, x, weights, layout, r, k, slot, ragged, extra, fp8_rows)
     zero = _zeros_like_out(x, weights, layout.order.shape[0])
     with jax.named_scope(LATER_ROUNDS):
         out = jax.lax.fori_loop(1, rounds_needed(layout, slot), body, zero)
     return out, (x, weights, layout, extra)
 
 
-def _later_rounds_bwd(pair_mlp, k, slot, ragged, residuals, dout):
+def _later_rounds_bwd(pair_mlp, k, slot, ragged, fp8_rows, residuals, dout):
     # Each later round recomputed for its gradient: rounds past the first are the rare case.
     x, weights, layout, extra = residuals
 
     def body(r, grads):
-        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, r, k, slot, ragged, extra), x, weights)
+        _, vjp = jax.vjp(lambda x, w: _round(pair_mlp, x, w, layout, r, k, slot, ragged, extra, fp8_rows), x, weights)
         dx, dw = vjp(dout)
         return grads[0] + dx, jax.tree.map(jnp.add, grads[1], dw)
 
@@ -290,12 +388,16 @@ def exchange_experts(
     weights: tuple[Array, ...],
     dispatch: Dispatch,
     extra: Mapping[str, Any] | None = None,
+    *,
+    fp8_rows: bool = False,
 ) -> tuple[Float[Array, "P D"], Int[Array, ""]]:
     """Each local pair's expert output (pair ``p``: token ``p // k`` through global expert
     ``flat[p]``), its experts living on the devices of the ``expert`` group; and the pairs
     dropped (always 0 when ``dispatch.overflow`` is ``"dropless"``). ``extra``: keyword
     arguments of ``pair_mlp`` that take no gradient (the experts' FP8 codes:
-    :func:`zoo.layers.expert_products.gather_codes`)."""
+    :func:`zoo.layers.expert_products.gather_codes`). ``fp8_rows``: the token rows travel as
+    their E4M3 codes (``pair_mlp`` the capacity kernel with tensorwise gate and up projections,
+    which takes them as ``rows``: the module's docstring)."""
     mesh = current_step().mesh
     n, e_local = axis_size(mesh, "expert"), weights[0].shape[0]
     pairs = flat.shape[0]
@@ -303,7 +405,10 @@ def exchange_experts(
     layout = exchange_layout(flat, n, e_local, slot)
     platform = mesh_platform(mesh)
     ragged = "no" if not dispatch.ragged(platform) else "xla" if platform in RAGGED_PLATFORMS else "emulated"
-    first = functools.partial(_round, pair_mlp, x, weights, layout, 0, k, slot, ragged, extra)
+    # The rows' scales over every axis of the step but the pipeline's (the experts' rows on
+    # every device: expert_products.scale_axes) and the expert group's (the senders).
+    axes = tuple(sorted({*ep.scale_axes(weights[0]), "expert"})) if fp8_rows else None
+    first = functools.partial(_round, pair_mlp, x, weights, layout, 0, k, slot, ragged, extra, axes)
     if dispatch.overflow == "drop":
         return first(), jnp.sum(layout.round_of > 0, dtype=jnp.int32)
     if slot >= pairs:  # a slot of every pair needs no second round
@@ -313,5 +418,5 @@ def exchange_experts(
     # later rounds' loop in trace order. (XLA:TPU's and XLA:CPU's peaks are the same either way:
     # their schedulers order the two; the planner's walk follows trace order, and this one is
     # XLA:TPU's: docs/planning.md, "Caveats".)
-    later = _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged, extra)
+    later = _later_rounds(pair_mlp, x, weights, layout, k, slot, ragged, extra, axes)
     return first() + later, jnp.zeros((), jnp.int32)
