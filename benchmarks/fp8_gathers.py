@@ -77,11 +77,14 @@ def planned_row(family: str, preset: str, mesh: str, hardware: str, seq: int, fi
     with fp8.fp8_gathers(in_fp8), fp8.fp8_dispatch(in_fp8):
         cm = cost_model(config, seq_len=seq, mesh=mesh, hardware=hardware, compute_dtype=jnp.bfloat16,
                         precision="fp8_all")  # fmt: skip
-    lines = [(kind, axes, v[0]) for (kind, axes, when, _), v in cm.traffic.lines.items() if when == "forward"]
-    gathers = sum(b for kind, axes, b in lines if kind == "all_gather" and set(axes) <= {"fsdp", "expert"})
+    # The traffic's lines are polynomials in the local batch (bytes = c0 + c1·b): at one row.
+    lines = cm.traffic.lines.items()
+    gathers = sum(cs[0] for (kind, axes, when, _), cs in lines
+                  if kind == "all_gather" and when == "forward" and set(axes) <= {"fsdp", "expert"})  # fmt: skip
+    moves = sum(sum(cs) for (kind, *_), cs in lines if kind == "all_to_all")
     step, _ = cm.time(cm.map_cls.preset("remat"), 1, "device", "pinned_host", 1)
     exposed = next(iter(cm.comm.values()))
-    return gathers, sum(b for kind, _, b in lines if kind == "all_to_all"), exposed, step
+    return gathers, moves, exposed, step
 
 
 def main(argv: list[str] | None = None) -> str:

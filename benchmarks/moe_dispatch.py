@@ -1,7 +1,7 @@
 """The MoE dispatch's bytes moved and held per device against the routed rows.
 
     python benchmarks/moe_dispatch.py [--tokens 2048] [--width 512] [--hidden 256] [--experts 32] [--top-k 4]
-                                      [--tpu-topology v5e:2x4] [--hlo-dir DIR]
+                                      [--tpu-topology v5e:2x4] [--hlo-dir DIR] [--fp8]
 
 One MoE layer's routed experts (forward and backward, ``zoo.layers.moe.routed_experts`` with
 the ``capacity`` kernel) on 8 simulated CPU devices, tokens split over the batch axes, for
@@ -21,6 +21,12 @@ chips of that topology (``jax.experimental.topologies``; nothing runs, so no tim
 ragged transport's rows (``Dispatch.transport="ragged"``: ``ragged_all_to_all``, which XLA:CPU
 lacks). A ragged all-to-all's bytes are its smaller of operand and output (what it can send).
 ``--hlo-dir DIR`` writes each compiled program's optimized HLO there, one file a row.
+
+``--fp8``: the routed experts' products tensorwise FP8 (``fp8_all``'s) and the tokens and weights
+in bf16, and each dispatch at capacity factor 1.0 twice: its token rows sent as their E4M3 codes
+(the figure) and in bf16 (the peer, ``zoo.layers.fp8.fp8_dispatch(False)``), with their ratio.
+Try ``--width 7168`` (DeepSeek-V3's) with ``--tpu-topology``: XLA:TPU lays a ragged all-to-all's
+rows out in whole (sublane, 128-lane) tiles, so a u8 row of 256 holds as many bytes as a bf16 one.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tpu-topology", default=None, help="compile for 8 chips of this TPU topology, e.g. v5e:2x4")
     p.add_argument("--hlo-dir", default=None, help="write each compiled program's optimized HLO in this folder")
+    p.add_argument("--fp8", action="store_true", help="FP8 rows against bf16 rows (tensorwise routed experts)")
     args = p.parse_args(argv)
 
     import jax
@@ -62,6 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from zoo import parallel
     from zoo.hooks.step import step_context
+    from zoo.layers import fp8
     from zoo.layers.moe import Routing, pair_mlp_for, routed_experts, routed_experts_dense
     from zoo.layers.moe_dispatch import Dispatch
     from zoo.plan.collectives import hlo_traffic
@@ -72,17 +80,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     experts = jnp.argsort(jr.uniform(kr, (8 * t, e)), axis=-1)[:, :k].astype(jnp.int32)
     weights = jax.nn.softmax(jr.normal(kw, (8 * t, k)), axis=-1)
     w = [jr.normal(key, s) / s[1] ** 0.5 for key, s in ((kg, (e, d, m)), (ku, (e, d, m)), (kd, (e, m, d)))]
+    if args.fp8:
+        x, weights, *w = (a.astype(jnp.bfloat16) for a in (x, weights, *w))
+    recipes = dict.fromkeys(fp8.ROUTED, "tensorwise") if args.fp8 else None
 
-    def program(mesh, dispatch):
+    def program(mesh, dispatch, fp8_rows=False):
         batch = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
 
         def body(x, experts, weights, wg, wu, wd):
-            with step_context(mesh, {}):
+            with step_context(mesh, {}), fp8.using(recipes):
 
                 def local(x, weights, w):
                     routing = Routing(experts, weights, jnp.zeros((x.shape[0], e)))
                     out, _ = routed_experts(routed_experts_dense, x, routing, *w, pair_mlp=pair_mlp_for("capacity"),
-                                            dispatch=dispatch)  # fmt: skip
+                                            dispatch=dispatch, fp8_rows=fp8_rows)  # fmt: skip
                     return jnp.sum(out * out)
 
                 value, grads = jax.value_and_grad(local, (0, 1, 2))(x, weights, (wg, wu, wd))
@@ -95,6 +106,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     where = "8 CPU devices" if devices is None else f"8 chips of TPU {args.tpu_topology}, compiled ahead of time"
     print(f"one MoE layer, forward + backward: {t} tokens/device, D={d}, M={m}, E={e}, K={k}; {where}\n")
+
+    def compile_(fn, mesh):
+        if devices is None:
+            return fn.lower(x, experts, weights, *w).compile()
+        return fn.lower(*(abstract(a, mesh) for a in (x, experts, weights)), *(abstract(a, mesh, "expert") for a in w)).compile()
+
+    if args.fp8:
+        print("tensorwise FP8 routed experts, bf16 tokens; the peer sends the token rows in bf16\n")
+        print("| mesh | dispatch | FP8 rows: all-to-all MiB / step | bf16 rows (peer) | ratio | temp MiB | peer | ratio |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        transports = ["padded"] + (["ragged"] if devices is not None else [])
+        for spec in ("expert=8", "fsdp=2,expert=4"):
+            mesh = parallel.make_mesh(spec, devices=devices)
+            for transport in transports:
+                got = []
+                for on in (True, False):
+                    compiled = compile_(program(mesh, Dispatch(1.0, transport=transport), fp8_rows=on), mesh)
+                    moved = hlo_traffic(compiled.as_text(), dict(mesh.shape)).get(("all_to_all", ("expert",)), 0)
+                    got.append((moved, compiled.memory_analysis().temp_size_in_bytes))
+                    rows.append({"mesh": spec, "dispatch": transport, "fp8_rows": on, "bytes": moved, "temp": got[-1][1]})
+                (b8, t8), (b, tp) = got
+                print(f"| {spec} | capacity_factor 1.0, {transport} | {b8 / 2**20:.2f} | {b / 2**20:.2f} | {b8 / b:.3f} "
+                      f"| {t8 / 2**20:.1f} | {tp / 2**20:.1f} | {t8 / tp:.3f} |", flush=True)  # fmt: skip
+        return rows
     # What the routed rows need a step: the token rows there and back and their two transposes
     # (float32), and the expert ids once.
     routed = t * k * (4 * d * 4 + 4)
@@ -113,11 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for label, dispatch in [(f"peer: worst-case slot (= capacity_factor {n})", Dispatch(float(n), transport="padded")),
                                 *dispatches]:  # fmt: skip
             fn = program(mesh, dispatch)
-            if devices is None:
-                compiled = fn.lower(x, experts, weights, *w).compile()
-            else:
-                compiled = fn.lower(*(abstract(a, mesh) for a in (x, experts, weights)),
-                                    *(abstract(a, mesh, "expert") for a in w)).compile()  # fmt: skip
+            compiled = compile_(fn, mesh)
             hlo = compiled.as_text()
             if args.hlo_dir:
                 name = re.sub(r"[^a-z0-9]+", "_", f"{spec} {label}".lower()).strip("_")
