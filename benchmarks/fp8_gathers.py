@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> str:
     lines += ["", ("The planner (bf16 compute, `fp8_all`, full remat, one row of the sequence per device, optimizer "
                    "state in pinned host memory): forward weight gathers and all-to-alls per device and step, exposed "
                    "collectives, step time"), "",
-              "| model | mesh | hardware | tokens | FP8 gathers GB | peer GB | ratio | FP8 all-to-alls GB | peer GB | ratio "
-              "| exposed s (FP8 / peer) | step s (FP8 / peer) |",
+              ("| model | mesh | hardware | tokens | FP8 gathers GB | peer GB | ratio | FP8 all-to-alls GB | peer GB | ratio "
+               "| exposed s (FP8 / peer) | step s (FP8 / peer) |"),
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for family, preset, mesh, hw, seq, fields in PLANNED:
         (g8, a8, e8, s8), (g, a, e, s) = (planned_row(family, preset, mesh, hw, seq, fields, on) for on in (True, False))

@@ -11,17 +11,17 @@ they are counted).
 How a round's rows travel (``transport``): a **padded** all-to-all sends every slot, filled or
 not (``n·S`` rows each way); a **ragged** one (``jax.lax.ragged_all_to_all``) sends only each
 destination's real rows, into the same slots, so the bytes on the wire are the routed rows. The
-receiver's layout is the same either way, and so are the numerics.
+receiver's layout is the same either way, and so are the numerics. ``"auto"`` is ragged where
+XLA implements it (GPU, TPU) and padded elsewhere: XLA:CPU does not (jax 0.10 to 0.12), so there
+a forced ``"ragged"`` runs :func:`ragged_all_to_all_padded`, the same semantics by padded
+all-to-alls (the tests' check of the ragged bookkeeping; it saves nothing).
 
 In FP8 (``fp8_rows``: the routed experts' gate and up projections tensorwise, on the capacity
 path), a round's token rows travel as their E4M3 codes, a byte an element, as DeepSeek-V3 sends
 them: each expert's scale is the largest magnitude of the rows sent to it in the round by every
 device (a ``pmax`` of an ``[N·E]`` vector), the scale its kernel would take from the rows it
 receives, so the codes and the step's numbers are those of the rows sent in the compute dtype.
-The outputs come back, and every gradient travels, in the compute dtype. ``"auto"`` is ragged where
-XLA implements it (GPU, TPU) and padded elsewhere: XLA:CPU does not (jax 0.10 to 0.12), so there
-a forced ``"ragged"`` runs :func:`ragged_all_to_all_padded`, the same semantics by padded
-all-to-alls (the tests' check of the ragged bookkeeping; it saves nothing).
+The outputs come back, and every gradient travels, in the compute dtype.
 
 Dimension letters: T tokens · D model width · P (token, expert) pairs (``T·K``) · N devices of
 the expert group · S slot rows per destination and round · E local experts.
@@ -264,15 +264,19 @@ def _sent_in_fp8_bwd(gather, send, residuals, cts):
 _sent_in_fp8.defvjp(_sent_in_fp8_fwd, _sent_in_fp8_bwd)
 
 
+def _pair_experts(layout: Exchange, slot: int, e_local: int) -> Int[Array, " P"]:
+    """Each pair's expert among the group's ``N·E`` (its destination's ``e_local`` first)."""
+    return (layout.row_of // slot) * e_local + layout.local_expert
+
+
 def _round_scales(x, layout: Exchange, r, k: int, slot: int, e_local: int, axes: tuple[str, ...]) -> Array:
     """Each of the group's ``N·E`` experts' E4M3 scale of round ``r``'s rows: the largest
     magnitude of the rows every device sends it this round (``pmax`` over ``axes``), the scale
     its kernel takes from the rows it receives (:mod:`zoo.layers.capacity_mlp`)."""
     n, pairs = layout.count.shape[0], layout.order.shape[0]
-    expert = (layout.row_of // slot) * e_local + layout.local_expert
     amax = jnp.take(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), jnp.arange(pairs) // k)
     amax = jnp.where(layout.round_of == r, amax, 0)
-    amax = varying_like(jnp.zeros((n * e_local,), jnp.float32), amax).at[expert].max(amax)
+    amax = varying_like(jnp.zeros((n * e_local,), jnp.float32), amax).at[_pair_experts(layout, slot, e_local)].max(amax)
     return ep.expert_scale(amax, fp8.E4M3, axes)
 
 
@@ -304,7 +308,7 @@ def _round_ragged(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, 
     move = functools.partial(_ragged, emulate=emulate, max_rows=slot)
     # The pairs' token rows, sorted by expert, each destination's of this round sent.
     index = (layout.order, first, sent, slot_here, recv_sizes)
-    expert = jnp.take((layout.row_of // slot) * e_local + layout.local_expert, layout.order)
+    expert = jnp.take(_pair_experts(layout, slot, e_local), layout.order)
     recv_x, rows = _send_rows(x, layout, r, k, slot, e_local, fp8_rows, functools.partial(_sorted_rows, k=k),
                               functools.partial(_ragged_send, slot=slot, emulate=emulate), index, expert)  # fmt: skip
     # The expert ids by a padded all-to-all: 4 bytes a slot, where XLA:TPU's ragged one pads
@@ -332,7 +336,8 @@ def _round(pair_mlp, x, weights, layout: Exchange, r, k: int, slot: int, ragged:
                              fp8_rows=fp8_rows)  # fmt: skip
     n, e_local = layout.count.shape[0], weights[0].shape[0]
     pair, send_e = _slot_pairs(layout, r, slot, e_local)
-    expert = (jnp.arange(n, dtype=jnp.int32)[:, None] * e_local + send_e).reshape(-1)  # past the end: no pair
+    # Each slot's expert among the group's (an empty slot's row is zeros: any scale will do).
+    expert = (jnp.arange(n, dtype=jnp.int32)[:, None] * e_local + send_e).reshape(-1)
     recv_x, rows = _send_rows(x, layout, r, k, slot, e_local, fp8_rows, functools.partial(_slot_rows, k=k),
                               _padded_send, (pair, send_e < e_local), expert)  # fmt: skip
     recv_e = jax.lax.all_to_all(send_e.reshape(n * slot), "expert", 0, 0, tiled=True)
