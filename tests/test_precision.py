@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import re
 
 import equinox as eqx
 import jax
@@ -159,6 +160,49 @@ def test_the_cuda_step_has_fp8_dots_for_exactly_the_tensorwise_matmuls():
     f = model.config.intermediate_size
     down = [d for d in dots if d not in fp8_dots and f"x{f}xf32" in d and "f8" not in d]
     assert len(down) == 3, down
+
+
+def test_the_cuda_step_has_block_scaled_fp8_dots_for_exactly_the_mxfp8_matmuls():
+    """Issue 40: exported for CUDA, each MXFP8 matmul of the map is three of XLA's block-scaled FP8
+    dots (``jax.nn.scaled_matmul``'s ``__op$block_scaled_dot``: E4M3 codes, E8M0 scales, float32
+    out; cuDNN's block-scaled GEMM on a GPU that has one), forward, input and weight gradient; the
+    matmul the map leaves out (``mlp_down``) has none. On CPU the same products run on the
+    dequantized operands (``tests/test_fp8.py``'s NumPy references)."""
+    model = tiny("llama")
+    ids = jnp.zeros((2, 32), jnp.int32)  # 64 tokens: the weight gradients' blocks of 32 along them
+    cfg = TrainConfig(batch_size=ids.shape[0], seq_len=ids.shape[1], precision="mxfp8+mlp_down=none")
+    tx = optimizer(cfg, model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    step = make_train_step(model, cfg, tx)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__op$block_scaled_dot")]
+    mlir = jax.export.export(step, platforms=["cuda"], disabled_checks=checks)(
+        params, tx.init(params), ids[None], jnp.int32(0)).mlir_module()  # fmt: skip
+    calls = _reached(mlir, "@__op$block_scaled_dot")
+    assert len(calls) == 3 * 6, calls  # query, key, value, attn_out, mlp_gate, mlp_up
+    assert all(c.count("f8E4M3FN>") == 2 and c.count("f8E8M0FNU>") == 2 for c in calls), calls
+
+
+def _reached(mlir: str, needle: str) -> list[str]:
+    """The lines holding ``needle`` as often as the module's ``main`` reaches them: once a call
+    site (the lowering makes one private function of identical branches and calls it again)."""
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in mlir.splitlines():
+        if m := re.match(r"\s*func\.func \w+ @([\w.$-]+)\(", line):
+            name = m.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+
+    def reach(func: str) -> list[str]:
+        out = []
+        for line in bodies.get(func, []):
+            if needle in line:
+                out.append(line.rsplit(":", 1)[1])
+            out += [hit for callee in re.findall(r"call @([\w.$-]+)\(", line) for hit in reach(callee)]
+        return out
+
+    return reach("main")
 
 
 # -- FP8 residuals: the map keeps or moves the FP8 copy a matmul's backward pass reads -------------

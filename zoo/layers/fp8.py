@@ -23,7 +23,8 @@ Which matmul runs which recipe is the family's precision map (:mod:`zoo.precisio
 during a trace through :func:`using`; model code calls :func:`matmul` with the matmul's name.
 Tensorwise products are FP8 x FP8 dots in the program (float32 accumulation, both scales
 applied to the result), the form a GPU runs; MXFP8 and blockwise multiply the dequantized
-operands (FP8 value times its block's scale) in float32. Either way the numerics are the
+operands (FP8 value times its block's scale) in float32, except MXFP8 on CUDA, where each
+product is XLA's block-scaled FP8 dot (:func:`block_dot`). Either way the numerics are the
 recipe's own, reproducible by NumPy (``tests/test_fp8.py``). The backward pass keeps each weight as given (it is quantized again,
 identically) and the activation's FP8 copy quantized for the weight gradient: half a bfloat16
 activation's bytes, plus its scales.
@@ -65,6 +66,7 @@ Recipe = Literal["none", "tensorwise", "mxfp8", "blockwise"]
 RECIPES: tuple[str, ...] = get_args(Recipe)
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MX_BLOCK = 32  # MXFP8's block along the contracted dimension
+E8M0 = jnp.float8_e8m0fnu  # MXFP8's scales, powers of two
 # The routed experts' three matmuls as every family's precision map names them (their outputs'
 # placement names): zoo.layers.capacity_mlp's products.
 ROUTED = ("moe_gate", "moe_up", "moe_down")
@@ -297,6 +299,38 @@ def _quantized(a: Float[Array, "*E T K"], recipe: str, role: str) -> tuple[Array
     return quantize(a, dtype, block, power_of_two=recipe == "mxfp8", over=over)
 
 
+def block_dot(
+    a: tuple[Array, Array], a_block: tuple[int, ...], b: tuple[Array, Array], b_block: tuple[int, ...], recipe: str,
+    *, a_t: bool = False, b_t: bool = False,
+) -> Float[Array, "*E T N"]:
+    """``A @ B`` in float32 of two block-quantized operands (codes and scales, their blocks as
+    :func:`quantize`'s): ``A`` is ``a`` (``[*E, T, K]``; transposed if ``a_t``) and ``B`` is ``b``
+    (``[*E, K, N]``; transposed if ``b_t``), each dequantized. MXFP8 on CUDA (blocks of 32 along
+    ``K``, which 32 divides) is XLA's block-scaled FP8 dot instead (``jax.nn.scaled_matmul``: the
+    codes and their E8M0 scales, which XLA's GPU compiler gives cuDNN's block-scaled GEMM where the
+    GPU has one): the same products, summed in another order. (DeepSeek-V3's blockwise scales are
+    float32, which that dot does not take.)"""
+
+    def dequantized(qa, sa, qb, sb):
+        da, db = dequantize(qa, sa, a_block), dequantize(qb, sb, b_block)
+        return _dot(_mT(da) if a_t else da, _mT(db) if b_t else db)
+
+    contracted = (a_block[-2] if a_t else a_block[-1], b_block[-1] if b_t else b_block[-2])
+    k = a[0].shape[-2 if a_t else -1]
+    if recipe != "mxfp8" or k % MX_BLOCK or contracted != (MX_BLOCK, MX_BLOCK):
+        return dequantized(*a, *b)
+
+    def block_scaled(qa, sa, qb, sb):  # lhs [B, T, K] and rhs [B, N, K], their scales along K
+        lhs, rhs = (((_mT(q), _mT(s)) if t else (q, s)) for q, s, t in ((qa, sa, a_t), (qb, sb, not b_t)))
+        lead = lhs[0].shape[:-2]
+        flat = lambda x: x.reshape(-1, *x.shape[-2:])  # noqa: E731
+        out = jax.nn.scaled_matmul(flat(lhs[0]), flat(rhs[0]), flat(lhs[1]).astype(E8M0), flat(rhs[1]).astype(E8M0),
+                                   preferred_element_type=jnp.float32)  # fmt: skip
+        return out.reshape(*lead, *out.shape[-2:])
+
+    return jax.lax.platform_dependent(*a, *b, cuda=block_scaled, default=dequantized)
+
+
 def _product(recipe: str, x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], kept: tuple[Array, Array]
              ) -> Float[Array, "*E T N"]:  # fmt: skip
     """``x @ w`` in float32 as ``recipe`` computes it; ``kept``: ``x`` quantized for the weight
@@ -304,8 +338,8 @@ def _product(recipe: str, x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], 
     blocks = _blocks(recipe, x.ndim - 2)
     if recipe == "tensorwise":
         return scaled_dot(kept, _quantized(w, recipe, "w"))
-    x_q = dequantize(*kept, blocks["x_t"][0]) if blocks["x"] == blocks["x_t"] else fake_quantize(x, recipe, "x", x.ndim - 2)
-    return _dot(x_q, fake_quantize(w, recipe, "w", w.ndim - 2))
+    x_q = kept if blocks["x"] == blocks["x_t"] else _quantized(x, recipe, "x")
+    return block_dot(x_q, blocks["x"][0], _quantized(w, recipe, "w"), blocks["w"][0], recipe)
 
 
 def _input_grad(recipe: str, g: Float[Array, "*E T N"], w: Float[Array, "*E K N"]) -> Float[Array, "*E T K"]:
@@ -313,8 +347,9 @@ def _input_grad(recipe: str, g: Float[Array, "*E T N"], w: Float[Array, "*E K N"
     if recipe == "tensorwise":
         q_w, s_w = _quantized(w, recipe, "w_t")
         return scaled_dot(_quantized(g, recipe, "g"), (_mT(q_w), _mT(s_w)))
-    lead = w.ndim - 2
-    return _dot(fake_quantize(g, recipe, "g", lead), _mT(fake_quantize(w, recipe, "w_t", lead)))
+    blocks = _blocks(recipe, w.ndim - 2)
+    return block_dot(_quantized(g, recipe, "g"), blocks["g"][0], _quantized(w, recipe, "w_t"), blocks["w_t"][0], recipe,
+                     b_t=True)  # fmt: skip
 
 
 def _weight_grad(recipe: str, kept: tuple[Array, Array], g: Float[Array, "*E T N"]) -> Float[Array, "*E K N"]:
@@ -322,9 +357,8 @@ def _weight_grad(recipe: str, kept: tuple[Array, Array], g: Float[Array, "*E T N
     q_xt, s_xt = kept
     if recipe == "tensorwise":
         return scaled_dot((_mT(q_xt), _mT(s_xt)), _quantized(g, recipe, "g_t"))
-    lead = g.ndim - 2
-    x_t = dequantize(q_xt, s_xt, _blocks(recipe, lead)["x_t"][0])
-    return _dot(_mT(x_t), fake_quantize(g, recipe, "g_t", lead))
+    blocks = _blocks(recipe, g.ndim - 2)
+    return block_dot(kept, blocks["x_t"][0], _quantized(g, recipe, "g_t"), blocks["g_t"][0], recipe, a_t=True)
 
 
 def batched_product(x: Float[Array, "*E T K"], w: Float[Array, "*E K N"], recipe: str) -> Float[Array, "*E T N"]:
@@ -352,8 +386,8 @@ def _matmul(recipe: str, saved: str | None = None, given: bool = False):
 
     Tensorwise runs its three products as FP8 dots in the program (scales applied to the float32
     result); MXFP8 and blockwise scale within the contracted dimension, which a plain dot cannot
-    express, so they multiply the dequantized operands in float32 (on GPU a block-scaled GEMM
-    would compute the same products; XLA does not emit one from this spelling)."""
+    express, so they multiply the dequantized operands in float32, but for MXFP8 on CUDA: XLA's
+    block-scaled FP8 dot (:func:`block_dot`)."""
 
     def forward(x, w, kept=None):
         kept = _quantized(x, recipe, "x_t") if kept is None else kept  # the weight gradient's operand, in FP8
