@@ -225,12 +225,6 @@ def _blocks(recipe: str, lead: int) -> dict[str, tuple[tuple[int, ...], DTypeLik
     }
 
 
-def fake_quantize(x: Float[Array, "..."], recipe: str, role: str, lead: int = 0) -> Float[Array, "..."]:
-    """``x`` quantized and dequantized as ``recipe`` treats operand ``role`` (see :func:`_blocks`)."""
-    block, dtype = _blocks(recipe, lead)[role]
-    return dequantize(*quantize(x, dtype, block, power_of_two=recipe == "mxfp8"), block)
-
-
 def _dot(a: Float[Array, "*E T K"], b: Float[Array, "*E K N"]) -> Float[Array, "*E T N"]:
     lead = tuple(range(a.ndim - 2))
     dims = (((a.ndim - 1,), (a.ndim - 2,)), (lead, lead))
