@@ -123,6 +123,32 @@ def test_einsum_spellings_agree_with_the_matmul(recipe):
         np.testing.assert_array_equal(np.asarray(got[e]), np.asarray(matmul(xe[e], we[e], recipe)))
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_block_recipes_inside_shard_map_are_one_devices_products(recipe):
+    """Rows split over a mesh axis (the batch's), 128 a device: each device's blocks are one
+    device's (along the rows too, for the weight's gradient: 32 or 128 rows), so the product and the input's
+    gradient are bit for bit one device's, and the weight's, summed over the devices, is up to
+    float32 summation order.
+    MXFP8's CUDA branch (XLA's block-scaled dot, traced on every platform) typed its result as
+    varying over no axis, and every MXFP8 step on a mesh failed to trace (a planner run found it)."""
+    from jax.sharding import PartitionSpec as P
+
+    from zoo import parallel
+
+    x, w, g = (jnp.asarray(_data(s, i)) for i, s in ((10, (1024, 64)), (11, (64, 32)), (12, (1024, 32))))
+
+    def grads(a, b, c):
+        y, vjp = jax.vjp(lambda a, b: fp8.fp8_matmul(a, b, recipe), a, b)
+        return (y, *vjp(c))
+
+    mesh = parallel.make_mesh("data=8")
+    # w is the same on every device: its gradient comes out summed over them (shard_map's types).
+    rows = jax.shard_map(grads, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=(P("data"), P("data"), P()))
+    (y, dx, dw), (y1, dx1, dw1) = jax.jit(rows)(x, w, g), jax.jit(grads)(x, w, g)
+    for got, want in ((y, y1), (dx, dx1), (dw, dw1)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_matmul_follows_the_active_map_and_refuses_unknown_names():
     x, w = jnp.asarray(_data((4, 64), 8)), jnp.asarray(_data((64, 16), 9))
     plain = fp8.matmul("mlp_up", "td,df->tf", x, w)

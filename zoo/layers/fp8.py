@@ -320,6 +320,10 @@ def block_dot(
         flat = lambda x: x.reshape(-1, *x.shape[-2:])  # noqa: E731
         out = jax.nn.scaled_matmul(flat(lhs[0]), flat(rhs[0]), flat(lhs[1]).astype(E8M0), flat(rhs[1]).astype(E8M0),
                                    preferred_element_type=jnp.float32)  # fmt: skip
+        # Inside shard_map its result is typed as varying over no mesh axis; the product varies
+        # over its operands' axes (as the default branch's does, which the cond's types must match).
+        vary = tuple(sorted(frozenset().union(*map(varying_axes, (qa, sa, qb, sb))) - varying_axes(out)))
+        out = jax.lax.pcast(out, vary, to="varying") if vary else out
         return out.reshape(*lead, *out.shape[-2:])
 
     return jax.lax.platform_dependent(*a, *b, cuda=block_scaled, default=dequantized)
