@@ -316,7 +316,8 @@ def test_a_layers_flops_are_its_matmuls_with_attention_causal_whatever_the_width
     attention's two matmuls at half (the causal mask), on a model whose width equals the sequence
     length and whose grouped queries fold the sequence into a larger dimension (a projection's
     [S, D] input has two dims of size S there: once counted at half). FP8 products are the
-    precision map's tensorwise projections."""
+    precision map's tensorwise projections; its MXFP8 ones are block-scaled FP8 products, counted
+    as FP8 only for hardware that runs them so (``block=True``)."""
     from zoo.plan import _flops
     from zoo.plan._step import abstract_model
 
@@ -329,18 +330,27 @@ def test_a_layers_flops_are_its_matmuls_with_attention_causal_whatever_the_width
     assert body.layers == 2
     assert body.forward_flops() == linear + attention
     assert body.fp8_flops() == linear - 2 * s * f * d
+    (mixed,) = _flops.layer_bodies(abstract_model(c, jnp.bfloat16), s, "mxfp8+mlp_down=tensorwise+query=none")
+    assert mixed.forward_flops() == linear + attention
+    assert mixed.fp8_flops() == 2 * s * f * d
+    assert mixed.fp8_flops(block=True) == linear - 2 * s * d * h * k
 
 
 def test_fp8_matmuls_are_priced_at_the_hardwares_fp8_peak():
     """``precision=``: the step's FP8 products run at the FP8 peak (twice bf16's on H100), so its
     compute takes ``1 - s + s/2`` of the bf16 step's, ``s`` their share of the model's FLOPs; on TPU
-    v5p, with no FP8 unit, the price does not move. A bad map names the culprit."""
+    v5p, with no FP8 unit, the price does not move. MXFP8's block-scaled products run at the FP8
+    peak on Blackwell (GB200) only: on H100 XLA runs them as dequantized products, priced as bf16's.
+    A bad map names the culprit."""
     c = dataclasses.replace(registry.by_model_type("llama").config_cls.preset("tiny", "llama"), hidden_size=256,
                             intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32, num_layers=2)  # fmt: skip
     kw = dict(seq_len=256, batch_size=64, compute_dtype=jnp.bfloat16)  # one device: compute-bound
     for hw, faster in (("h100", True), ("tpu-v5p", False)):
         bf16, fp8 = (plan.price(c, {"remat": "remat"}, hardware=hw, precision=p, **kw)[0] for p in (None, "fp8_all"))
         assert (fp8.step_time < 0.9 * bf16.step_time) if faster else fp8.step_time == bf16.step_time
+    for hw, faster in (("gb200", True), ("h100", False)):
+        bf16, mx = (plan.price(c, {"remat": "remat"}, hardware=hw, precision=p, **kw)[0] for p in (None, "mxfp8"))
+        assert (mx.step_time < 0.9 * bf16.step_time) if faster else mx.step_time == bf16.step_time
     with pytest.raises(ConfigError, match="did you mean 'mlp_up'"):
         plan.price(c, {"remat": "remat"}, hardware="h100", precision="mlp_u=tensorwise", **kw)
 

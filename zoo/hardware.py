@@ -67,6 +67,10 @@ class Hardware:
     # (dense, as the datasheet gives it; 1: no FP8 matmul unit, an FP8 product runs as bf16).
     fp8_ratio: float = 1.0
     fp8_source: str = ""
+    # Block-scaled FP8 products (MXFP8: E4M3 codes with an E8M0 scale per 32 elements, XLA's
+    # block-scaled dot) run at the FP8 peak too: tensor cores that take the block scales (Blackwell).
+    # False: XLA's GPU compiler expands them to a dequantization and a dot (Hopper), priced as such.
+    block_scaled_fp8: bool = False
     # The devices of a mesh are simulated in one process (XLA:CPU's forced device count): they
     # share ``hbm_bytes``, the machine's memory, rather than each having it.
     simulated: bool = False
@@ -100,6 +104,10 @@ class Hardware:
 
 _PCIE5 = 64 * GB  # PCIe Gen5 x16, one direction
 _IB400 = 400e9 / 8  # one 400 Gb/s ConnectX-7 port per GPU (NDR InfiniBand), one direction
+_BLACKWELL_MX = (
+    "block-scaled (MXFP8) products at the FP8 rate: Blackwell's fifth-generation tensor cores take E8M0 "
+    "block scales (the NVIDIA Blackwell architecture technical brief's microscaling formats); Hopper has none"
+)
 _HGX_LINKS = (
     "NVLink within the 8-GPU HGX baseboard; InfiniBand across: DGX H100/H200/B200 datasheets "
     "(eight 400 Gb/s ConnectX-7 ports, one per GPU)"
@@ -147,7 +155,8 @@ HARDWARE: dict[str, Hardware] = {
             link_source="DGX B200 datasheet: fifth-generation NVLink 1.8 TB/s per GPU (both directions), 14.4 TB/s "
             "for the 8; " + _HGX_LINKS,
             fp8_ratio=2.0, fp8_source="DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs (with sparsity): "
-            "4.5 PFLOPS dense per GPU, twice BF16",
+            "4.5 PFLOPS dense per GPU, twice BF16; " + _BLACKWELL_MX,
+            block_scaled_fp8=True,
         ),
         Hardware(
             "gb200",
@@ -167,7 +176,8 @@ HARDWARE: dict[str, Hardware] = {
             link_source="GB200 NVL72 datasheet: one NVLink domain of 72 GPUs, 1.8 TB/s per GPU (both directions), "
             "130 TB/s in all; DGX GB200: one 400 Gb/s ConnectX-7 per GPU across racks",
             fp8_ratio=2.0, fp8_source="GB200 NVL72 datasheet: FP8/FP6 Tensor Core 720 PFLOPS with sparsity for 72 "
-            "GPUs (360 dense: 5 PFLOPS per GPU), twice the 180 PFLOPS dense BF16",
+            "GPUs (360 dense: 5 PFLOPS per GPU), twice the 180 PFLOPS dense BF16; " + _BLACKWELL_MX,
+            block_scaled_fp8=True,
         ),
         Hardware(
             "tpu-v5p",

@@ -9,7 +9,12 @@ matmuls in it. The count is taken on the dense-attention, ``ragged_dot`` spellin
 count); attention's matmuls (those under the ``context`` scope every family's attention runs in:
 scores and probabilities over [S, S]) count half, the causal mask's work. Routed experts the
 precision map puts in tensorwise FP8 (which runs on the capacity kernel) are traced in that
-spelling as ``ragged_dot`` products and counted as FP8 products by their scope.
+spelling as ``ragged_dot`` products and counted as FP8 products by their scope. MXFP8
+products are counted apart, as *block-scaled* FP8 products: on CUDA each is XLA's block-scaled
+FP8 dot (:func:`zoo.layers.fp8.block_dot`, the ``cuda`` branch of a platform-dependent ``cond``
+whose default branch is the dequantized float32 product the count reads), which runs at the FP8
+peak only where the GPU has block-scaled tensor cores (``Hardware.block_scaled_fp8``); routed
+experts in MXFP8 are counted so by their scope.
 """
 
 from __future__ import annotations
@@ -59,17 +64,49 @@ class _Node:
     ins: list[Any]
     name: str | None = None  # a checkpoint_name equation's name
     fp8: bool = False  # a product of FP8 operands (zoo.layers.fp8's tensorwise recipe)
+    block: bool = False  # a block-scaled FP8 product on CUDA (MXFP8: zoo.layers.fp8.block_dot)
+
+
+BLOCK_SCALED_DOT = "scaled_matmul_wrapper"  # jax.nn.scaled_matmul's primitive (XLA's __op$block_scaled_dot)
+
+
+def _routed_matmul(eqn: core.JaxprEqn) -> str:
+    """The routed experts' matmul a ``ragged_dot`` computes, by its scope: ``moe_gate``,
+    ``moe_up``, else the down projection."""
+    scopes = str(eqn.source_info.name_stack).split("/")
+    return next((n for n in ROUTED_MATMULS[:2] if n in scopes), ROUTED_MATMULS[2])
 
 
 def _is_fp8_dot(eqn: core.JaxprEqn, routed_fp8: frozenset[str] = frozenset()) -> bool:
-    """A product of FP8 operands; or a routed experts' ``ragged_dot`` (by its scope: ``moe_gate``,
-    ``moe_up``, else the down projection) whose matmul is in ``routed_fp8``."""
+    """A product of FP8 operands; or a routed experts' ``ragged_dot`` whose matmul is in ``routed_fp8``."""
     if eqn.primitive.name in ("ragged_dot", "ragged_dot_general") and routed_fp8:
-        scopes = str(eqn.source_info.name_stack).split("/")
-        return next((n for n in ROUTED_MATMULS[:2] if n in scopes), ROUTED_MATMULS[2]) in routed_fp8
+        return _routed_matmul(eqn) in routed_fp8
     return eqn.primitive.name == "dot_general" and all(
         jnp.issubdtype(v.aval.dtype, jnp.floating) and jnp.dtype(v.aval.dtype).itemsize == 1 for v in eqn.invars
     )
+
+
+def _is_block_scaled(eqn: core.JaxprEqn, routed_block: frozenset[str] = frozenset()) -> bool:
+    """A ``cond`` chosen by platform (``jax.lax.platform_dependent``) whose CUDA branch is a
+    block-scaled FP8 dot; or a routed experts' ``ragged_dot`` whose matmul is in ``routed_block``."""
+    if eqn.primitive.name in ("ragged_dot", "ragged_dot_general") and routed_block:
+        return _routed_matmul(eqn) in routed_block
+    if eqn.primitive.name != "cond" or not eqn.params.get("branches_platforms"):
+        return False
+    cuda = [b for b, p in zip(eqn.params["branches"], eqn.params["branches_platforms"]) if p and "cuda" in p]
+    return any(_runs(jaxpr_of(b), BLOCK_SCALED_DOT) for b in cuda)
+
+
+def _runs(jaxpr: core.Jaxpr, primitive: str) -> bool:
+    """Whether ``jaxpr`` or a jaxpr inside it has an equation of ``primitive``."""
+    todo = [jaxpr]
+    while todo:
+        j = todo.pop()
+        for eqn in j.eqns:
+            if eqn.primitive.name == primitive:
+                return True
+            todo.extend(subjaxprs(eqn))
+    return False
 
 
 @dataclass
@@ -80,6 +117,7 @@ class Body:
     layers: int
     tokens: int
     routed_fp8: frozenset[str] = frozenset()  # routed experts' matmuls in tensorwise FP8 (counted as ragged_dot)
+    routed_block: frozenset[str] = frozenset()  # those in MXFP8: block-scaled FP8 products on CUDA
     nodes: list[_Node] = field(default_factory=list)
     producer: dict[int, int] = field(default_factory=dict)  # value id -> node index
     named: dict[str, list[int]] = field(default_factory=dict)  # name -> node indices
@@ -95,15 +133,17 @@ class Body:
             self._cache["forward"] = sum(n.flops for n in self.nodes)
         return self._cache["forward"]
 
-    def fp8_flops(self) -> float:
-        """The forward FLOPs in products of FP8 operands (their gradients' products are FP8 too)."""
-        if "fp8" not in self._cache:
-            self._cache["fp8"] = float(sum(n.flops for n in self.nodes if n.fp8))
-        return self._cache["fp8"]
+    def fp8_flops(self, block: bool = False) -> float:
+        """The forward FLOPs in products of FP8 operands (their gradients' products are FP8 too);
+        with ``block``, the block-scaled ones too (hardware whose tensor cores run them)."""
+        key = f"fp8-{block}"
+        if key not in self._cache:
+            self._cache[key] = float(sum(n.flops for n in self.nodes if n.fp8 or (block and n.block)))
+        return self._cache[key]
 
-    def fp8_share(self) -> float:
+    def fp8_share(self, block: bool = False) -> float:
         total = self.forward_flops()
-        return self.fp8_flops() / total if total else 0.0
+        return self.fp8_flops(block) / total if total else 0.0
 
     def recompute_flops(self, remat: Iterable[str]) -> float:
         """FLOPs the backward pass reruns per layer when ``remat`` are recomputed (the other
@@ -149,7 +189,8 @@ def _flatten(jaxpr: core.Jaxpr, env: dict[Any, int], body: Body, seq_len: int, s
         flops = _dot_flops(eqn, seq_len) * scale
         if name in ("scan", "while", "cond"):
             flops = _loop_flops(eqn, seq_len) * scale
-        node = _Node(flops, ins, eqn.params["name"] if name == "name" else None, _is_fp8_dot(eqn, body.routed_fp8))
+        node = _Node(flops, ins, eqn.params["name"] if name == "name" else None, _is_fp8_dot(eqn, body.routed_fp8),
+                     _is_block_scaled(eqn, body.routed_block))  # fmt: skip
         index = len(body.nodes)
         body.nodes.append(node)
         if node.name is not None:
@@ -197,9 +238,10 @@ def counting_model(model: Any) -> Any:
     return jax.eval_shape(lambda: cls(config, key=jax.random.key(0), **kwargs))
 
 
-def fp8_share(bodies: list[Body], flops_per_sequence: float) -> float:
-    """The share of a sequence's training FLOPs (forward and both gradients) in FP8 products."""
-    fp8 = sum(3 * b.fp8_flops() * b.layers for b in bodies)
+def fp8_share(bodies: list[Body], flops_per_sequence: float, block: bool = False) -> float:
+    """The share of a sequence's training FLOPs (forward and both gradients) in FP8 products
+    (with ``block``, block-scaled ones too)."""
+    fp8 = sum(3 * b.fp8_flops(block) * b.layers for b in bodies)
     return min(fp8 / flops_per_sequence, 1.0) if flops_per_sequence else 0.0
 
 
@@ -212,16 +254,18 @@ def fp8_slowdown(share: float, fp8_ratio: float) -> float:
 def layer_bodies(model: Any, seq_len: int, precision: Any = None) -> list[Body]:
     """Each checkpointed body of the forward pass (one per layer kind, and a block outside the
     scans), from one trace of one sequence's loss under the all-``device`` map and the precision
-    map ``precision`` (its tensorwise matmuls are FP8 products: :meth:`Body.fp8_flops`)."""
+    map ``precision`` (its tensorwise matmuls are FP8 products, its MXFP8 ones block-scaled FP8
+    products: :meth:`Body.fp8_flops`)."""
     counting = counting_model(model)
     cls = placement_map_for(model)
     everything = cls.preset("device")
     ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-    routed: frozenset[str] = frozenset()
+    routed = routed_block = frozenset[str]()
     if precision is not None:  # the routed experts traced as ragged_dot in bf16, counted by their recipe
         resolved = zoo_precision.resolve(precision, counting)
         mine = [n for n in ROUTED_MATMULS if n in resolved.names()]
         routed = frozenset(n for n in mine if getattr(resolved, n) == "tensorwise")
+        routed_block = frozenset(n for n in mine if getattr(resolved, n) == "mxfp8")
         precision = dataclasses.replace(resolved, **dict.fromkeys(mine, "none"))
 
     def loss(m: Any, x: Any) -> Any:
@@ -235,7 +279,7 @@ def layer_bodies(model: Any, seq_len: int, precision: Any = None) -> list[Body]:
         for eqn in j.eqns:
             if eqn.primitive.name in ("remat2", "checkpoint"):
                 inner = jaxpr_of(eqn.params["jaxpr"])
-                body = Body(length, seq_len, routed)
+                body = Body(length, seq_len, routed, routed_block)
                 _flatten(inner, {v: id(v) for v in inner.invars}, body, seq_len, 1.0)
                 if body.named:
                     bodies.append(body)

@@ -183,8 +183,9 @@ class CostModel:
         # FP8 products (the precision map's tensorwise matmuls, forward and both gradients) run at
         # the hardware's FP8 peak: a body's compute takes ``_flops.fp8_slowdown`` of its time at the compute
         # dtype's peak; the step's, by the FP8 products' share of all its FLOPs.
+        # MXFP8's block-scaled products count among them where the hardware runs those at its FP8 peak.
         self.fp8_ratio = hw.peak_for(jnp.float8_e4m3fn) / self.peak
-        self.fp8_share = _flops.fp8_share(self.bodies, per_sequence)
+        self.fp8_share = _flops.fp8_share(self.bodies, per_sequence, hw.block_scaled_fp8)
         vocab = parallel.vocab_split_of(base.model, base.mesh) if self.stages > 1 else None
         self.head_stages = vocab.stages if vocab is not None and vocab.stage_axis == PIPELINE else 1
         self.stage_weights, self.hoisted = _stage_weights(base) if self.stages > 1 else (0.0, 0.0)
@@ -364,7 +365,7 @@ class CostModel:
         whole_fwd = 0.0  # 1F1B's forward pass over the whole batch first (whole_pass), seconds
         for body in self.bodies:
             layers, rows = self._work(body, b, virtual)
-            slow = _flops.fp8_slowdown(body.fp8_share(), self.fp8_ratio)
+            slow = _flops.fp8_slowdown(body.fp8_share(self.hw.block_scaled_fp8), self.fp8_ratio)
             fwd = body.forward_flops() * rows / self.tensor * slow  # in FLOPs at the compute dtype's rate
             remat = () if placement is None else [n for n in body.names if placement.get(n) == "remat"]
             rec = body.recompute_flops(remat) * rows / self.tensor * slow

@@ -168,8 +168,11 @@ def _precision_note(cm: CostModel, flops_per_s: float) -> str:
     if cm.base.precision is None:
         return ""
     hw = cm.hw
+    mx = "mxfp8" in cm.base.precision.recipes().values()
+    block = ("" if not mx else " (MXFP8's block-scaled ones included)" if hw.block_scaled_fp8
+             else f" (MXFP8's not: {hw.name} has no block-scaled FP8 products, so they run dequantized)")  # fmt: skip
     return (
-        f"precision {cm.base.precision.spec()}: {cm.fp8_share:.1%} of the step's model FLOPs are FP8 products, "
+        f"precision {cm.base.precision.spec()}: {cm.fp8_share:.1%} of the step's model FLOPs are FP8 products{block}, "
         f"priced at {cm.peak * cm.fp8_ratio / 1e12:.0f} TFLOP/s ({hw.fp8_source or 'no FP8 peak known: as the compute dtype'}); "
         f"{flops_per_s / 1e12:.0f} model TFLOP/s per device, MFU against the compute dtype's peak; the memory "
         "estimate is the FP8 step's (a kept FP8 GEMM input is its FP8 copy)"

@@ -155,8 +155,8 @@ RUNS: tuple[Run, ...] = (
         "priced in docs/planning.md (1F1B, V = 4)"),  # fmt: skip
     Run("DeepSeek-V3, 256 GB200 (PP 8), FP8-MX", "deepseek-v3-671b", "gb200", 256, "pipeline=8,expert=32", 16, 4096,
         "TP 1, PP 8, VP 4, EP 32, GBS 4096, MBS 1, MXFP8", None, 4018.0, _MBRIDGE_FP8, comparable=False,
-        note="zoo's MXFP8 products are float32 products of dequantized operands (priced as such), and its routed "
-        "experts are not in the precision maps"),  # fmt: skip
+        note="GB200's efficiency is uncalibrated and the recompute policy is not published beside it; "
+        "priced in docs/planning.md (1F1B, V = 4, MXFP8 as block-scaled FP8 products at the FP8 peak)"),  # fmt: skip
 )
 
 

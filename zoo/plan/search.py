@@ -111,7 +111,7 @@ def search(
     bodies = _flops.layer_bodies(model, seq_len, plan_kw.get("precision"))
     # The quick model prices every matmul at the compute dtype's peak: with a precision map, its
     # FP8 products' share runs at the FP8 peak (as CostModel prices them), so its bounds stay optimistic.
-    share = _flops.fp8_share(bodies, config.flops_per_token(seq_len) * seq_len)
+    share = _flops.fp8_share(bodies, config.flops_per_token(seq_len) * seq_len, hw.block_scaled_fp8)
     faster = _flops.fp8_slowdown(share, hw.peak_for(jnp.float8_e4m3fn) / hw.peak_for(dtype))
     rows: list[MeshRow] = []
     one_row: dict[str, float] = {}  # mesh -> the quick model's seconds at one row per device
