@@ -429,21 +429,25 @@ def test_a_placement_map_never_changes_an_fp8_steps_numbers():
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7, err_msg=placement)
 
 
-@pytest.mark.parametrize("model_type, spec", [("llama", "data=2,fsdp=2,tensor=2"), ("deepseek_v3", "fsdp=4,tensor=2"),
-                                              ("qwen3_moe", "fsdp=2,expert=4")])
-def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers(model_type, spec):
+@pytest.mark.parametrize("model_type, spec, precision", [
+    ("llama", "data=2,fsdp=2,tensor=2", "fp8_all"), ("deepseek_v3", "fsdp=4,tensor=2", "fp8_all"),
+    ("qwen3_moe", "fsdp=2,expert=4", "fp8_all"), ("llama", "fsdp=8", "blockwise"),
+    ("deepseek_v3", "fsdp=4,tensor=2", "deepseek")])  # fmt: skip
+def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers(model_type, spec, precision):
     """Issue 40: under a tensorwise map, each device quantizes its block of a layer weight with the
     whole weight's scale (a pmax of its largest magnitude) and the FSDP gather moves the FP8
     codes. The codes are those of the gathered weight, so the step is the one that gathers in the
     compute dtype: the loss and the updated parameters bit for bit (tensor-split heads and
     hidden units, and DeepSeek-V3's MLA, dense and shared MLPs included). On the expert mesh the
     peer sends the dispatch's rows in the compute dtype too (the same numbers: the rows' codes
-    are those the experts' kernel takes)."""
+    are those the experts' kernel takes). Blockwise (DeepSeek-V3's recipe, 2026-12-07): each
+    128x128 block's scale is its largest magnitude over the devices holding its parts; on
+    ``fsdp=8`` a block of the tiny Llama spans up to 8 devices' blocks of the weight."""
     from zoo import parallel
 
     model, ids = tiny(model_type), tiny_ids(model_type)
     ids = jnp.concatenate([ids, ids[:, ::-1]] * 2, axis=0)[:8]
-    cfg = TrainConfig(batch_size=ids.shape[0], seq_len=ids.shape[1], warmup=0, precision="fp8_all")
+    cfg = TrainConfig(batch_size=ids.shape[0], seq_len=ids.shape[1], warmup=0, precision=precision)
     tx = optimizer(cfg, model)
     mesh = parallel.make_mesh(spec)
 
@@ -481,14 +485,15 @@ def _product_weight_bytes(config) -> int:
     return 4 * sum(sizes)
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_an_fp8_gather_moves_a_byte_an_element(family):
+@pytest.mark.parametrize(("family", "precision"), [("llama", "fp8_all"), ("deepseek_v3", "fp8_all"), ("llama", "blockwise")])
+def test_an_fp8_gather_moves_a_byte_an_element(family, precision):
     """Issue 40: on ``fsdp=8`` under full remat and ``fp8_all`` (float32 compute): the step's
     all-gathers over ``fsdp``, counted on the traced step and in XLA's compiled program alike,
     carry each projection's weight, the routed experts' included, at a byte an element, twice a
     step (the forward pass and the backward pass's re-gather): the compute-dtype step's bytes
     less 3/4 of those weights' float32 bytes, twice. The norms, router, embedding and head are
-    still gathered in float32, and the reduce-scatters of the gradients are unchanged."""
+    still gathered in float32, and the reduce-scatters of the gradients are unchanged. The same
+    under the blockwise recipe (whose block scales are all-reduced, not gathered)."""
     from zoo import registry
     from zoo.plan import collectives
     from zoo.plan._step import make_step
@@ -498,7 +503,7 @@ def test_an_fp8_gather_moves_a_byte_an_element(family):
         config = dataclasses.replace(config, num_layers=4, first_k_dense_replace=2)
 
     def traffic():
-        step = make_step(config, batch_size=8, seq_len=64, mesh="fsdp=8", placement="remat", precision="fp8_all")
+        step = make_step(config, batch_size=8, seq_len=64, mesh="fsdp=8", placement="remat", precision=precision)
         jaxpr, compiled = step.compile()
         traced = collectives.traced(jaxpr, step.sizes)
         # (Below 2 KB, XLA:CPU's program has the scales' all-reduces in other groupings.)

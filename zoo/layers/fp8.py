@@ -79,7 +79,7 @@ _FP8_DISPATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_fp8_di
 
 @contextlib.contextmanager
 def fp8_gathers(enabled: bool) -> Iterator[None]:
-    """Whether a tensorwise product's layer weight is FSDP-gathered as its FP8 codes
+    """Whether a tensorwise or blockwise product's layer weight is FSDP-gathered as its FP8 codes
     (:func:`gathered_einsum`; the default) or in the compute dtype, as every other weight, for
     the traces made within. The step's numbers are the same either way, bit for bit; the gather
     moves half a bfloat16 weight's bytes (a quarter of float32's). ``False``: the peer the
@@ -117,16 +117,18 @@ def using(recipes: Mapping[str, str] | None) -> Iterator[None]:
     matmul as written. :func:`zoo.layers.precision.using` gives a family's map this way. Enter it
     inside the jitted function: ``jax.jit`` caches a trace by its arguments, not by this context.
 
-    Inside the parallel step, a tensorwise product's layer weight is gathered by the product as
-    its FP8 codes (:func:`matmul`), not by :func:`zoo.hooks.step.gather_layer` in the compute dtype."""
+    Inside the parallel step, a tensorwise or blockwise product's layer weight is gathered by the
+    product as its FP8 codes (:func:`matmul`), not by :func:`zoo.hooks.step.gather_layer` in the
+    compute dtype (the routed experts' where all three are tensorwise)."""
     for name, recipe in (recipes or {}).items():
         if recipe not in RECIPES:
             raise ConfigError(f"matmul {name!r}: unknown FP8 recipe {recipe!r}; choose one of {RECIPES}")
     token = _ACTIVE.set(dict(recipes) if recipes is not None else None)
     try:
-        gathered = {n for n, r in (recipes or {}).items() if r == "tensorwise"} if _FP8_GATHERS.get() else set()
-        if gathered.issuperset(ROUTED):  # the routed experts' kernel takes their codes (expert_products.gather_codes)
-            gathered.add(ROUTED_EXPERTS)
+        on = _FP8_GATHERS.get()
+        gathered = {n for n, r in (recipes or {}).items() if r in GATHERED_RECIPES} if on else set()
+        if on and all((recipes or {}).get(n) == "tensorwise" for n in ROUTED):
+            gathered.add(ROUTED_EXPERTS)  # the routed experts' kernel takes their codes (expert_products.gather_codes)
         with gathered_by_product(gathered):
             yield
     finally:
@@ -469,8 +471,8 @@ def matmul(
     recipe = recipe_of(name)
     shared = shared if shared is not None and shared.recipe == recipe else None
     deferred = deferred_gather(w)  # inside the step: w stands in for a layer weight gather_layer left to us
-    if deferred is not None and recipe == "tensorwise" and not einsum_letters(spec)[3]:
-        y = gathered_einsum(spec, x, *deferred, saved=saved, shared=shared)
+    if deferred is not None and recipe in GATHERED_RECIPES and not einsum_letters(spec)[3]:
+        y = gathered_einsum(spec, x, *deferred, saved=saved, shared=shared, recipe=recipe)
     else:
         w = w if deferred is None else named(GATHERED, gather_fsdp, *deferred)
         y = jnp.einsum(spec, x, w) if recipe == "none" else einsum_fp8(spec, x, w, recipe, saved=saved, shared=shared)
@@ -523,18 +525,26 @@ def einsum_fp8(
     return jnp.transpose(y, [order.index(c) for c in out])
 
 
-# -- FSDP: a tensorwise weight gathered as its FP8 codes -----------------------------------------
+# -- FSDP: a tensorwise or blockwise weight gathered as its FP8 codes ----------------------------
+
+# Recipes whose weight quantization serves the forward product and the input's gradient alike (one
+# scale, or square blocks), so a layer weight is gathered once, as its codes: not MXFP8's (blocks
+# of 32 along each product's own contracted dimension, two quantizations of the weight).
+GATHERED_RECIPES = ("tensorwise", "blockwise")
 
 
 def gathered_einsum(
     spec: str, x: Float[Array, "..."], w: Float[Array, "..."], dims: Sequence[Gather], *, saved: str | None = None,
-    shared: SharedInput | None = None,
+    shared: SharedInput | None = None, recipe: str = "tensorwise",
 ) -> Float[Array, "..."]:
-    """``einsum(spec, x, gather_fsdp(w, dims))`` in the tensorwise recipe, ``w`` a device's block
-    of a layer weight (inside the parallel step) whose gather moves its FP8 codes.
+    """``einsum(spec, x, gather_fsdp(w, dims))`` in ``recipe`` (tensorwise or blockwise), ``w`` a
+    device's block of a layer weight (inside the parallel step) whose gather moves its FP8 codes.
 
-    The whole weight's scale is its largest magnitude over every device holding a part (a
-    ``pmax`` of a scalar), so each device quantizes its block exactly as the gathered weight
+    Tensorwise: the whole weight's scale is its largest magnitude over every device holding a
+    part (a ``pmax`` of a scalar). Blockwise: each 128x128 block's scale of the gathered weight's
+    ``[K, N]`` matrix is its largest magnitude over the devices holding its parts (a ``pmax`` of
+    the ``[K/128, N/128]`` grid, over the gather's axes: a device's block of the weight need not
+    be whole blocks). Either way each device quantizes its block exactly as the gathered weight
     would be quantized: the codes are the same, and the gather moves a byte an element instead of
     the compute dtype's two (float32's four). The product, its input gradient and the weight
     gradient (reduce-scattered back to the block, in ``w``'s dtype) are :func:`fp8_matmul`'s, bit
@@ -550,10 +560,13 @@ def gathered_einsum(
     invariant = {a for g in dims for a in g.shared}
     axes = tuple(sorted(varying_axes(xs) | (varying_axes(w) - invariant)))
     xs, w = varying_over(xs, axes), varying_over(w, tuple(a for a in axes if a not in invariant))
-    over = tuple(sorted((varying_axes(w) | {a for g in dims for a in g.axes}) - {PIPELINE}))
+    if recipe == "tensorwise":  # every device holding a part of the weight (tensor-split ones too)
+        over = tuple(sorted((varying_axes(w) | {a for g in dims for a in g.axes}) - {PIPELINE}))
+    else:  # the gather's: a tensor-split weight's devices each multiply their own [K, N] matrix
+        over = tuple(sorted({a for g in dims for a in g.axes}))
     perm = tuple(rhs.index(c) for c in contract + rfree)
     kn = (math.prod(size[c] for c in contract), math.prod(size[c] for c in rfree))
-    f = _gathered_matmul(tuple(dims), perm, kn, over, saved, shared is not None)
+    f = _gathered_matmul(recipe, tuple(dims), perm, len(contract), kn, over, saved, shared is not None)
     if shared is None:
         y = f(xs, w)
     else:
@@ -564,26 +577,65 @@ def gathered_einsum(
     return jnp.transpose(y.reshape([size[c] for c in order]), [order.index(c) for c in out])
 
 
-@functools.cache
-def _gathered_matmul(dims: tuple[Gather, ...], perm: tuple[int, ...], kn: tuple[int, int], over: tuple[str, ...],
-                     saved: str | None, given: bool):  # fmt: skip
-    """:func:`gathered_einsum`'s custom-VJP product of ``[T, K]`` rows and a weight block whose
-    dims ``perm`` lays out, once gathered, as ``kn``; ``given``: ``x``'s FP8 copy is made outside
-    (:func:`shared_input`) and given as two more arguments."""
+def _block_of_each(w: Float[Array, "..."], dims: tuple[Gather, ...], perm: tuple[int, ...], nk: int,
+                   kn: tuple[int, int]) -> tuple[Array, Array]:  # fmt: skip
+    """For each element of ``w`` (a device's block of a weight gathered on ``dims``), the row and
+    column of its 128x128 block in the gathered weight's ``[K, N]`` matrix (its dims ``perm``, the
+    first ``nk`` of them contracted), broadcastable to ``w``'s shape."""
+    shape = list(w.shape)
+    full = list(shape)
+    coords = [jax.lax.broadcasted_iota(jnp.int32, [n if i == d else 1 for i, n in enumerate(shape)], d)
+              for d in range(w.ndim)]  # fmt: skip
+    for g in dims:  # where this device's block starts: its index over the gather's axes, outermost first
+        full[g.dim] = gathered_shape(w, (g,))[g.dim]
+        coords[g.dim] = coords[g.dim] + jax.lax.axis_index(g.axes) * shape[g.dim]
 
-    def weight(w):  # the gathered weight's tensorwise codes (as bits, in w's layout) and scale
-        amax = jnp.max(jnp.abs(w.astype(jnp.float32)))
-        scale = scale_of(jax.lax.pmax(amax, over) if over else amax, E4M3)
-        bits = jax.lax.bitcast_convert_type(codes(w, scale, E4M3), jnp.uint8)
-        return named(GATHERED, gather_fsdp, bits, dims), scale.reshape(1, 1)
+    def flat(ds):  # row-major index over dims ds of the gathered weight
+        index = jnp.zeros((), jnp.int32)
+        for d in ds:
+            index = index * full[d] + coords[d]
+        return index
+
+    rows, cols = flat(perm[:nk]), flat(perm[nk:])
+    assert math.prod(full[d] for d in perm[:nk]) == kn[0] and math.prod(full[d] for d in perm[nk:]) == kn[1]
+    return rows // TILE, cols // TILE
+
+
+@functools.cache
+def _gathered_matmul(recipe: str, dims: tuple[Gather, ...], perm: tuple[int, ...], nk: int, kn: tuple[int, int],
+                     over: tuple[str, ...], saved: str | None, given: bool):  # fmt: skip
+    """:func:`gathered_einsum`'s custom-VJP product of ``[T, K]`` rows and a weight block whose
+    dims ``perm`` lays out, once gathered, as ``kn`` (the first ``nk`` of them contracted);
+    ``given``: ``x``'s FP8 copy is made outside (:func:`shared_input`) and given as two more arguments."""
+    blocks = _blocks(recipe, 0)
+
+    def weight(w):  # the gathered weight's codes (as bits, in w's layout) and scales (of its [K, N] matrix)
+        a = jnp.abs(w.astype(jnp.float32))
+        if recipe == "tensorwise":
+            amax = jnp.max(a)
+            scale = scale_of(jax.lax.pmax(amax, over) if over else amax, E4M3)
+            each, scale = scale, scale.reshape(1, 1)
+        else:  # each element's 128x128 block of the gathered matrix; the grid's maxima over the devices
+            r, c = _block_of_each(w, dims, perm, nk, kn)
+            grid = jnp.zeros((-(-kn[0] // TILE), -(-kn[1] // TILE)), jnp.float32)
+            amax = grid.at[jnp.broadcast_to(r, w.shape), jnp.broadcast_to(c, w.shape)].max(a)
+            scale = scale_of(jax.lax.pmax(amax, over) if over else amax, E4M3)
+            each = scale[r, c]
+        bits = jax.lax.bitcast_convert_type(codes(w, each, E4M3), jnp.uint8)
+        return named(GATHERED, gather_fsdp, bits, dims), scale
 
     def as_matrix(bits):
         return jnp.transpose(jax.lax.bitcast_convert_type(bits, E4M3), perm).reshape(kn)
 
+    def product(x, kept, q_w):  # _product's, the weight's codes given
+        if recipe == "tensorwise":
+            return scaled_dot(kept, q_w)
+        return block_dot(_quantized(x, recipe, "x"), blocks["x"][0], q_w, blocks["w"][0], recipe)
+
     def forward(x, w, kept):
-        kept = _quantized(x, "tensorwise", "x_t") if kept is None else kept
+        kept = _quantized(x, recipe, "x_t") if kept is None else kept
         bits, s_w = weight(w)
-        return scaled_dot(kept, (as_matrix(bits), s_w)).astype(x.dtype), kept, bits, s_w
+        return product(x, kept, (as_matrix(bits), s_w)).astype(x.dtype), kept, bits, s_w
 
     def residuals(x, w, kept_bits, s_xt, bits, s_w):
         if saved is not None and not given:  # named where jax.checkpoint's policy sees it (see _matmul)
@@ -593,8 +645,11 @@ def _gathered_matmul(dims: tuple[Gather, ...], perm: tuple[int, ...], kn: tuple[
     def bwd(res, g):
         (kept_bits, s_xt), bits, s_w, w, like = res
         q_w = as_matrix(bits)
-        dx = scaled_dot(_quantized(g, "tensorwise", "g"), (_mT(q_w), _mT(s_w)))
-        dw = _weight_grad("tensorwise", (jax.lax.bitcast_convert_type(kept_bits, E4M3), s_xt), g)
+        if recipe == "tensorwise":
+            dx = scaled_dot(_quantized(g, recipe, "g"), (_mT(q_w), _mT(s_w)))
+        else:  # _input_grad's: the weight's blocks as the forward product's (square)
+            dx = block_dot(_quantized(g, recipe, "g"), blocks["g"][0], (q_w, s_w), blocks["w_t"][0], recipe, b_t=True)
+        dw = _weight_grad(recipe, (jax.lax.bitcast_convert_type(kept_bits, E4M3), s_xt), g)
         dw = jnp.transpose(dw.reshape([bits.shape[i] for i in perm]), np.argsort(perm)).astype(w.dtype)
         (dw,) = jax.linear_transpose(lambda v: gather_fsdp(v, dims), w)(dw)  # the gather's reduce-scatter
         return dx.astype(like.dtype), dw
