@@ -4,6 +4,7 @@ and expert all-to-alls move, against the same step gathering and dispatching in 
 
     python benchmarks/fp8_gathers.py [--out FILE]
     python benchmarks/fp8_gathers.py --tpu-topology v5e:2x4   # on a TPU machine: 8 chips, ahead of time, bf16
+    python benchmarks/fp8_gathers.py --precision blockwise    # DeepSeek-V3's recipe everywhere (projections' gathers)
 
 1. **XLA's program** (8 simulated CPU devices, or 8 chips of a TPU topology compiled ahead of
    time): the ``small`` presets' training step under ``--precision fp8_all`` and full remat
@@ -46,7 +47,7 @@ def all_to_alls(traffic: dict) -> int:
     return sum(v for (kind, _), v in traffic.items() if kind == "all_to_all")
 
 
-def compiled_row(family: str, mesh: str, in_fp8: bool, devices, dtype) -> tuple[int, int]:
+def compiled_row(family: str, mesh: str, in_fp8: bool, devices, dtype, precision: str) -> tuple[int, int]:
     import jax
     import jax.random as jr
 
@@ -59,12 +60,13 @@ def compiled_row(family: str, mesh: str, in_fp8: bool, devices, dtype) -> tuple[
     model = jax.eval_shape(lambda: fam(fam.config_cls.preset("small", family), key=jr.key(0), compute_dtype=dtype,
                                        **options))  # fmt: skip
     with fp8.fp8_gathers(in_fp8), fp8.fp8_dispatch(in_fp8):
-        m = plan.measure(model, batch_size=8, seq_len=256, mesh=mesh, placement="remat", precision="fp8_all",
+        m = plan.measure(model, batch_size=8, seq_len=256, mesh=mesh, placement="remat", precision=precision,
                          devices=devices)  # fmt: skip
     return weight_gathers(m.collectives), all_to_alls(m.collectives)
 
 
-def planned_row(family: str, preset: str, mesh: str, hardware: str, seq: int, fields: dict, in_fp8: bool):
+def planned_row(family: str, preset: str, mesh: str, hardware: str, seq: int, fields: dict, in_fp8: bool,
+                precision: str):  # fmt: skip
     import dataclasses
 
     import jax.numpy as jnp
@@ -76,7 +78,7 @@ def planned_row(family: str, preset: str, mesh: str, hardware: str, seq: int, fi
     config = dataclasses.replace(registry.by_model_type(family).config_cls.preset(preset, family), **fields)
     with fp8.fp8_gathers(in_fp8), fp8.fp8_dispatch(in_fp8):
         cm = cost_model(config, seq_len=seq, mesh=mesh, hardware=hardware, compute_dtype=jnp.bfloat16,
-                        precision="fp8_all")  # fmt: skip
+                        precision=precision)  # fmt: skip
     # The traffic's lines are polynomials in the local batch (bytes = c0 + c1·b): at one row.
     lines = cm.traffic.lines.items()
     gathers = sum(cs[0] for (kind, axes, when, _), cs in lines
@@ -91,7 +93,9 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="also write the tables to this file")
     p.add_argument("--tpu-topology", default=None, help="compile for 8 chips of this TPU topology, e.g. v5e:2x4")
+    p.add_argument("--precision", default="fp8_all", help="the precision map's spec (fp8_all, blockwise, ...)")
     args = p.parse_args(argv)
+    spec = args.precision
 
     import jax
 
@@ -107,24 +111,25 @@ def main(argv: list[str] | None = None) -> str:
 
     dtype, where = (jnp.float32, "float32, 8 CPU devices") if devices is None else (
         jnp.bfloat16, f"bf16, 8 chips of TPU {args.tpu_topology} compiled ahead of time")  # fmt: skip
-    lines = [(f"Compiled training steps (`small`, {where}, 8 rows of 256 tokens, full remat, `fp8_all`): "
+    lines = [(f"Compiled training steps (`small`, {where}, 8 rows of 256 tokens, full remat, `{spec}`): "
               "bytes of the weight all-gathers in XLA's program"), "",
              "| model | mesh | FP8 gathers MB | compute-dtype gathers MB (peer) | ratio | FP8 all-to-alls MB | peer MB | ratio | s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for family, mesh in COMPILED:
         t = time.time()
-        (g8, a8), (g, a) = (compiled_row(family, mesh, on, devices, dtype) for on in (True, False))
+        (g8, a8), (g, a) = (compiled_row(family, mesh, on, devices, dtype, spec) for on in (True, False))
         moves = f"{a8 / 1e6:.2f} | {a / 1e6:.2f} | {a8 / a:.3f}" if a else "- | - | -"
         lines.append(f"| {family} | `{mesh}` | {g8 / 1e6:.2f} | {g / 1e6:.2f} | {g8 / g:.3f} | {moves} | {time.time() - t:.0f} |")
         print(lines[-1], flush=True)
-    lines += ["", ("The planner (bf16 compute, `fp8_all`, full remat, one row of the sequence per device, optimizer "
+    lines += ["", (f"The planner (bf16 compute, `{spec}`, full remat, one row of the sequence per device, optimizer "
                    "state in pinned host memory): forward weight gathers and all-to-alls per device and step, exposed "
                    "collectives, step time"), "",
               ("| model | mesh | hardware | tokens | FP8 gathers GB | peer GB | ratio | FP8 all-to-alls GB | peer GB | ratio "
                "| exposed s (FP8 / peer) | step s (FP8 / peer) |"),
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for family, preset, mesh, hw, seq, fields in PLANNED:
-        (g8, a8, e8, s8), (g, a, e, s) = (planned_row(family, preset, mesh, hw, seq, fields, on) for on in (True, False))
+        (g8, a8, e8, s8), (g, a, e, s) = (planned_row(family, preset, mesh, hw, seq, fields, on, spec)
+                                          for on in (True, False))  # fmt: skip
         moves = f"{a8 / 1e9:.2f} | {a / 1e9:.2f} | {a8 / a:.3f}" if a else "- | - | -"
         lines.append(f"| {preset} | `{mesh}` | {hw} | {seq} | {g8 / 1e9:.1f} | {g / 1e9:.1f} | {g8 / g:.3f} | {moves} | "
                      f"{e8:.3f} / {e:.3f} | {s8:.3f} / {s:.3f} |")  # fmt: skip

@@ -432,7 +432,7 @@ def test_a_placement_map_never_changes_an_fp8_steps_numbers():
 @pytest.mark.parametrize("model_type, spec, precision", [
     ("llama", "data=2,fsdp=2,tensor=2", "fp8_all"), ("deepseek_v3", "fsdp=4,tensor=2", "fp8_all"),
     ("qwen3_moe", "fsdp=2,expert=4", "fp8_all"), ("llama", "fsdp=8", "blockwise"),
-    ("deepseek_v3", "fsdp=4,tensor=2", "deepseek")])  # fmt: skip
+    ("qwen3_moe-wide", "fsdp=2,expert=4", "blockwise")])  # fmt: skip
 def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers(model_type, spec, precision):
     """Issue 40: under a tensorwise map, each device quantizes its block of a layer weight with the
     whole weight's scale (a pmax of its largest magnitude) and the FSDP gather moves the FP8
@@ -442,10 +442,16 @@ def test_fsdp_gathers_a_tensorwise_weight_as_its_fp8_codes_with_the_same_numbers
     peer sends the dispatch's rows in the compute dtype too (the same numbers: the rows' codes
     are those the experts' kernel takes). Blockwise (DeepSeek-V3's recipe, 2026-12-07): each
     128x128 block's scale is its largest magnitude over the devices holding its parts; on
-    ``fsdp=8`` a block of the tiny Llama spans up to 8 devices' blocks of the weight."""
+    ``fsdp=8`` a block of the tiny Llama spans up to 8 devices' blocks of the weight; Qwen3-MoE's
+    attention and router weights are gathered over ``fsdp`` and ``expert`` at once, and at a width
+    of 256 each 128-row block spans 4 of the 8 devices' blocks, in the gather's order."""
     from zoo import parallel
 
+    wide = model_type.endswith("-wide")
+    model_type = model_type.removesuffix("-wide")
     model, ids = tiny(model_type), tiny_ids(model_type)
+    if wide:
+        model = type(model)(dataclasses.replace(model.config, hidden_size=256), key=jax.random.key(0))
     ids = jnp.concatenate([ids, ids[:, ::-1]] * 2, axis=0)[:8]
     cfg = TrainConfig(batch_size=ids.shape[0], seq_len=ids.shape[1], warmup=0, precision=precision)
     tx = optimizer(cfg, model)
