@@ -33,6 +33,7 @@ from jax._src import core
 from zoo.layers import precision as zoo_precision
 from zoo.layers.attention import NAMES as ATTENTION_NAMES
 from zoo.layers.capacity_mlp import MATMULS as ROUTED_MATMULS
+from zoo.layers.fp8 import MX_BLOCK
 from zoo.lora import base_model
 from zoo.placement import placement_map_for, subjaxprs
 from zoo.plan.jaxprs import CALLS, call_jaxpr, jaxpr_of, later_rounds
@@ -88,9 +89,10 @@ def _is_fp8_dot(eqn: core.JaxprEqn, routed_fp8: frozenset[str] = frozenset()) ->
 
 def _is_block_scaled(eqn: core.JaxprEqn, routed_block: frozenset[str] = frozenset()) -> bool:
     """A ``cond`` chosen by platform (``jax.lax.platform_dependent``) whose CUDA branch is a
-    block-scaled FP8 dot; or a routed experts' ``ragged_dot`` whose matmul is in ``routed_block``."""
+    block-scaled FP8 dot; or a routed experts' ``ragged_dot`` whose matmul is in ``routed_block``
+    and whose contracted width MXFP8's blocks divide (:func:`zoo.layers.fp8.block_dot`'s rule)."""
     if eqn.primitive.name in ("ragged_dot", "ragged_dot_general") and routed_block:
-        return _routed_matmul(eqn) in routed_block
+        return _routed_matmul(eqn) in routed_block and eqn.invars[0].aval.shape[-1] % MX_BLOCK == 0
     if eqn.primitive.name != "cond" or not eqn.params.get("branches_platforms"):
         return False
     cuda = [b for b, p in zip(eqn.params["branches"], eqn.params["branches_platforms"]) if p and "cuda" in p]
